@@ -1,0 +1,226 @@
+package caddymodule
+
+import (
+	"net"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/dustin/go-humanize"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("llm_proxy", parseCaddyfile)
+	httpcaddyfile.RegisterDirectiveOrder("llm_proxy", httpcaddyfile.Before, "reverse_proxy")
+}
+
+func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	handler := new(Handler)
+	err := handler.UnmarshalCaddyfile(h.Dispenser)
+	return handler, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	llm_proxy [<upstreams...>] {
+//	    to <upstreams...>
+//	    dynamic <source> [...]
+//	    lb_policy <name> [<options...>]
+//	    transport http { ... }
+//	    max_request_body <size>
+//	    first_byte_timeout <duration>
+//	    stream_idle_timeout <duration>
+//	    stream_timeout <duration>
+//	    max_attempts <n>
+//	}
+//
+// Upstreams are "host:port", "http://host:port", "https://host[:port]"
+// (enables TLS on the http transport), "h2c://host:port" or
+// "unix//path". dynamic, lb_policy and transport take the same modules and
+// grammar as reverse_proxy. Sizes accept units ("16MiB", "512KB").
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // directive name
+	var schemes []string
+	addUpstreams := func(args []string) error {
+		for _, a := range args {
+			dial, scheme, err := parseUpstreamAddr(a)
+			if err != nil {
+				return d.Err(err.Error())
+			}
+			h.Upstreams = append(h.Upstreams, &reverseproxy.Upstream{Dial: dial})
+			schemes = append(schemes, scheme)
+		}
+		return nil
+	}
+	if err := addUpstreams(d.RemainingArgs()); err != nil {
+		return err
+	}
+	var transport *reverseproxy.HTTPTransport
+
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "to":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			if err := addUpstreams(args); err != nil {
+				return err
+			}
+
+		case "dynamic":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if h.DynamicUpstreamsRaw != nil {
+				return d.Err("dynamic upstreams already specified")
+			}
+			name := d.Val()
+			modID := "http.reverse_proxy.upstreams." + name
+			unm, err := caddyfile.UnmarshalModule(d, modID)
+			if err != nil {
+				return err
+			}
+			source, ok := unm.(reverseproxy.UpstreamSource)
+			if !ok {
+				return d.Errf("module %s (%T) is not an UpstreamSource", modID, unm)
+			}
+			h.DynamicUpstreamsRaw = caddyconfig.JSONModuleObject(source, "source", name, nil)
+
+		case "lb_policy":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if h.LoadBalancing != nil {
+				return d.Err("load balancing selection policy already specified")
+			}
+			name := d.Val()
+			modID := "http.reverse_proxy.selection_policies." + name
+			unm, err := caddyfile.UnmarshalModule(d, modID)
+			if err != nil {
+				return err
+			}
+			sel, ok := unm.(reverseproxy.Selector)
+			if !ok {
+				return d.Errf("module %s (%T) is not a reverseproxy.Selector", modID, unm)
+			}
+			h.LoadBalancing = &LoadBalancing{SelectionPolicyRaw: caddyconfig.JSONModuleObject(sel, "policy", name, nil)}
+
+		case "transport":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if transport != nil {
+				return d.Err("transport already specified")
+			}
+			if d.Val() != "http" {
+				return d.Errf("unsupported transport %q: llm_proxy supports only the http transport", d.Val())
+			}
+			unm, err := caddyfile.UnmarshalModule(d, "http.reverse_proxy.transport.http")
+			if err != nil {
+				return err
+			}
+			transport = unm.(*reverseproxy.HTTPTransport)
+
+		case "max_request_body":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			size, err := humanize.ParseBytes(d.Val())
+			if err != nil || size == 0 || size > 1<<40 {
+				return d.Errf("bad max_request_body %q: want a positive size such as 16MiB", d.Val())
+			}
+			h.MaxRequestBody = int64(size)
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+
+		case "first_byte_timeout", "stream_idle_timeout", "stream_timeout":
+			name := d.Val()
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(d.Val())
+			if err != nil || dur < 0 || (dur == 0 && name != "stream_timeout") {
+				return d.Errf("bad %s %q: want a positive duration such as 30s", name, d.Val())
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			switch name {
+			case "first_byte_timeout":
+				h.FirstByteTimeout = caddy.Duration(dur)
+			case "stream_idle_timeout":
+				h.StreamIdleTimeout = caddy.Duration(dur)
+			case "stream_timeout":
+				h.StreamTimeout = caddy.Duration(dur)
+			}
+
+		case "max_attempts":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			n, err := strconv.Atoi(d.Val())
+			if err != nil || n < 1 || n > 10 {
+				return d.Errf("bad max_attempts %q: want a whole number from 1 to 10", d.Val())
+			}
+			h.MaxAttempts = n
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+
+		default:
+			return d.Errf("unrecognized llm_proxy subdirective %q", d.Val())
+		}
+	}
+
+	if len(h.Upstreams) > 0 && h.DynamicUpstreamsRaw != nil {
+		return d.Err("upstreams and dynamic upstreams cannot be used together")
+	}
+	if err := applySchemes(d, schemes, &transport); err != nil {
+		return err
+	}
+	if transport != nil {
+		h.TransportRaw = caddyconfig.JSONModuleObject(transport, "protocol", "http", nil)
+	}
+	return nil
+}
+
+// applySchemes reconciles upstream URL schemes with the transport, as
+// reverse_proxy does: https enables TLS, h2c enables cleartext HTTP/2.
+func applySchemes(d *caddyfile.Dispenser, schemes []string, transport **reverseproxy.HTTPTransport) error {
+	var want string
+	for i, s := range schemes {
+		if s == "http" {
+			s = ""
+		}
+		if i > 0 && s != want {
+			return d.Errf("upstreams mix schemes (%q and %q): use one scheme for all", want, s)
+		}
+		want = s
+	}
+	switch want {
+	case "https":
+		if *transport == nil {
+			*transport = new(reverseproxy.HTTPTransport)
+		}
+		if (*transport).TLS == nil {
+			(*transport).TLS = new(reverseproxy.TLSConfig)
+		}
+	case "h2c":
+		if *transport == nil {
+			*transport = new(reverseproxy.HTTPTransport)
+		}
+		(*transport).Versions = []string{"h2c", "2"}
+	}
+	return nil
+}
+
+func splitHostPort(s string) (string, string, error) { return net.SplitHostPort(s) }
+
+// Interface guard
+var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -1,0 +1,207 @@
+package caddymodule
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// upstreamState is what the gateway tracks per upstream server. It lives in
+// a package-level pool keyed by dial address, so it outlives a config
+// reload and is shared by every handler that targets the same server.
+type upstreamState struct {
+	// inflight counts attempts in progress (for least_conn, random_choose).
+	inflight atomic.Int64
+}
+
+func (*upstreamState) Destruct() error { return nil }
+
+// upstreamStates holds an *upstreamState per static upstream dial address,
+// reference-counted by the configs that use it (DESIGN §5).
+var upstreamStates = caddy.NewUsagePool()
+
+// dialInfoKey is the context key under which Caddy's http transport looks
+// for the dial information of the upstream (reverseproxy's unexported
+// dialInfoCtxKey; caddy.CtxKey values compare by content).
+const dialInfoKey caddy.CtxKey = "reverse_proxy.dial_info"
+
+// target is an upstream with everything an attempt needs, computed once.
+type target struct {
+	up    *reverseproxy.Upstream
+	state *upstreamState
+	di    reverseproxy.DialInfo
+	// addr is the dial address without network ("10.0.0.1:8000"), the
+	// upstream's identity in metrics and logs.
+	addr string
+}
+
+// newTarget parses u's dial address. Placeholders are not supported: an
+// upstream's identity must not change from request to request.
+func newTarget(u *reverseproxy.Upstream, state *upstreamState) (*target, error) {
+	na, err := caddy.ParseNetworkAddress(u.Dial)
+	if err != nil {
+		return nil, fmt.Errorf("upstream %q: %w", u.Dial, err)
+	}
+	if na.PortRangeSize() != 1 {
+		return nil, fmt.Errorf("upstream %q: dial address must be exactly one socket", u.Dial)
+	}
+	if u.Host == nil {
+		// Caddy fills Host for its own handler only; Available() needs one.
+		u.Host = new(reverseproxy.Host)
+	}
+	addr := na.JoinHostPort(0)
+	if na.IsUnixNetwork() {
+		addr = na.Host
+	}
+	return &target{
+		up:    u,
+		state: state,
+		addr:  addr,
+		di: reverseproxy.DialInfo{
+			Upstream: u,
+			Network:  na.Network,
+			Address:  na.JoinHostPort(0),
+			Host:     na.Host,
+			Port:     fmt.Sprint(na.StartPort),
+		},
+	}, nil
+}
+
+// balancer implements proxy.Balancer over the handler's static or dynamic
+// upstreams and its selection policy.
+type balancer struct {
+	h *Handler
+}
+
+// Pick filters the pool (tried upstreams out unless none is left, then
+// unavailable ones out), lets the selection policy choose, and counts the
+// attempt in flight until its Release.
+func (b balancer) Pick(w http.ResponseWriter, r *http.Request, tried []string) (proxy.Upstream, error) {
+	targets, err := b.h.targets(r)
+	if err != nil {
+		return proxy.Upstream{}, fmt.Errorf("%w: %v", proxy.ErrNoUpstream, err)
+	}
+	cands := make(reverseproxy.UpstreamPool, 0, len(targets))
+	byUp := make(map[*reverseproxy.Upstream]*target, len(targets))
+	for _, t := range targets {
+		byUp[t.up] = t
+		if !slices.Contains(tried, t.addr) {
+			cands = append(cands, t.up)
+		}
+	}
+	if len(cands) == 0 {
+		// Every upstream was tried: allow them all again.
+		for _, t := range targets {
+			cands = append(cands, t.up)
+		}
+	}
+	if len(cands) == 0 {
+		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
+	}
+	// Breaker filtering plugs in here.
+	chosen := b.h.selector.Select(cands, r, w)
+	if chosen == nil {
+		return proxy.Upstream{}, fmt.Errorf("%w: none of %d upstream(s) is available", proxy.ErrNoUpstream, len(cands))
+	}
+	t := byUp[chosen]
+	t.state.inflight.Add(1)
+	di := t.di
+	return proxy.Upstream{
+		Addr:    t.addr,
+		Context: func(ctx context.Context) context.Context { return context.WithValue(ctx, dialInfoKey, di) },
+		Release: func() { t.state.inflight.Add(-1) },
+	}, nil
+}
+
+// targets returns the upstreams for r: the static ones, or those of the
+// dynamic source.
+func (h *Handler) targets(r *http.Request) ([]*target, error) {
+	if h.dynamic == nil {
+		return h.static, nil
+	}
+	ups, err := h.dynamic.GetUpstreams(r)
+	if err != nil {
+		return nil, fmt.Errorf("dynamic upstreams: %w", err)
+	}
+	out := make([]*target, 0, len(ups))
+	for _, u := range ups {
+		t, err := h.dynamicTarget(u)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, t)
+	}
+	return out, nil
+}
+
+// dynamicTarget returns the target for a dynamic upstream, reusing the
+// parsed form and state for addresses already seen by this handler.
+func (h *Handler) dynamicTarget(u *reverseproxy.Upstream) (*target, error) {
+	if v, ok := h.dynamicTargets.Load(u.Dial); ok {
+		return v.(*target), nil
+	}
+	// A fresh Upstream: the source's value may be shared by other
+	// handlers, and its Host must not be written concurrently.
+	t, err := newTarget(&reverseproxy.Upstream{Dial: u.Dial, MaxRequests: u.MaxRequests}, new(upstreamState))
+	if err != nil {
+		return nil, err
+	}
+	v, _ := h.dynamicTargets.LoadOrStore(u.Dial, t)
+	return v.(*target), nil
+}
+
+// inflightOf returns the attempts in flight to u, for count-aware selection.
+func (h *Handler) inflightOf(u *reverseproxy.Upstream) int64 {
+	for _, t := range h.static {
+		if t.up == u {
+			return t.state.inflight.Load()
+		}
+	}
+	if v, ok := h.dynamicTargets.Load(u.Dial); ok {
+		return v.(*target).state.inflight.Load()
+	}
+	return 0
+}
+
+// parseUpstreamAddr turns a Caddyfile upstream ("host:port",
+// "http://host:port", "https://host", "unix//path") into a dial address
+// and the scheme it asked for ("" when none).
+func parseUpstreamAddr(s string) (dial, scheme string, err error) {
+	if i := strings.Index(s, "://"); i >= 0 {
+		scheme, s = strings.ToLower(s[:i]), s[i+3:]
+		switch scheme {
+		case "http", "https", "h2c":
+		default:
+			return "", "", fmt.Errorf("upstream %q: unsupported scheme %q (use http, https or h2c)", s, scheme)
+		}
+		if strings.ContainsAny(s, "/?#") {
+			return "", "", fmt.Errorf("upstream %q: an upstream address has no path, query or fragment", scheme+"://"+s)
+		}
+	}
+	if strings.HasPrefix(s, "unix/") {
+		return s, scheme, nil
+	}
+	if _, _, splitErr := splitHostPort(s); splitErr != nil {
+		port := "80"
+		if scheme == "https" {
+			port = "443"
+		}
+		s = s + ":" + port
+	}
+	na, err := caddy.ParseNetworkAddress(s)
+	if err != nil {
+		return "", "", fmt.Errorf("upstream %q: %w", s, err)
+	}
+	if na.PortRangeSize() != 1 {
+		return "", "", fmt.Errorf("upstream %q: must be exactly one host and port", s)
+	}
+	return s, scheme, nil
+}

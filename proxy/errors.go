@@ -1,0 +1,57 @@
+package proxy
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+)
+
+// Error types used in gateway-written bodies. They follow OpenAI's names so
+// that SDKs map them to their typed errors.
+const (
+	TypeInvalidRequest = "invalid_request_error"
+	TypeServer         = "server_error"
+	TypeRateLimit      = "rate_limit_error"
+	TypeTimeout        = "timeout_error"
+)
+
+// errorBody is OpenAI's error envelope: {"error":{"message","type","code"}}.
+type errorBody struct {
+	Error errorDetail `json:"error"`
+}
+
+type errorDetail struct {
+	Message string `json:"message"`
+	Type    string `json:"type"`
+	Code    string `json:"code"`
+}
+
+// GatewayError is a response the gateway writes itself, before commit.
+type GatewayError struct {
+	// Status is the HTTP status code.
+	Status int
+	// Message, Type and Code fill OpenAI's error envelope.
+	Message, Type, Code string
+	// RetryAfter, when positive, is sent as Retry-After in whole seconds.
+	RetryAfter int
+	// Header holds extra response headers (e.g. X-Circuit-Breaker).
+	Header http.Header
+}
+
+// Write sends e as an application/json response in OpenAI's error shape.
+func (e *GatewayError) Write(w http.ResponseWriter) {
+	h := w.Header()
+	for k, v := range e.Header {
+		h[k] = v
+	}
+	h.Set("Content-Type", "application/json")
+	h.Set("Cache-Control", "no-store")
+	if e.RetryAfter > 0 {
+		h.Set("Retry-After", strconv.Itoa(e.RetryAfter))
+	}
+	body, _ := json.Marshal(errorBody{Error: errorDetail{Message: e.Message, Type: e.Type, Code: e.Code}})
+	body = append(body, '\n')
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(e.Status)
+	_, _ = w.Write(body)
+}

@@ -1,0 +1,74 @@
+package proxy
+
+import (
+	"net"
+	"net/http"
+	"strings"
+)
+
+// hopHeaders are the hop-by-hop headers of RFC 9110 §7.6.1 that a proxy
+// must not forward, as Go's httputil.ReverseProxy and Caddy's reverse_proxy
+// remove them.
+var hopHeaders = []string{
+	"Connection",
+	"Proxy-Connection",
+	"Keep-Alive",
+	"Proxy-Authenticate",
+	"Proxy-Authorization",
+	"Te",
+	"Trailer",
+	"Transfer-Encoding",
+	"Upgrade",
+}
+
+// removeHopHeaders deletes hop-by-hop headers from h, including those that
+// the Connection header names.
+func removeHopHeaders(h http.Header) {
+	for _, f := range h["Connection"] {
+		for sf := range strings.SplitSeq(f, ",") {
+			if sf = strings.TrimSpace(sf); sf != "" {
+				h.Del(sf)
+			}
+		}
+	}
+	for _, k := range hopHeaders {
+		h.Del(k)
+	}
+}
+
+// setForwarded sets X-Forwarded-For/-Proto/-Host the way Caddy's
+// reverse_proxy does: values from a trusted proxy are kept and extended,
+// values from anyone else are replaced.
+func setForwarded(out *http.Request, in *http.Request, trusted bool) {
+	h := out.Header
+	clientIP, _, err := net.SplitHostPort(in.RemoteAddr)
+	if err != nil {
+		clientIP = in.RemoteAddr
+	}
+	if trusted {
+		if prior := h.Values("X-Forwarded-For"); len(prior) > 0 {
+			clientIP = strings.Join(prior, ", ") + ", " + clientIP
+		}
+	}
+	h.Set("X-Forwarded-For", clientIP)
+
+	if !trusted || h.Get("X-Forwarded-Proto") == "" {
+		proto := "http"
+		if in.TLS != nil {
+			proto = "https"
+		}
+		h.Set("X-Forwarded-Proto", proto)
+	}
+	if !trusted || h.Get("X-Forwarded-Host") == "" {
+		h.Set("X-Forwarded-Host", in.Host)
+	}
+}
+
+// copyResponseHeader copies an upstream response header to the client,
+// without hop-by-hop headers.
+func copyResponseHeader(dst, src http.Header) {
+	for k, vv := range src {
+		dst[k] = append(dst[k][:0:0], vv...)
+	}
+	removeHopHeaders(dst)
+}

@@ -1,0 +1,156 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+)
+
+// AttemptOutcome classifies how one upstream attempt ended (DESIGN §3,
+// failure classification). Its string form is the "outcome" metric label.
+type AttemptOutcome uint8
+
+const (
+	// AttemptSuccess: the attempt committed and its stream (or body) finished.
+	AttemptSuccess AttemptOutcome = iota
+	// AttemptConnectError: dial error, or connection refused/reset before a response.
+	AttemptConnectError
+	// AttemptFirstByteTimeout: no first event (or full JSON body) within first_byte_timeout.
+	AttemptFirstByteTimeout
+	// AttemptHTTP5xx: the upstream answered 500–599.
+	AttemptHTTP5xx
+	// AttemptHTTP429: the upstream answered 429 Too Many Requests.
+	AttemptHTTP429
+	// AttemptHTTP4xx: the upstream answered another 4xx; the request is at fault.
+	AttemptHTTP4xx
+	// AttemptInbandError5xx: an in-band error event with a server-side code.
+	AttemptInbandError5xx
+	// AttemptInbandError4xx: an in-band error event with a client-side code.
+	AttemptInbandError4xx
+	// AttemptTruncated: the stream or body ended early (no finish_reason, no [DONE]).
+	AttemptTruncated
+	// AttemptIdleTimeout: no event within stream_idle_timeout after commit.
+	AttemptIdleTimeout
+	// AttemptStreamTimeout: the response outlived stream_timeout.
+	AttemptStreamTimeout
+	// AttemptCanceled: ended by the gateway or the client (client gone, hedge
+	// loser, config unloaded). Neutral: it says nothing about the upstream.
+	AttemptCanceled
+)
+
+var attemptOutcomeNames = [...]string{
+	AttemptSuccess:          "success",
+	AttemptConnectError:     "connect_error",
+	AttemptFirstByteTimeout: "first_byte_timeout",
+	AttemptHTTP5xx:          "http_5xx",
+	AttemptHTTP429:          "http_429",
+	AttemptHTTP4xx:          "http_4xx",
+	AttemptInbandError5xx:   "inband_error_5xx",
+	AttemptInbandError4xx:   "inband_error_4xx",
+	AttemptTruncated:        "truncated",
+	AttemptIdleTimeout:      "idle_timeout",
+	AttemptStreamTimeout:    "stream_timeout",
+	AttemptCanceled:         "canceled",
+}
+
+func (o AttemptOutcome) String() string {
+	if int(o) < len(attemptOutcomeNames) {
+		return attemptOutcomeNames[o]
+	}
+	return fmt.Sprintf("attempt_outcome(%d)", o)
+}
+
+// UpstreamFault reports whether the outcome counts against the upstream
+// (its breaker). 4xx responses and canceled attempts do not.
+func (o AttemptOutcome) UpstreamFault() bool {
+	switch o {
+	case AttemptSuccess, AttemptHTTP4xx, AttemptInbandError4xx, AttemptCanceled:
+		return false
+	}
+	return true
+}
+
+// Retryable reports whether a failure with this outcome, before commit, may
+// be tried again on another upstream.
+func (o AttemptOutcome) Retryable() bool {
+	switch o {
+	case AttemptConnectError, AttemptFirstByteTimeout, AttemptHTTP5xx, AttemptHTTP429,
+		AttemptInbandError5xx, AttemptTruncated:
+		return true
+	}
+	return false
+}
+
+// Outcome is how a whole request ended. Its string form is the "outcome"
+// label of caddy_llm_proxy_requests_total and {http.llm_proxy.outcome}.
+type Outcome uint8
+
+const (
+	// OutcomeSuccess: a complete response reached the client.
+	OutcomeSuccess Outcome = iota
+	// OutcomeInvalidRequest: the gateway refused the request (400, 413).
+	OutcomeInvalidRequest
+	// OutcomeClientError: an upstream 4xx (or 4xx-like in-band error) passed through.
+	OutcomeClientError
+	// OutcomeUpstreamError: attempts spent on 5xx, connection errors or bad streams.
+	OutcomeUpstreamError
+	// OutcomeRateLimited: the upstream's 429 passed through.
+	OutcomeRateLimited
+	// OutcomeTimeout: attempts spent on first-byte timeouts (504).
+	OutcomeTimeout
+	// OutcomeNoUpstream: no upstream could take the request (503).
+	OutcomeNoUpstream
+	// OutcomeTruncated: a committed stream ended early; a terminal error event was sent.
+	OutcomeTruncated
+	// OutcomeIdleTimeout: a committed stream went idle past stream_idle_timeout.
+	OutcomeIdleTimeout
+	// OutcomeStreamTimeout: a committed stream outlived stream_timeout.
+	OutcomeStreamTimeout
+	// OutcomeInbandError: a committed stream carried an upstream error event.
+	OutcomeInbandError
+	// OutcomeClientGone: the client disconnected.
+	OutcomeClientGone
+)
+
+var outcomeNames = [...]string{
+	OutcomeSuccess:        "success",
+	OutcomeInvalidRequest: "invalid_request",
+	OutcomeClientError:    "client_error",
+	OutcomeUpstreamError:  "upstream_error",
+	OutcomeRateLimited:    "rate_limited",
+	OutcomeTimeout:        "timeout",
+	OutcomeNoUpstream:     "no_upstream",
+	OutcomeTruncated:      "truncated",
+	OutcomeIdleTimeout:    "idle_timeout",
+	OutcomeStreamTimeout:  "stream_timeout",
+	OutcomeInbandError:    "inband_error",
+	OutcomeClientGone:     "client_gone",
+}
+
+func (o Outcome) String() string {
+	if int(o) < len(outcomeNames) {
+		return outcomeNames[o]
+	}
+	return fmt.Sprintf("outcome(%d)", o)
+}
+
+// Causes with which the gateway cancels an attempt's context. They tell a
+// gateway-made cancellation apart from a transport failure.
+var (
+	errFirstByteTimeout = errors.New("no first event before first_byte_timeout")
+	errIdleTimeout      = errors.New("no event within stream_idle_timeout")
+	errStreamTimeout    = errors.New("response exceeded stream_timeout")
+	errLostRace         = errors.New("another attempt committed first")
+)
+
+// classifyStatus maps an upstream error status to its attempt outcome.
+func classifyStatus(code int) AttemptOutcome {
+	switch {
+	case code == http.StatusTooManyRequests:
+		return AttemptHTTP429
+	case code >= 500:
+		return AttemptHTTP5xx
+	default:
+		return AttemptHTTP4xx
+	}
+}
