@@ -205,10 +205,11 @@ func (h *Handler) provisionTransport(ctx caddy.Context) error {
 
 // Validate checks the configuration.
 func (h *Handler) Validate() error {
-	if len(h.Upstreams) == 0 && h.DynamicUpstreamsRaw == nil {
+	// Provision has loaded (and cleared) DynamicUpstreamsRaw into h.dynamic.
+	if len(h.Upstreams) == 0 && h.dynamic == nil {
 		return errors.New("llm_proxy: no upstreams: set upstreams or dynamic_upstreams")
 	}
-	if len(h.Upstreams) > 0 && h.DynamicUpstreamsRaw != nil {
+	if len(h.Upstreams) > 0 && h.dynamic != nil {
 		return errors.New("llm_proxy: upstreams and dynamic_upstreams are mutually exclusive")
 	}
 	if h.MaxRequestBody < 0 {

@@ -1,0 +1,208 @@
+package caddymodule
+
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden JSON files of the adapt tests")
+
+// adapt runs the Caddyfile adapter, as `caddy adapt` does.
+func adapt(t testing.TB, src string) ([]byte, error) {
+	t.Helper()
+	out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(src), map[string]any{"filename": "Caddyfile"})
+	return out, err
+}
+
+func indentJSON(t *testing.T, b []byte) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, b, "", "\t"); err != nil {
+		t.Fatalf("indent: %v", err)
+	}
+	buf.WriteByte('\n')
+	return buf.Bytes()
+}
+
+// TestExamplesAdaptAndProvision adapts every file in caddyfile-examples/,
+// compares the JSON with its golden file, and provisions the result the way
+// `caddy validate` does, so an example that would not run fails here.
+func TestExamplesAdaptAndProvision(t *testing.T) {
+	files, err := filepath.Glob("../caddyfile-examples/*.Caddyfile")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no examples found: %v", err)
+	}
+	for _, f := range files {
+		name := strings.TrimSuffix(filepath.Base(f), ".Caddyfile")
+		t.Run(name, func(t *testing.T) {
+			src, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, err := adapt(t, string(src))
+			if err != nil {
+				t.Fatalf("adapt: %v", err)
+			}
+			got := indentJSON(t, out)
+			golden := filepath.Join("testdata", "adapt", name+".json")
+			if *update {
+				if err := os.WriteFile(golden, got, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatalf("missing golden file (run go test -run TestExamples -update): %v", err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Errorf("adapted JSON differs from %s:\n got: %s\nwant: %s", golden, got, want)
+			}
+			if err := caddy.Validate(mustConfig(t, out)); err != nil {
+				t.Errorf("provisioning the adapted config: %v", err)
+			}
+		})
+	}
+}
+
+func mustConfig(t *testing.T, b []byte) *caddy.Config {
+	t.Helper()
+	var cfg caddy.Config
+	if err := json.Unmarshal(b, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	return &cfg
+}
+
+// TestCaddyfileErrors checks every error the llm_proxy parser reports, each
+// with the file and line of the offending token.
+func TestCaddyfileErrors(t *testing.T) {
+	cases := []struct {
+		name, body, want string
+	}{
+		{"unknown subdirective", "llm_proxy 127.0.0.1:9000 {\n\tbogus 1\n}", `at Caddyfile:3|unrecognized llm_proxy subdirective "bogus"`},
+		{"to without args", "llm_proxy {\n\tto\n}", "at Caddyfile:3|wrong argument count"},
+		{"bad upstream scheme", "llm_proxy ftp://127.0.0.1:9000", `at Caddyfile:2|upstream "127.0.0.1:9000": unsupported scheme "ftp"`},
+		{"upstream with path", "llm_proxy http://127.0.0.1:9000/v1", `at Caddyfile:2|upstream "http://127.0.0.1:9000/v1": an upstream address has no path`},
+		{"port range", "llm_proxy 127.0.0.1:9000-9002", `at Caddyfile:2|upstream "127.0.0.1:9000-9002": must be exactly one host and port`},
+		{"mixed schemes", "llm_proxy http://127.0.0.1:9000 https://127.0.0.1:9001", `at Caddyfile:2|upstreams mix schemes`},
+		{"dynamic without source", "llm_proxy {\n\tdynamic\n}", "at Caddyfile:3|wrong argument count"},
+		{"dynamic twice", "llm_proxy {\n\tdynamic a example.internal 8000\n\tdynamic a example.internal 8001\n}", "at Caddyfile:4|dynamic upstreams already specified"},
+		{"dynamic unknown", "llm_proxy {\n\tdynamic nope\n}", "getting module named 'http.reverse_proxy.upstreams.nope'"},
+		{"static and dynamic", "llm_proxy 127.0.0.1:9000 {\n\tdynamic a example.internal 8000\n}", "at Caddyfile:4|upstreams and dynamic upstreams cannot be used together"},
+		{"lb_policy without name", "llm_proxy 127.0.0.1:9000 {\n\tlb_policy\n}", "at Caddyfile:3|wrong argument count"},
+		{"lb_policy twice", "llm_proxy 127.0.0.1:9000 {\n\tlb_policy first\n\tlb_policy random\n}", "at Caddyfile:4|load balancing selection policy already specified"},
+		{"lb_policy unknown", "llm_proxy 127.0.0.1:9000 {\n\tlb_policy fastest\n}", "getting module named 'http.reverse_proxy.selection_policies.fastest'"},
+		{"transport without name", "llm_proxy 127.0.0.1:9000 {\n\ttransport\n}", "at Caddyfile:3|wrong argument count"},
+		{"transport fastcgi", "llm_proxy 127.0.0.1:9000 {\n\ttransport fastcgi\n}", `at Caddyfile:3|unsupported transport "fastcgi"`},
+		{"transport twice", "llm_proxy 127.0.0.1:9000 {\n\ttransport http\n\ttransport http\n}", "at Caddyfile:4|transport already specified"},
+		{"transport bad option", "llm_proxy 127.0.0.1:9000 {\n\ttransport http {\n\t\tdial_timeout soon\n\t}\n}", "at Caddyfile:4|bad timeout value"},
+		{"body size junk", "llm_proxy 127.0.0.1:9000 {\n\tmax_request_body lots\n}", `at Caddyfile:3|bad max_request_body "lots"`},
+		{"body size zero", "llm_proxy 127.0.0.1:9000 {\n\tmax_request_body 0\n}", `at Caddyfile:3|bad max_request_body "0"`},
+		{"body size missing", "llm_proxy 127.0.0.1:9000 {\n\tmax_request_body\n}", "at Caddyfile:3|wrong argument count"},
+		{"body size extra arg", "llm_proxy 127.0.0.1:9000 {\n\tmax_request_body 1MiB 2MiB\n}", "at Caddyfile:3|wrong argument count"},
+		{"first_byte_timeout junk", "llm_proxy 127.0.0.1:9000 {\n\tfirst_byte_timeout fast\n}", `at Caddyfile:3|bad first_byte_timeout "fast"`},
+		{"first_byte_timeout zero", "llm_proxy 127.0.0.1:9000 {\n\tfirst_byte_timeout 0\n}", `at Caddyfile:3|bad first_byte_timeout "0"`},
+		{"stream_idle_timeout negative", "llm_proxy 127.0.0.1:9000 {\n\tstream_idle_timeout -1s\n}", `at Caddyfile:3|bad stream_idle_timeout "-1s"`},
+		{"stream_timeout missing", "llm_proxy 127.0.0.1:9000 {\n\tstream_timeout\n}", "at Caddyfile:3|wrong argument count"},
+		{"stream_timeout extra", "llm_proxy 127.0.0.1:9000 {\n\tstream_timeout 1m 2m\n}", "at Caddyfile:3|wrong argument count"},
+		{"max_attempts zero", "llm_proxy 127.0.0.1:9000 {\n\tmax_attempts 0\n}", `at Caddyfile:3|bad max_attempts "0"`},
+		{"max_attempts junk", "llm_proxy 127.0.0.1:9000 {\n\tmax_attempts two\n}", `at Caddyfile:3|bad max_attempts "two"`},
+		{"max_attempts missing", "llm_proxy 127.0.0.1:9000 {\n\tmax_attempts\n}", "at Caddyfile:3|wrong argument count"},
+		{"max_attempts extra", "llm_proxy 127.0.0.1:9000 {\n\tmax_attempts 2 3\n}", "at Caddyfile:3|wrong argument count"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := adapt(t, ":8080 {\n"+tc.body+"\n}\n")
+			if err == nil {
+				t.Fatalf("adapt succeeded; want error containing %q", tc.want)
+			}
+			// want is "at Caddyfile:N|message": the location and the message.
+			for _, part := range strings.Split(tc.want, "|") {
+				if !strings.Contains(err.Error(), part) {
+					t.Fatalf("error %q\ndoes not contain %q", err, part)
+				}
+			}
+		})
+	}
+}
+
+// TestDirectiveOrderedBeforeReverseProxy: in a site with both, llm_proxy
+// handles the request first.
+func TestDirectiveOrderedBeforeReverseProxy(t *testing.T) {
+	out, err := adapt(t, ":8080 {\n\treverse_proxy 127.0.0.1:9001\n\tllm_proxy 127.0.0.1:9000\n}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(out)
+	lp, rp := strings.Index(s, `"handler":"llm_proxy"`), strings.Index(s, `"handler":"reverse_proxy"`)
+	if lp < 0 || rp < 0 || lp > rp {
+		t.Fatalf("llm_proxy should come before reverse_proxy in %s", s)
+	}
+}
+
+// TestUnmarshalDefaults: a bare directive yields empty fields, which
+// Provision turns into the documented defaults.
+func TestUnmarshalDefaults(t *testing.T) {
+	var h Handler
+	d := caddyfile.NewTestDispenser("llm_proxy 127.0.0.1:9000 https://10.0.0.2")
+	if err := h.UnmarshalCaddyfile(d); err == nil {
+		t.Fatal("mixed http and https upstreams should be refused")
+	}
+	h = Handler{}
+	d = caddyfile.NewTestDispenser("llm_proxy https://10.0.0.2 https://10.0.0.3:8443")
+	if err := h.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	if len(h.Upstreams) != 2 || h.Upstreams[0].Dial != "10.0.0.2:443" || h.Upstreams[1].Dial != "10.0.0.3:8443" {
+		t.Fatalf("upstreams = %v", h.Upstreams)
+	}
+	if !strings.Contains(string(h.TransportRaw), `"tls":{}`) {
+		t.Fatalf("https upstreams should enable TLS on the transport: %s", h.TransportRaw)
+	}
+	if h.MaxAttempts != 0 || h.FirstByteTimeout != 0 || h.MaxRequestBody != 0 {
+		t.Fatalf("unset fields should stay zero: %+v", h)
+	}
+}
+
+// FuzzUnmarshalCaddyfile feeds arbitrary llm_proxy blocks to the parser:
+// it must never panic, and whatever it accepts must marshal to JSON.
+func FuzzUnmarshalCaddyfile(f *testing.F) {
+	seeds := []string{
+		"llm_proxy 127.0.0.1:9000",
+		"llm_proxy {\n to 127.0.0.1:9000 127.0.0.1:9001\n lb_policy round_robin\n}",
+		"llm_proxy 127.0.0.1:9000 {\n max_request_body 16MiB\n first_byte_timeout 30s\n stream_idle_timeout 1m\n stream_timeout 10m\n max_attempts 3\n}",
+		"llm_proxy {\n dynamic a vllm.internal 8000\n}",
+		"llm_proxy https://10.0.0.1 {\n transport http {\n  dial_timeout 2s\n  keepalive 30s\n }\n}",
+		"llm_proxy h2c://127.0.0.1:9000",
+		"llm_proxy unix//run/vllm.sock",
+		"llm_proxy 127.0.0.1:9000 {\n lb_policy random_choose 2\n}",
+		"llm_proxy {\n}",
+		"llm_proxy 127.0.0.1:9000 { max_attempts 99999999999999999999 }",
+	}
+	for _, s := range seeds {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, src string) {
+		var h Handler
+		d := caddyfile.NewTestDispenser(src)
+		if err := h.UnmarshalCaddyfile(d); err != nil {
+			return
+		}
+		if _, err := json.Marshal(&h); err != nil {
+			t.Fatalf("accepted config does not marshal: %v", err)
+		}
+		if h.MaxAttempts < 0 || h.MaxRequestBody < 0 || h.FirstByteTimeout < 0 || h.StreamTimeout < 0 {
+			t.Fatalf("accepted a negative setting: %+v", h)
+		}
+	})
+}

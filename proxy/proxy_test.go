@@ -1,0 +1,441 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// schemeTransport sets the URL scheme as Caddy's http transport does.
+type schemeTransport struct{ rt http.RoundTripper }
+
+func (s schemeTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	r.URL.Scheme = "http"
+	return s.rt.RoundTrip(r)
+}
+
+// listBalancer offers upstreams in order, skipping tried ones.
+type listBalancer struct {
+	addrs    []string
+	released atomic.Int64
+}
+
+func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, tried []string) (Upstream, error) {
+	for _, a := range b.addrs {
+		seen := false
+		for _, t := range tried {
+			seen = seen || t == a
+		}
+		if !seen {
+			return Upstream{Addr: a, Release: func() { b.released.Add(1) }}, nil
+		}
+	}
+	if len(b.addrs) == 0 {
+		return Upstream{}, ErrNoUpstream
+	}
+	return Upstream{Addr: b.addrs[0], Release: func() { b.released.Add(1) }}, nil
+}
+
+// recordingObserver keeps what the proxy reports.
+type recordingObserver struct {
+	mu       sync.Mutex
+	attempts []AttemptReport
+	events   int
+	results  []Result
+}
+
+func (o *recordingObserver) AttemptDone(a *AttemptReport) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.attempts = append(o.attempts, *a)
+}
+func (o *recordingObserver) EventRelayed() { o.mu.Lock(); o.events++; o.mu.Unlock() }
+func (o *recordingObserver) RequestDone(r *Result) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.results = append(o.results, *r)
+}
+
+func (o *recordingObserver) outcomes() []string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var s []string
+	for _, a := range o.attempts {
+		s = append(s, a.Upstream+"="+a.Outcome.String())
+	}
+	return s
+}
+
+// upstream is a test upstream that counts calls and remembers bodies.
+type upstream struct {
+	*httptest.Server
+	calls  atomic.Int64
+	mu     sync.Mutex
+	bodies [][]byte
+}
+
+func newUpstream(t *testing.T, h func(w http.ResponseWriter, r *http.Request)) *upstream {
+	u := &upstream{}
+	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		u.calls.Add(1)
+		b, _ := io.ReadAll(r.Body)
+		u.mu.Lock()
+		u.bodies = append(u.bodies, b)
+		u.mu.Unlock()
+		h(w, r)
+	}))
+	t.Cleanup(u.Close)
+	return u
+}
+
+func (u *upstream) addr() string { return strings.TrimPrefix(u.URL, "http://") }
+
+// sseUpstream streams the given events, flushing after each.
+func sseUpstream(events ...string) func(http.ResponseWriter, *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, e := range events {
+			_, _ = io.WriteString(w, e)
+			w.(http.Flusher).Flush()
+		}
+	}
+}
+
+const (
+	chunkA   = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"},\"finish_reason\":null}]}\n\n"
+	chunkB   = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":null}]}\n\n"
+	chunkEnd = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n"
+	done     = "data: [DONE]\n\n"
+)
+
+func newTestProxy(t *testing.T, cfg Config, ups ...*upstream) (*Proxy, *listBalancer, *recordingObserver) {
+	t.Helper()
+	b := &listBalancer{}
+	for _, u := range ups {
+		b.addrs = append(b.addrs, u.addr())
+	}
+	obs := &recordingObserver{}
+	cfg.Transport = schemeTransport{http.DefaultTransport}
+	cfg.Balancer = b
+	cfg.Observer = obs
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, b, obs
+}
+
+func post(body string) *http.Request {
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+	r.Header.Set("Content-Type", "application/json")
+	return r
+}
+
+func TestStreamRelayedByteForByte(t *testing.T) {
+	up := newUpstream(t, sseUpstream(": ping\n\n", chunkA, chunkB, chunkEnd, done))
+	p, b, obs := newTestProxy(t, Config{}, up)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"model":"m","stream":true}`))
+	want := ": ping\n\n" + chunkA + chunkB + chunkEnd + done
+	if got := w.Body.String(); got != want {
+		t.Fatalf("body:\n%q\nwant\n%q", got, want)
+	}
+	if res.Outcome != OutcomeSuccess || res.Events != 5 || res.Attempts != 1 || res.Info.Model != "m" {
+		t.Fatalf("result %+v", res)
+	}
+	if w.Header().Get("Cache-Control") != "no-cache" || w.Header().Get("X-Accel-Buffering") != "no" {
+		t.Fatalf("SSE headers missing: %v", w.Header())
+	}
+	if b.released.Load() != 1 || obs.events != 5 {
+		t.Fatalf("released %d, events %d", b.released.Load(), obs.events)
+	}
+}
+
+func TestFailoverOn503SendsIdenticalBody(t *testing.T) {
+	bad := newUpstream(t, func(w http.ResponseWriter, r *http.Request) { http.Error(w, `{"error":{}}`, 503) })
+	good := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	p, b, obs := newTestProxy(t, Config{MaxAttempts: 2}, bad, good)
+	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 300<<10) + `"}]}`
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(body))
+	if w.Code != 200 || res.Outcome != OutcomeSuccess || res.Attempts != 2 || res.Upstream != good.addr() {
+		t.Fatalf("code %d result %+v", w.Code, res)
+	}
+	want := sha256.Sum256([]byte(body))
+	for _, u := range []*upstream{bad, good} {
+		if len(u.bodies) != 1 || sha256.Sum256(u.bodies[0]) != want {
+			t.Fatalf("upstream %s did not get the identical body", u.addr())
+		}
+	}
+	if got := fmt.Sprint(obs.outcomes()); got != fmt.Sprintf("[%s=http_5xx %s=success]", bad.addr(), good.addr()) {
+		t.Fatalf("attempt outcomes %s", got)
+	}
+	if b.released.Load() != 2 {
+		t.Fatalf("released %d permits, want 2", b.released.Load())
+	}
+}
+
+func TestUpstream4xxPassesThroughWithoutRetry(t *testing.T) {
+	body := `{"error":{"message":"context too long","type":"BadRequestError","code":400}}`
+	bad := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(400)
+		_, _ = io.WriteString(w, body)
+	})
+	other := newUpstream(t, sseUpstream(chunkA, done))
+	p, _, _ := newTestProxy(t, Config{MaxAttempts: 3}, bad, other)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	if w.Code != 400 || w.Body.String() != body || res.Outcome != OutcomeClientError {
+		t.Fatalf("code %d body %q outcome %v", w.Code, w.Body, res.Outcome)
+	}
+	if bad.calls.Load() != 1 || other.calls.Load() != 0 {
+		t.Fatalf("calls %d/%d, want 1/0", bad.calls.Load(), other.calls.Load())
+	}
+}
+
+func TestAllAttemptsFailPassesLast5xx(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Retry-After", "7")
+		http.Error(w, "overloaded", 503)
+	}
+	a, b := newUpstream(t, h), newUpstream(t, h)
+	p, _, _ := newTestProxy(t, Config{MaxAttempts: 2}, a, b)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{}`))
+	if w.Code != 503 || w.Header().Get("Retry-After") != "7" || res.Outcome != OutcomeUpstreamError || res.Attempts != 2 {
+		t.Fatalf("code %d headers %v result %+v", w.Code, w.Header(), res)
+	}
+}
+
+func TestInbandErrorBeforeFirstEvent(t *testing.T) {
+	errEv := func(code int) string {
+		return fmt.Sprintf("data: {\"error\":{\"object\":\"error\",\"message\":\"boom\",\"type\":\"X\",\"code\":%d}}\n\n", code)
+	}
+	t.Run("5xx fails over", func(t *testing.T) {
+		bad := newUpstream(t, sseUpstream(errEv(500)))
+		good := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _, _ := newTestProxy(t, Config{}, bad, good)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, post(`{"stream":true}`))
+		if res.Outcome != OutcomeSuccess || w.Body.String() != chunkA+chunkEnd+done {
+			t.Fatalf("outcome %v body %q", res.Outcome, w.Body)
+		}
+	})
+	t.Run("4xx is returned as its status", func(t *testing.T) {
+		bad := newUpstream(t, sseUpstream(errEv(400)))
+		good := newUpstream(t, sseUpstream(chunkA, done))
+		p, _, _ := newTestProxy(t, Config{}, bad, good)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, post(`{"stream":true}`))
+		if w.Code != 400 || res.Outcome != OutcomeClientError || good.calls.Load() != 0 {
+			t.Fatalf("code %d outcome %v good calls %d", w.Code, res.Outcome, good.calls.Load())
+		}
+		if !strings.Contains(w.Body.String(), `"message":"boom"`) || w.Header().Get("Content-Type") != "application/json" {
+			t.Fatalf("body %q", w.Body)
+		}
+	})
+}
+
+func TestTruncatedStreamEndsWithErrorEvent(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, chunkB))
+	other := newUpstream(t, sseUpstream(chunkA, done))
+	p, _, obs := newTestProxy(t, Config{}, up, other)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	body := w.Body.String()
+	if !strings.HasPrefix(body, chunkA+chunkB+"data: {\"error\":") || strings.Contains(body, "[DONE]") {
+		t.Fatalf("body %q", body)
+	}
+	if res.Outcome != OutcomeTruncated || other.calls.Load() != 0 {
+		t.Fatalf("outcome %v, other upstream called %d times", res.Outcome, other.calls.Load())
+	}
+	if got := obs.outcomes(); len(got) != 1 || !strings.HasSuffix(got[0], "=truncated") {
+		t.Fatalf("attempts %v", got)
+	}
+}
+
+func TestFinishReasonWithoutDoneIsSuccess(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, chunkEnd))
+	p, _, _ := newTestProxy(t, Config{}, up)
+	w := httptest.NewRecorder()
+	if res := p.ServeHTTP(w, post(`{"stream":true}`)); res.Outcome != OutcomeSuccess {
+		t.Fatalf("outcome %v", res.Outcome)
+	}
+}
+
+func TestNothingCommittedBeforeFirstDataEvent(t *testing.T) {
+	release := make(chan struct{})
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		_, _ = io.WriteString(w, ": ping\n\n")
+		w.(http.Flusher).Flush()
+		<-release
+		_, _ = io.WriteString(w, chunkA+done)
+	})
+	p, _, _ := newTestProxy(t, Config{}, up)
+	w := &watchWriter{ResponseRecorder: httptest.NewRecorder()}
+	finished := make(chan *Result)
+	go func() { finished <- p.ServeHTTP(w, post(`{"stream":true}`)) }()
+	time.Sleep(100 * time.Millisecond) // the upstream's headers and comment have arrived
+	if w.wrote.Load() {
+		t.Fatal("response written before the first data event")
+	}
+	close(release)
+	if res := <-finished; res.Outcome != OutcomeSuccess {
+		t.Fatalf("outcome %v", res.Outcome)
+	}
+}
+
+type watchWriter struct {
+	*httptest.ResponseRecorder
+	wrote atomic.Bool
+}
+
+func (w *watchWriter) WriteHeader(c int) { w.wrote.Store(true); w.ResponseRecorder.WriteHeader(c) }
+func (w *watchWriter) Write(b []byte) (int, error) {
+	w.wrote.Store(true)
+	return w.ResponseRecorder.Write(b)
+}
+
+func TestFirstByteTimeoutFailsOverThen504(t *testing.T) {
+	hang := func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }
+	a, b := newUpstream(t, hang), newUpstream(t, hang)
+	p, rel, obs := newTestProxy(t, Config{FirstByteTimeout: 50 * time.Millisecond, MaxAttempts: 2}, a, b)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	if w.Code != 504 || res.Outcome != OutcomeTimeout || a.calls.Load() != 1 || b.calls.Load() != 1 {
+		t.Fatalf("code %d outcome %v calls %d/%d", w.Code, res.Outcome, a.calls.Load(), b.calls.Load())
+	}
+	if !strings.Contains(w.Body.String(), `"type":"timeout_error"`) {
+		t.Fatalf("body %q", w.Body)
+	}
+	if got := obs.outcomes(); len(got) != 2 || !strings.HasSuffix(got[0], "first_byte_timeout") {
+		t.Fatalf("attempts %v", got)
+	}
+	if rel.released.Load() != 2 {
+		t.Fatalf("released %d", rel.released.Load())
+	}
+}
+
+func TestIdleTimeoutAfterCommit(t *testing.T) {
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		sseUpstream(chunkA)(w, r)
+		<-r.Context().Done()
+	})
+	p, _, _ := newTestProxy(t, Config{StreamIdleTimeout: 50 * time.Millisecond}, up)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	if res.Outcome != OutcomeIdleTimeout || !strings.Contains(w.Body.String(), `"code":"stream_idle_timeout"`) {
+		t.Fatalf("outcome %v body %q", res.Outcome, w.Body)
+	}
+}
+
+func TestClientGoneIsNeutralAndCancelsUpstream(t *testing.T) {
+	upstreamDone := make(chan struct{})
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		sseUpstream(chunkA)(w, r)
+		<-r.Context().Done()
+		close(upstreamDone)
+	})
+	p, _, obs := newTestProxy(t, Config{}, up)
+	ctx, cancel := context.WithCancel(context.Background())
+	r := post(`{"stream":true}`).WithContext(ctx)
+	w := &cancelOnWrite{ResponseRecorder: httptest.NewRecorder(), cancel: cancel}
+	res := p.ServeHTTP(w, r)
+	select {
+	case <-upstreamDone:
+	case <-time.After(2 * time.Second):
+		t.Fatal("upstream request not cancelled")
+	}
+	if res.Outcome != OutcomeClientGone {
+		t.Fatalf("outcome %v", res.Outcome)
+	}
+	if got := obs.outcomes(); len(got) != 1 || !strings.HasSuffix(got[0], "=canceled") {
+		t.Fatalf("attempts %v", got)
+	}
+}
+
+// cancelOnWrite ends the client's context once the first event is written.
+type cancelOnWrite struct {
+	*httptest.ResponseRecorder
+	cancel context.CancelFunc
+}
+
+func (w *cancelOnWrite) Write(b []byte) (int, error) {
+	n, err := w.ResponseRecorder.Write(b)
+	w.cancel()
+	return n, err
+}
+
+func TestRequestValidation(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, done))
+	p, _, _ := newTestProxy(t, Config{MaxRequestBody: 1024}, up)
+	cases := []struct {
+		name string
+		req  *http.Request
+		code int
+	}{
+		{"invalid JSON", post(`{"model":`), 400},
+		{"not an object", post(`[1,2]`), 400},
+		{"declared length over limit", post(strings.Repeat("x", 2000)), 413},
+		{"chunked over limit", func() *http.Request {
+			r := post("")
+			r.Body = io.NopCloser(bytes.NewReader(bytes.Repeat([]byte("x"), 2000)))
+			r.ContentLength = -1
+			return r
+		}(), 413},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			w := httptest.NewRecorder()
+			res := p.ServeHTTP(w, tc.req)
+			if w.Code != tc.code || res.Outcome != OutcomeInvalidRequest {
+				t.Fatalf("code %d outcome %v body %s", w.Code, res.Outcome, w.Body)
+			}
+			if !strings.Contains(w.Body.String(), `"type":"invalid_request_error"`) {
+				t.Fatalf("body %s", w.Body)
+			}
+		})
+	}
+	if up.calls.Load() != 0 {
+		t.Fatalf("upstream called %d times", up.calls.Load())
+	}
+}
+
+func TestHopHeadersRemovedAndForwardedSet(t *testing.T) {
+	var got http.Header
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		got = r.Header.Clone()
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[]}`)
+	})
+	p, _, _ := newTestProxy(t, Config{}, up)
+	r := post(`{}`)
+	r.Header.Set("Authorization", "Bearer sk-1")
+	r.Header.Set("Connection", "X-Private")
+	r.Header.Set("X-Private", "1")
+	r.Header.Set("Proxy-Authorization", "secret")
+	r.Header.Set("X-Forwarded-For", "6.6.6.6")
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, r)
+	if w.Code != 200 || w.Body.String() != `{"choices":[]}` {
+		t.Fatalf("code %d body %q", w.Code, w.Body)
+	}
+	if got.Get("Authorization") != "Bearer sk-1" || got.Get("X-Private") != "" || got.Get("Proxy-Authorization") != "" {
+		t.Fatalf("headers %v", got)
+	}
+	if got.Get("X-Forwarded-For") != "192.0.2.1" || got.Get("X-Forwarded-Proto") != "http" {
+		t.Fatalf("untrusted peer's X-Forwarded-For must be replaced: %v", got)
+	}
+}
