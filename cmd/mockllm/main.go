@@ -1,0 +1,228 @@
+// Command mockllm runs a fleet of fake vLLM servers (OpenAI-compatible)
+// for demos, benchmarks and manual tests of the gateway. The fleet itself
+// lives in internal/mockllm; this is its command line.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
+)
+
+const usage = `Usage: mockllm [flags]
+
+Runs a fleet of fake vLLM servers, each an OpenAI-compatible HTTP server on
+its own port, until SIGINT or SIGTERM.
+
+Flags:
+  --listen ADDR            address of replica 0; with a fixed port, replica i
+                           listens on port+i; port 0 picks free ports
+                           (default 127.0.0.1:9101)
+  --replicas N             number of replicas (default 1)
+  --model NAME             model name served (default mock-llama)
+  --ttft LATENCY           time to first token: 150ms, or lognormal:MEDIAN:SIGMA
+                           such as lognormal:150ms:0.5 (default 50ms)
+  --straggler SPEC         FRACTION:MIN-MAX, e.g. 0.05:2s-5s: that fraction of
+                           requests waits a uniform delay in the range instead
+                           of the TTFT (default none)
+  --tokens N               tokens per completion, unless max_tokens is lower
+                           (default 16)
+  --token-interval DUR     delay between tokens (default 20ms)
+  --tps RATE               tokens per second; sets --token-interval
+  --token-bytes N          pad each token's content to about N bytes
+  --capacity N             concurrent generations per replica; more requests
+                           wait in FIFO order (default 0 = unlimited)
+  --fault SPEC             fault for every replica (see Faults)
+  --replica-fault I=SPEC   fault for replica I only, e.g. 2=status=503,fraction=0.3
+                           (repeatable; replaces --fault for that replica)
+  --replica-ttft I=LATENCY TTFT for replica I only, e.g. 1=lognormal:2s:0.3
+                           (repeatable)
+  --health-status CODE     status of GET /health (default 200)
+  --seed N                 seed of the random draws (default random)
+  --grace DUR              on SIGINT/SIGTERM, wait this long for requests in
+                           progress before closing them (default 5s)
+  -v, --verbose            log every request to stderr
+
+Faults (comma-separated, one kind plus modifiers):
+  status=CODE              answer CODE (400-599) with a vLLM-shaped JSON error
+  hang                     read the request, never answer
+  hang_after_headers       send 200 and SSE headers, then nothing
+  reset                    close with TCP RST before any response byte
+  cut=N                    close (FIN) after N content events: truncated body
+  cut_rst=N                same with a TCP RST
+  error_event=N            in-band error event after N content events, no [DONE]
+  every=N                  the kind hits every N-th request to the replica
+  fraction=F               the kind hits a random fraction F of requests
+  retry_after=SECONDS      Retry-After on status faults
+  error_code=CODE          code and type of error_event (default 500)
+  fragment=N               write the body N bytes at a time, flushing each
+  comment_every=N|DUR      ": ping" after every N content events, or headers at
+                           once and ": ping" every DUR while waiting
+
+Per-request headers (override the replica's settings):
+  X-Mock-TTFT: 200ms | lognormal:150ms:0.5 | 0
+  X-Mock-Straggler: 0.05:2s-5s
+  X-Mock-Tokens: N
+  X-Mock-Token-Interval: 20ms
+  X-Mock-TPS: 50
+  X-Mock-Token-Bytes: N
+  X-Mock-Fault: SPEC | none
+
+Endpoints of every replica:
+  POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+  GET /health, GET /metrics (vllm:* metrics), GET /mock/stats (whole fleet),
+  POST /mock/reset (whole fleet), GET|PUT /mock/behavior (this replica;
+  body "ttft=200ms; tokens=8; fault=status=503" or a JSON object).
+Responses carry X-Mock-Replica: ADDR.
+`
+
+func main() {
+	if err := run(os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
+		fmt.Fprintln(os.Stderr, "mockllm:", err)
+		os.Exit(2)
+	}
+}
+
+// indexed collects repeatable I=VALUE flags.
+type indexed map[int]string
+
+func (m indexed) String() string { return fmt.Sprint(map[int]string(m)) }
+
+func (m indexed) Set(s string) error {
+	is, v, ok := strings.Cut(s, "=")
+	i, err := strconv.Atoi(is)
+	if !ok || err != nil || i < 0 {
+		return fmt.Errorf("%q: want INDEX=VALUE", s)
+	}
+	m[i] = v
+	return nil
+}
+
+func run(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("mockllm", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, usage) }
+
+	listen := fs.String("listen", "127.0.0.1:9101", "")
+	replicas := fs.Int("replicas", 1, "")
+	capacity := fs.Int("capacity", 0, "")
+	seed := fs.Uint64("seed", 0, "")
+	grace := fs.Duration("grace", 5*time.Second, "")
+	var verbose bool
+	fs.BoolVar(&verbose, "verbose", false, "")
+	fs.BoolVar(&verbose, "v", false, "")
+	// Behavior knobs, applied in this order through Behavior.With.
+	knobs := []struct{ flag, key string }{
+		{"model", "model"}, {"ttft", "ttft"}, {"straggler", "straggler"}, {"tokens", "tokens"},
+		{"token-interval", "token_interval"}, {"tps", "tps"}, {"token-bytes", "token_bytes"},
+		{"fault", "fault"}, {"health-status", "health_status"},
+	}
+	values := map[string]*string{}
+	for _, k := range knobs {
+		values[k.flag] = fs.String(k.flag, "", "")
+	}
+	replicaFault, replicaTTFT := indexed{}, indexed{}
+	fs.Var(replicaFault, "replica-fault", "")
+	fs.Var(replicaTTFT, "replica-ttft", "")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+
+	var b mockllm.Behavior
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	for _, k := range knobs {
+		if !set[k.flag] {
+			continue
+		}
+		var err error
+		if b, err = b.With(k.key, *values[k.flag]); err != nil {
+			return fmt.Errorf("--%s: %w", k.flag, err)
+		}
+	}
+	per := map[int]mockllm.Behavior{}
+	for i, spec := range replicaFault {
+		rb := b
+		var err error
+		if rb.Fault, err = mockllm.ParseFault(spec); err != nil {
+			return fmt.Errorf("--replica-fault %d: %w", i, err)
+		}
+		per[i] = rb
+	}
+	for i, spec := range replicaTTFT {
+		rb, ok := per[i]
+		if !ok {
+			rb = b
+		}
+		var err error
+		if rb.TTFT, err = mockllm.ParseLatency(spec); err != nil {
+			return fmt.Errorf("--replica-ttft %d: %w", i, err)
+		}
+		per[i] = rb
+	}
+
+	level := zapcore.WarnLevel
+	if verbose {
+		level = zapcore.DebugLevel
+	}
+	logCfg := zap.NewDevelopmentConfig()
+	logCfg.Level = zap.NewAtomicLevelAt(level)
+	logCfg.OutputPaths, logCfg.ErrorOutputPaths = []string{"stderr"}, []string{"stderr"}
+	logCfg.DisableStacktrace = true
+	log, err := logCfg.Build()
+	if err != nil {
+		return err
+	}
+	defer log.Sync()
+
+	fleet, err := mockllm.StartFleet(mockllm.FleetConfig{
+		Listen:     *listen,
+		Replicas:   *replicas,
+		Behavior:   b,
+		PerReplica: per,
+		Capacity:   *capacity,
+		Seed:       *seed,
+		Logger:     log,
+	})
+	if err != nil {
+		return err
+	}
+	for i, addr := range fleet.Addrs() {
+		desc := fleet.Replica(i).Behavior().String()
+		if desc != "" {
+			desc = " (" + desc + ")"
+		}
+		fmt.Fprintf(stdout, "mockllm: replica %d listening on %s%s\n", i, addr, desc)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	<-ctx.Done()
+	stop()
+	fmt.Fprintln(stdout, "mockllm: shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), *grace)
+	defer cancel()
+	if err := fleet.Shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,162 @@
+package mockllm
+
+import (
+	"maps"
+	"net/http"
+	"strings"
+	"time"
+)
+
+// historyLimit bounds ReplicaStats.BodySHA256 and ReplicaStats.Recent.
+const historyLimit = 1000
+
+// Outcomes of a request, as RequestRecord.Outcome reports them; a fault
+// that ended the request is reported as "fault:<kind>".
+const (
+	OutcomeInFlight       = "in_flight"
+	OutcomeCompleted      = "completed"
+	OutcomeCancelled      = "cancelled"
+	OutcomeInvalidRequest = "invalid_request"
+)
+
+// FleetStats is the JSON of GET /mock/stats.
+type FleetStats struct {
+	Replicas []ReplicaStats `json:"replicas"`
+}
+
+// ReplicaStats counts what one replica saw since it started or since its
+// last reset. Only completion requests (/v1/chat/completions,
+// /v1/completions) are counted, except HealthChecks.
+type ReplicaStats struct {
+	// Index is the replica's position in the fleet, from 0.
+	Index int `json:"index"`
+	// Addr is the replica's "host:port".
+	Addr string `json:"addr"`
+	// Behavior is the replica's current Behavior as a spec string.
+	Behavior string `json:"behavior"`
+	// Requests counts completion requests received.
+	Requests int64 `json:"requests"`
+	// Completed counts requests answered in full.
+	Completed int64 `json:"completed"`
+	// Cancelled counts requests whose client went away before the
+	// response was finished (including hang faults ended by the client).
+	Cancelled int64 `json:"cancelled"`
+	// Faults counts injected faults by kind ("status", "cut", ...).
+	Faults map[string]int64 `json:"faults"`
+	// InFlight is the number of requests being handled now (waiting,
+	// generating or hanging).
+	InFlight int `json:"in_flight"`
+	// Running is the number of requests holding a generation slot.
+	Running int `json:"running"`
+	// Waiting is the number of requests queued for a slot.
+	Waiting int `json:"waiting"`
+	// HealthChecks counts GET /health requests.
+	HealthChecks int64 `json:"health_checks"`
+	// BodySHA256 is the hex SHA-256 of each request body, in arrival
+	// order, the last 1000.
+	BodySHA256 []string `json:"body_sha256"`
+	// Recent describes the last 1000 requests, in arrival order.
+	Recent []RequestRecord `json:"recent"`
+}
+
+// RequestRecord describes one completion request.
+type RequestRecord struct {
+	// ID is the response id ("chatcmpl-…", "cmpl-…"); vLLM-like, it
+	// follows the X-Request-Id request header when there is one.
+	ID   string `json:"id"`
+	Path string `json:"path"`
+	// Model and Stream are read from the request body.
+	Model  string `json:"model,omitempty"`
+	Stream bool   `json:"stream"`
+	// Started is when the request was received; FirstEvent when its first
+	// token was sent (streaming) or generated (non-streaming); Ended when
+	// the response was finished, the fault struck, or the client was seen
+	// going away (within a millisecond or so).
+	Started    time.Time `json:"started"`
+	FirstEvent time.Time `json:"first_event,omitzero"`
+	Ended      time.Time `json:"ended,omitzero"`
+	// Outcome is in_flight, completed, cancelled, invalid_request or
+	// fault:<kind>.
+	Outcome string `json:"outcome"`
+	// Fault is the kind of fault injected, if any (also set for a hang
+	// whose outcome is cancelled).
+	Fault string `json:"fault,omitempty"`
+	// Status is the HTTP status sent, 0 when none was.
+	Status int `json:"status,omitempty"`
+	// EventsSent counts SSE data events written (role, tokens, usage,
+	// error, [DONE]); TokensSent counts token events only.
+	EventsSent int `json:"events_sent"`
+	TokensSent int `json:"tokens_sent"`
+	// BodySHA256 is the hex SHA-256 of the request body.
+	BodySHA256 string `json:"body_sha256"`
+	// XForwardedFor is the X-Forwarded-For request header.
+	XForwardedFor string `json:"x_forwarded_for,omitempty"`
+	// Authorization reports whether an Authorization header was present
+	// (its value is never recorded).
+	Authorization bool `json:"authorization"`
+	// Headers holds the other request headers (lowercase names, values
+	// joined by ", "), without Authorization, Cookie and
+	// Proxy-Authorization.
+	Headers map[string]string `json:"headers,omitempty"`
+}
+
+// ring keeps the last historyLimit items.
+type ring[T any] struct{ items []T }
+
+func (r *ring[T]) add(v T) {
+	if len(r.items) == historyLimit {
+		copy(r.items, r.items[1:])
+		r.items = r.items[:historyLimit-1]
+	}
+	r.items = append(r.items, v)
+}
+
+// counters is the resettable part of a replica's statistics, guarded by
+// Replica.mu.
+type counters struct {
+	gen          uint64 // bumped by a reset; records of older generations are not counted
+	seq          int64  // completion requests since the reset (drives Fault.Every)
+	requests     int64
+	completed    int64
+	cancelled    int64
+	healthChecks int64
+	faults       map[string]int64
+	bodies       ring[string]
+	recent       ring[*RequestRecord]
+}
+
+func (c *counters) reset() {
+	*c = counters{gen: c.gen + 1, faults: map[string]int64{}}
+}
+
+func (c *counters) snapshot() ReplicaStats {
+	s := ReplicaStats{
+		Requests:     c.requests,
+		Completed:    c.completed,
+		Cancelled:    c.cancelled,
+		HealthChecks: c.healthChecks,
+		Faults:       maps.Clone(c.faults),
+		BodySHA256:   append([]string{}, c.bodies.items...),
+		Recent:       make([]RequestRecord, len(c.recent.items)),
+	}
+	for i, r := range c.recent.items {
+		s.Recent[i] = *r
+		s.Recent[i].Headers = maps.Clone(r.Headers)
+	}
+	return s
+}
+
+// headersOfInterest copies request headers into a record, leaving out
+// credentials.
+func headersOfInterest(rec *RequestRecord, h http.Header) {
+	rec.Authorization = h.Get("Authorization") != ""
+	rec.XForwardedFor = h.Get("X-Forwarded-For")
+	rec.Headers = make(map[string]string, len(h))
+	for k, v := range h {
+		switch lk := strings.ToLower(k); lk {
+		case "authorization", "cookie", "proxy-authorization":
+		default:
+			rec.Headers[lk] = strings.Join(v, ", ")
+		}
+	}
+}

@@ -1,0 +1,323 @@
+// Package sse splits a Server-Sent Events stream into events and inspects
+// them the way an LLM gateway needs: which events carry data, which end the
+// stream ([DONE]), which are in-band errors, and whether an OpenAI chat
+// completion chunk carries a finish_reason or usage. The hot path (Next,
+// Event.Kind, InspectChunk) does not allocate in steady state.
+package sse
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// DefaultMaxEventSize is the event size limit used when NewScanner is given
+// a non-positive maxEventSize: 1 MiB, far above any chat completion chunk but
+// small enough that a misbehaving upstream cannot exhaust memory.
+const DefaultMaxEventSize = 1 << 20
+
+// ErrEventTooLarge is returned by Scanner.Next when an event (or a line that
+// never ends) exceeds the scanner's maxEventSize. It is wrapped with the limit;
+// test for it with errors.Is. The stream cannot be resynchronised afterwards.
+var ErrEventTooLarge = errors.New("sse: event too large")
+
+// initialBufSize is the first buffer size; the buffer doubles, up to
+// maxEventSize+1, only when a single event does not fit.
+const initialBufSize = 4 << 10
+
+// maxEmptyReads is how many (0, nil) reads in a row are tolerated before
+// Next gives up with io.ErrNoProgress, as bufio does.
+const maxEmptyReads = 100
+
+// Event is one SSE event. Its slices alias the Scanner's buffers and are valid
+// only until the next call to Scanner.Next; copy them to keep them.
+type Event struct {
+	// Raw holds the exact bytes of the event as received, byte for byte
+	// (CRLF and comments kept), including its terminating blank line. Blank
+	// lines that precede the event (extra separators between events) are
+	// part of its Raw too, so that the Raw of successive events concatenate
+	// to the stream.
+	Raw []byte
+	// Data holds the values of the event's data fields joined by "\n", as the
+	// SSE spec assembles them, without a trailing newline. It is nil when
+	// the event has no data line.
+	Data []byte
+	// Name is the value of the last event field, nil if there is none.
+	Name []byte
+	// HasData reports whether the event has at least one data line; Data
+	// may still be empty ("data:" alone).
+	HasData bool
+}
+
+// Scanner splits an SSE byte stream into events. It understands LF, CRLF and
+// lone CR line endings, comments (lines starting with ':'), the event, id and
+// retry fields (id and retry are kept in Raw but otherwise ignored), multiple
+// data lines, and data values with or without the single leading space.
+//
+// Memory is bounded: the scanner never buffers more than maxEventSize+1
+// bytes of input (plus, for an event with several data lines, its joined data,
+// which is smaller), and an event larger than maxEventSize yields
+// ErrEventTooLarge. The buffer starts at 4 KiB and grows only when an event
+// needs it. In steady state Next does not allocate: buffers are reused.
+//
+// A lone CR that is the last byte received so far is held back until the next
+// byte (or the end of the stream) shows whether it is half of a CRLF; so
+// events are identical however the stream is split into reads. CRLF and LF
+// streams are never delayed.
+//
+// A Scanner is not safe for concurrent use.
+type Scanner struct {
+	r     io.Reader
+	max   int    // largest allowed event, in bytes
+	limit int    // largest buffer: max+1, enough to prove an event too large
+	buf   []byte // len(buf) == cap(buf); buf[end:] is free space
+
+	start int // first byte of the pending event: its Raw starts here
+	pos   int // first byte of the next line not yet parsed
+	clean int // buf[pos:clean] is known to hold no CR or LF
+	end   int // end of the bytes read so far
+
+	rerr error // error from the last read, acted on once buffered bytes are parsed
+	err  error // sticky error returned by Next
+
+	// State of the pending event. Offsets are relative to start so that
+	// moving the buffer contents to the front does not invalidate them.
+	pending          bool // a non-blank line has been seen
+	dataLines        int
+	dataOff, dataEnd int // the only data value while dataLines == 1
+	hasName          bool
+	nameOff, nameEnd int
+	dataBuf          []byte // joined data values once dataLines > 1
+}
+
+// NewScanner returns a Scanner reading from r. maxEventSize bounds the size
+// of one event in bytes, including its line endings; if it is <= 0,
+// DefaultMaxEventSize is used.
+func NewScanner(r io.Reader, maxEventSize int) *Scanner {
+	if maxEventSize <= 0 {
+		maxEventSize = DefaultMaxEventSize
+	}
+	limit := maxEventSize + 1
+	return &Scanner{
+		r:     r,
+		max:   maxEventSize,
+		limit: limit,
+		buf:   make([]byte, min(initialBufSize, limit)),
+	}
+}
+
+// Next returns the next event. The Event's slices alias the scanner's buffers
+// and are valid only until the next call to Next.
+//
+// At a clean end of the stream (end of input right after an event's blank
+// line, possibly followed by more blank lines) Next returns io.EOF. When the
+// input ends inside an event (bytes without the terminating blank line), the
+// stream was truncated and Next returns io.ErrUnexpectedEOF. An event larger
+// than the limit yields an error wrapping ErrEventTooLarge. Errors from the
+// reader are returned as they are, after the events completed before them.
+// Once Next has returned an error it returns the same error forever.
+func (s *Scanner) Next() (Event, error) {
+	if s.err != nil {
+		return Event{}, s.err
+	}
+	s.start = s.pos
+	s.resetEvent()
+	for {
+		ev, ok, err := s.parse()
+		if err != nil {
+			s.err = err
+			return Event{}, err
+		}
+		if ok {
+			return ev, nil
+		}
+		if s.end-s.start > s.max {
+			// Checked before the read error so that the outcome does not
+			// depend on whether the last bytes arrived with io.EOF.
+			s.err = s.tooLarge()
+			return Event{}, s.err
+		}
+		if s.rerr != nil {
+			s.err = s.endError()
+			return Event{}, s.err
+		}
+		s.fill()
+	}
+}
+
+func (s *Scanner) resetEvent() {
+	s.pending = false
+	s.dataLines = 0
+	s.hasName = false
+	s.dataBuf = s.dataBuf[:0]
+}
+
+func (s *Scanner) tooLarge() error {
+	return fmt.Errorf("%w: more than %d bytes", ErrEventTooLarge, s.max)
+}
+
+// endError is the error for a stream whose reader has failed or ended with
+// no complete event left in the buffer.
+func (s *Scanner) endError() error {
+	if s.rerr != io.EOF {
+		return s.rerr
+	}
+	if s.pending || s.pos < s.end {
+		return io.ErrUnexpectedEOF
+	}
+	return io.EOF
+}
+
+// parse consumes complete lines from the buffer until an event is complete
+// (ok) or more input is needed.
+func (s *Scanner) parse() (ev Event, ok bool, err error) {
+	for {
+		lineEnd, next, found := s.nextLine()
+		if !found {
+			return Event{}, false, nil
+		}
+		lineStart := s.pos
+		s.pos, s.clean = next, next
+		if lineStart == lineEnd {
+			if !s.pending {
+				continue // a blank line outside an event: kept in the next Raw
+			}
+			if s.pos-s.start > s.max {
+				return Event{}, false, s.tooLarge()
+			}
+			return s.event(), true, nil
+		}
+		s.pending = true
+		s.field(lineStart, lineEnd)
+	}
+}
+
+// nextLine finds the end of the line starting at pos. It returns the index of
+// the line terminator and of the byte after it.
+func (s *Scanner) nextLine() (lineEnd, next int, found bool) {
+	b := s.buf[:s.end]
+	from := max(s.clean, s.pos)
+	rest := b[from:]
+	lf := bytes.IndexByte(rest, '\n')
+	seg := rest
+	if lf >= 0 {
+		seg = rest[:lf]
+	}
+	if cr := bytes.IndexByte(seg, '\r'); cr >= 0 {
+		k := from + cr
+		switch {
+		case k+1 < len(b):
+			if b[k+1] == '\n' {
+				return k, k + 2, true
+			}
+			return k, k + 1, true
+		case s.rerr != nil:
+			return k, k + 1, true // a CR at the end of the stream ends the line
+		default:
+			s.clean = k // wait for the next byte: it may be the LF of a CRLF
+			return 0, 0, false
+		}
+	}
+	if lf >= 0 {
+		return from + lf, from + lf + 1, true
+	}
+	s.clean = len(b)
+	return 0, 0, false
+}
+
+// field applies one non-blank line to the pending event.
+func (s *Scanner) field(lineStart, lineEnd int) {
+	line := s.buf[lineStart:lineEnd]
+	if line[0] == ':' {
+		return // comment
+	}
+	name, valStart := line, lineEnd
+	if colon := bytes.IndexByte(line, ':'); colon >= 0 {
+		name = line[:colon]
+		valStart = lineStart + colon + 1
+		if valStart < lineEnd && s.buf[valStart] == ' ' {
+			valStart++
+		}
+	}
+	switch string(name) {
+	case "data":
+		s.addData(valStart, lineEnd)
+	case "event":
+		s.hasName = true
+		s.nameOff, s.nameEnd = valStart-s.start, lineEnd-s.start
+	}
+	// id, retry and unknown fields only matter to browsers; they stay in Raw.
+}
+
+// addData records a data value. A single data line (the OpenAI case) is
+// returned in place; only multi-line data is copied to be joined.
+func (s *Scanner) addData(valStart, valEnd int) {
+	switch s.dataLines {
+	case 0:
+		s.dataOff, s.dataEnd = valStart-s.start, valEnd-s.start
+	case 1:
+		s.dataBuf = append(s.dataBuf[:0], s.buf[s.start+s.dataOff:s.start+s.dataEnd]...)
+		fallthrough
+	default:
+		s.dataBuf = append(s.dataBuf, '\n')
+		s.dataBuf = append(s.dataBuf, s.buf[valStart:valEnd]...)
+	}
+	s.dataLines++
+}
+
+// event builds the completed event in buf[start:pos]. Slices are capped so
+// that a caller appending to one cannot overwrite the buffer.
+func (s *Scanner) event() Event {
+	ev := Event{Raw: s.buf[s.start:s.pos:s.pos], HasData: s.dataLines > 0}
+	switch s.dataLines {
+	case 0:
+	case 1:
+		a, b := s.start+s.dataOff, s.start+s.dataEnd
+		ev.Data = s.buf[a:b:b]
+	default:
+		ev.Data = s.dataBuf[:len(s.dataBuf):len(s.dataBuf)]
+	}
+	if s.hasName {
+		a, b := s.start+s.nameOff, s.start+s.nameEnd
+		ev.Name = s.buf[a:b:b]
+	}
+	return ev
+}
+
+// fill reads more input, first making room by moving the pending event to the
+// front of the buffer and, if it still does not fit, growing the buffer up to
+// limit. Next has already checked that the pending bytes do not exceed max,
+// so there is always room for at least one more byte.
+func (s *Scanner) fill() {
+	if s.end == len(s.buf) {
+		if s.start > 0 {
+			n := copy(s.buf, s.buf[s.start:s.end])
+			s.pos -= s.start
+			s.clean -= s.start
+			s.end = n
+			s.start = 0
+		}
+		if s.end == len(s.buf) {
+			nb := make([]byte, min(2*len(s.buf), s.limit))
+			copy(nb, s.buf[:s.end])
+			s.buf = nb
+		}
+	}
+	for range maxEmptyReads {
+		n, err := s.r.Read(s.buf[s.end:])
+		if n < 0 || n > len(s.buf)-s.end {
+			s.rerr = fmt.Errorf("sse: reader returned invalid count %d", n)
+			return
+		}
+		s.end += n
+		if err != nil {
+			s.rerr = err
+			return
+		}
+		if n > 0 {
+			return
+		}
+	}
+	s.rerr = io.ErrNoProgress
+}
