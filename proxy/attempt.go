@@ -51,7 +51,16 @@ type attempt struct {
 	// inband is the in-band error event that failed the attempt, if any.
 	inband *sse.InbandError
 	ended  bool
+	// drain asks end() to read the rest of a finished response (the
+	// chunked terminator after [DONE]) so the connection can be reused.
+	drain bool
 }
+
+// Bounds on reading the rest of a finished upstream response.
+const (
+	drainTimeout = 2 * time.Second
+	drainLimit   = 64 << 10
+)
 
 // startAttempt launches an attempt on up; its result arrives on results.
 func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) {
@@ -257,9 +266,23 @@ func (a *attempt) end(committed bool) {
 	}
 	a.ended = true
 	a.fbTimer.Stop()
-	a.cancel(errLostRace)
-	if a.resp != nil {
+	switch {
+	case a.resp != nil && a.drain:
+		// Closing a body before EOF closes its connection; a stream that
+		// sent [DONE] is about to end, so read its end off the wire.
+		body, cancel := a.resp.Body, a.cancel
+		go func() {
+			t := time.AfterFunc(drainTimeout, func() { cancel(errLostRace) })
+			_, _ = io.Copy(io.Discard, io.LimitReader(body, drainLimit))
+			t.Stop()
+			cancel(errLostRace)
+			_ = body.Close()
+		}()
+	case a.resp != nil:
+		a.cancel(errLostRace)
 		_ = a.resp.Body.Close()
+	default:
+		a.cancel(errLostRace)
 	}
 	if a.up.Release != nil {
 		a.up.Release()

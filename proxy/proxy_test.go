@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -437,5 +438,37 @@ func TestHopHeadersRemovedAndForwardedSet(t *testing.T) {
 	}
 	if got.Get("X-Forwarded-For") != "192.0.2.1" || got.Get("X-Forwarded-Proto") != "http" {
 		t.Fatalf("untrusted peer's X-Forwarded-For must be replaced: %v", got)
+	}
+}
+
+func TestUpstreamConnectionReusedAfterDone(t *testing.T) {
+	var newConns atomic.Int64
+	idle := make(chan struct{}, 16)
+	up := &upstream{}
+	up.Server = httptest.NewUnstartedServer(http.HandlerFunc(sseUpstream(chunkA, chunkEnd, done)))
+	up.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		switch s {
+		case http.StateNew:
+			newConns.Add(1)
+		case http.StateIdle:
+			idle <- struct{}{}
+		}
+	}
+	up.Start()
+	t.Cleanup(up.Close)
+	p, _, _ := newTestProxy(t, Config{}, up)
+	for i := range 5 {
+		w := httptest.NewRecorder()
+		if res := p.ServeHTTP(w, post(`{"stream":true}`)); res.Outcome != OutcomeSuccess {
+			t.Fatalf("request %d: %v", i, res.Outcome)
+		}
+		select {
+		case <-idle:
+		case <-time.After(2 * time.Second):
+			t.Fatalf("request %d: the upstream connection never went idle", i)
+		}
+	}
+	if n := newConns.Load(); n != 1 {
+		t.Fatalf("5 streams opened %d upstream connections, want 1 (reused)", n)
 	}
 }

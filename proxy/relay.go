@@ -71,8 +71,11 @@ func (x *exchange) relay(a *attempt) {
 				finished = true
 			}
 		case sse.KindDone:
-			// The stream is complete; do not wait for the upstream to close.
+			// The stream is complete: end the client's response now, and
+			// let end() read the upstream's closing chunk in the
+			// background so its connection goes back to the pool.
 			a.outcome = AttemptSuccess
+			a.drain = true
 			res.Outcome = OutcomeSuccess
 			return
 		case sse.KindError:
