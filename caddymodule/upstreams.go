@@ -117,7 +117,7 @@ func (b balancer) Pick(w http.ResponseWriter, r *http.Request, tried []string) (
 	return proxy.Upstream{
 		Addr:    t.addr,
 		Context: func(ctx context.Context) context.Context { return context.WithValue(ctx, dialInfoKey, di) },
-		Release: func() { t.state.inflight.Add(-1) },
+		Done:    func(*proxy.AttemptReport) { t.state.inflight.Add(-1) },
 	}, nil
 }
 

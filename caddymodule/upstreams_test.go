@@ -76,7 +76,7 @@ func TestLeastConnCountsGatewayAttemptsInFlight(t *testing.T) {
 		t.Fatalf("least_conn spread 3 in-flight attempts over %d upstreams", len(seen))
 	}
 	// Release one: the next pick goes to it.
-	ups[1].Release()
+	ups[1].Done(nil)
 	if got := pick(t, b).Addr; got != ups[1].Addr {
 		t.Fatalf("picked %s, want the idle %s", got, ups[1].Addr)
 	}
@@ -97,7 +97,7 @@ func TestRandomChooseAvoidsTheBusierOfTwo(t *testing.T) {
 		if up.Addr != "10.0.0.2:8000" {
 			t.Fatalf("random_choose 2 over both upstreams picked the busier one")
 		}
-		up.Release()
+		up.Done(nil)
 	}
 }
 
@@ -113,8 +113,8 @@ func TestDynamicSourceTargetsAreReused(t *testing.T) {
 	if n := h.inflightOf(&reverseproxy.Upstream{Dial: a.Addr}); n != 1 {
 		t.Fatalf("in flight for dynamic %s = %d, want 1", a.Addr, n)
 	}
-	a.Release()
-	c.Release()
+	a.Done(nil)
+	c.Done(nil)
 	if n := h.inflightOf(&reverseproxy.Upstream{Dial: c.Addr}); n != 0 {
 		t.Fatalf("in flight after release = %d", n)
 	}

@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/llmproxy/caddy-llm-proxy/budget"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -284,17 +285,24 @@ func (a *attempt) end(committed bool) {
 	default:
 		a.cancel(errLostRace)
 	}
-	if a.up.Release != nil {
-		a.up.Release()
-	}
-	a.x.p.obs.AttemptDone(&AttemptReport{
+	rep := &AttemptReport{
 		Upstream:  a.up.Addr,
 		Model:     a.x.res.Info.Model,
 		Outcome:   a.outcome,
 		TTFT:      a.ttft,
 		Committed: committed,
 		Err:       a.err,
-	})
+	}
+	if a.resp != nil {
+		rep.Status = a.resp.StatusCode
+		if a.outcome == AttemptHTTP429 || a.outcome == AttemptHTTP5xx {
+			rep.RetryAfter, _ = budget.ParseRetryAfter(a.resp.Header.Get("Retry-After"), time.Now())
+		}
+	}
+	if a.up.Done != nil {
+		a.up.Done(rep)
+	}
+	a.x.p.obs.AttemptDone(rep)
 	if a.err != nil {
 		if ce := a.x.p.checkDebug("upstream attempt failed"); ce != nil {
 			ce.Write(zap.String("upstream", a.up.Addr), zap.String("outcome", a.outcome.String()), zap.Error(a.err))

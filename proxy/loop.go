@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"time"
 )
 
 // attemptUntilCommit is step 4 of the lifecycle: it runs attempts, one
@@ -109,8 +110,17 @@ func (x *exchange) fail(f *failure) {
 		return
 	case f.last == nil:
 		res.Outcome = OutcomeNoUpstream
-		x.writeError(&GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer, Code: "no_upstream",
-			Message: fmt.Sprintf("no upstream available: %v", f.pickErr), RetryAfter: 1})
+		ge := &GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer, Code: "no_upstream",
+			Message: f.pickErr.Error(), RetryAfter: 1}
+		var ue *UnavailableError
+		if errors.As(f.pickErr, &ue) {
+			ge.RetryAfter = max(1, int((ue.RetryAfter+time.Second-1)/time.Second))
+			if ue.CircuitOpen {
+				ge.Header = http.Header{"X-Circuit-Breaker": {"open"}}
+				ge.Code = "circuit_open"
+			}
+		}
+		x.writeError(ge)
 		return
 	}
 	a := f.last

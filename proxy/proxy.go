@@ -25,12 +25,30 @@ type Upstream struct {
 	// Context, when set, decorates the attempt's context before the round
 	// trip (Caddy's transport reads its dial information from there).
 	Context func(context.Context) context.Context
-	// Release, when set, is called exactly once when the attempt ends.
-	Release func()
+	// Done, when set, is called exactly once when the attempt ends, on
+	// every path, with the attempt's report (the balancer releases its
+	// in-flight count and records the outcome on the upstream's breaker).
+	Done func(*AttemptReport)
 }
 
 // ErrNoUpstream is returned by a Balancer that has no upstream to offer.
 var ErrNoUpstream = errors.New("no upstream available")
+
+// UnavailableError is a Balancer's refusal with the detail the client's 503
+// carries. It wraps ErrNoUpstream.
+type UnavailableError struct {
+	// RetryAfter is when an upstream may accept again; sent as Retry-After
+	// in whole seconds, at least 1.
+	RetryAfter time.Duration
+	// CircuitOpen is true when open circuit breakers are the cause; the
+	// response then carries X-Circuit-Breaker: open.
+	CircuitOpen bool
+	// Reason says why, for the error message.
+	Reason string
+}
+
+func (e *UnavailableError) Error() string { return "no upstream available: " + e.Reason }
+func (e *UnavailableError) Unwrap() error { return ErrNoUpstream }
 
 // Balancer chooses the upstream for the next attempt of a request.
 type Balancer interface {
@@ -64,6 +82,11 @@ type AttemptReport struct {
 	TTFT time.Duration
 	// Committed is true for the attempt whose response reached the client.
 	Committed bool
+	// Status is the upstream's HTTP status, 0 when none arrived.
+	Status int
+	// RetryAfter is the upstream's Retry-After on a 429 or 5xx, parsed and
+	// clamped; 0 when absent or junk.
+	RetryAfter time.Duration
 	// Err says what went wrong, nil on success.
 	Err error
 }

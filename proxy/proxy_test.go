@@ -37,13 +37,13 @@ func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, tried []stri
 			seen = seen || t == a
 		}
 		if !seen {
-			return Upstream{Addr: a, Release: func() { b.released.Add(1) }}, nil
+			return Upstream{Addr: a, Done: func(*AttemptReport) { b.released.Add(1) }}, nil
 		}
 	}
 	if len(b.addrs) == 0 {
 		return Upstream{}, ErrNoUpstream
 	}
-	return Upstream{Addr: b.addrs[0], Release: func() { b.released.Add(1) }}, nil
+	return Upstream{Addr: b.addrs[0], Done: func(*AttemptReport) { b.released.Add(1) }}, nil
 }
 
 // recordingObserver keeps what the proxy reports.
