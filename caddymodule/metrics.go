@@ -19,6 +19,10 @@ var metrics = struct {
 	ttft           *prometheus.HistogramVec
 	streamDuration *prometheus.HistogramVec
 	eventsRelayed  prometheus.Counter
+
+	breakerState       *prometheus.GaugeVec
+	breakerTransitions *prometheus.CounterVec
+	shortCircuited     *prometheus.CounterVec
 }{}
 
 // ttftBuckets span a warm GPU's 25 ms to a saturated queue's minute.
@@ -52,6 +56,18 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "events_relayed_total",
 			Help: "SSE events written to clients.",
 		})
+		metrics.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "breaker_state",
+			Help: "Circuit breaker state per upstream (and model with scope model): 0 closed, 1 half-open, 2 open.",
+		}, []string{"upstream", "model"})
+		metrics.breakerTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "breaker_transitions_total",
+			Help: "Circuit breaker state changes, by upstream, from and to state.",
+		}, []string{"upstream", "from", "to"})
+		metrics.shortCircuited = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "short_circuited_total",
+			Help: "Times an upstream was skipped because its circuit breaker refused.",
+		}, []string{"upstream"})
 	})
 }
 
@@ -59,7 +75,8 @@ func initMetrics() {
 func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
 	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
-		metrics.streamDuration, metrics.eventsRelayed} {
+		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
+		metrics.shortCircuited} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -13,11 +13,13 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -79,6 +81,15 @@ type Handler struct {
 	// one exists. Default: 2.
 	MaxAttempts int `json:"max_attempts,omitempty"`
 
+	// Breaker configures the circuit breakers. Default: on, with the
+	// defaults documented on BreakerConfig; {"disabled": true} turns them off.
+	Breaker *BreakerConfig `json:"breaker,omitempty"`
+
+	breakerSettings *breaker.Settings // nil when breakers are off
+	breakers        *sync.Map         // key → *breakerEntry referenced by this handler
+	breakersMu      *sync.Mutex
+	breakerKeys     []string
+
 	static         []*target
 	dynamic        reverseproxy.UpstreamSource
 	dynamicTargets *sync.Map // dial address → *target
@@ -111,6 +122,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	h.dynamicTargets = new(sync.Map)
+	h.breakers, h.breakersMu = new(sync.Map), new(sync.Mutex)
 
 	if h.DynamicUpstreamsRaw != nil {
 		mod, err := ctx.LoadModule(h, "DynamicUpstreamsRaw")
@@ -142,6 +154,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
+	if err := h.provisionBreakers(ctx); err != nil {
+		return err
+	}
 
 	p, err := proxy.New(proxy.Config{
 		Transport:         h.transport,
@@ -160,6 +175,41 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.proxy = p
 	return nil
+}
+
+func (h *Handler) provisionBreakers(ctx caddy.Context) error {
+	if h.Breaker != nil && h.Breaker.Disabled {
+		return nil
+	}
+	if h.Breaker != nil && h.Breaker.Scope != "" && h.Breaker.Scope != "upstream" && h.Breaker.Scope != "model" {
+		return fmt.Errorf("breaker: unknown scope %q: want upstream or model", h.Breaker.Scope)
+	}
+	s := h.Breaker.settings(h.firstByteTimeout())
+	if err := s.Validate(); err != nil {
+		return fmt.Errorf("breaker: %w", err)
+	}
+	h.breakerSettings = &s
+	eventsApp, err := ctx.App("events")
+	if err != nil {
+		return fmt.Errorf("loading events app: %w", err)
+	}
+	setCurrent(ctx, h.logger, eventsApp.(*caddyevents.App))
+	if h.Breaker == nil || h.Breaker.Scope != "model" {
+		// Take the references now, so state is held across a reload even
+		// for upstreams that see no traffic meanwhile.
+		for _, t := range h.static {
+			h.breakerFor(t.addr, "")
+		}
+	}
+	return nil
+}
+
+// firstByteTimeout returns first_byte_timeout with its default.
+func (h *Handler) firstByteTimeout() time.Duration {
+	if h.FirstByteTimeout > 0 {
+		return time.Duration(h.FirstByteTimeout)
+	}
+	return proxy.DefaultFirstByteTimeout
 }
 
 func (h *Handler) provisionSelector(ctx caddy.Context) error {
@@ -234,6 +284,7 @@ func (h *Handler) Cleanup() error {
 	for _, key := range h.stateKeys {
 		_, _ = upstreamStates.Delete(key)
 	}
+	h.releaseBreakers()
 	return nil
 }
 
@@ -246,9 +297,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.ttft_ms", strconv.FormatInt(res.TTFT.Milliseconds(), 10))
 		repl.Set("http.llm_proxy.outcome", res.Outcome.String())
 		repl.Set("http.llm_proxy.model", res.Info.Model)
+		repl.Set("http.llm_proxy.breaker_state", h.breakerState(res))
 	}
 	h.logResult(res)
 	return nil
+}
+
+// breakerState is the state of the breaker of the upstream that served (or
+// was tried last by) the request, "" without one.
+func (h *Handler) breakerState(res *proxy.Result) string {
+	if h.breakerSettings == nil || res.Upstream == "" {
+		return ""
+	}
+	return h.breakerFor(res.Upstream, res.Info.Model).b.State().String()
 }
 
 // logResult logs requests that failed upstream; successes are the access

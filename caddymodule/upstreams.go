@@ -7,10 +7,12 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -76,49 +78,101 @@ func newTarget(u *reverseproxy.Upstream, state *upstreamState) (*target, error) 
 }
 
 // balancer implements proxy.Balancer over the handler's static or dynamic
-// upstreams and its selection policy.
+// upstreams, their circuit breakers and the selection policy.
 type balancer struct {
 	h *Handler
 }
 
-// Pick filters the pool (tried upstreams out unless none is left, then
-// unavailable ones out), lets the selection policy choose, and counts the
-// attempt in flight until its Release.
-func (b balancer) Pick(w http.ResponseWriter, r *http.Request, tried []string) (proxy.Upstream, error) {
-	targets, err := b.h.targets(r)
+// candidate is an upstream that may take the next attempt.
+type candidate struct {
+	t  *target
+	br *breakerEntry // nil when breakers are off
+}
+
+// Pick removes the upstreams whose breaker refuses, prefers those the
+// request has not tried, lets the selection policy choose, and takes the
+// breaker's permit and an in-flight count, both given back by Done.
+func (b balancer) Pick(w http.ResponseWriter, r *http.Request, info proxy.RequestInfo, tried []string) (proxy.Upstream, error) {
+	h := b.h
+	targets, err := h.targets(r)
 	if err != nil {
 		return proxy.Upstream{}, fmt.Errorf("%w: %v", proxy.ErrNoUpstream, err)
 	}
-	cands := make(reverseproxy.UpstreamPool, 0, len(targets))
-	byUp := make(map[*reverseproxy.Upstream]*target, len(targets))
-	for _, t := range targets {
-		byUp[t.up] = t
-		if !slices.Contains(tried, t.addr) {
-			cands = append(cands, t.up)
-		}
-	}
-	if len(cands) == 0 {
-		// Every upstream was tried: allow them all again.
-		for _, t := range targets {
-			cands = append(cands, t.up)
-		}
-	}
-	if len(cands) == 0 {
+	if len(targets) == 0 {
 		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
 	}
-	// Breaker filtering plugs in here.
-	chosen := b.h.selector.Select(cands, r, w)
-	if chosen == nil {
-		return proxy.Upstream{}, fmt.Errorf("%w: none of %d upstream(s) is available", proxy.ErrNoUpstream, len(cands))
+	now := time.Now()
+	var earliest time.Time
+	fresh := make([]candidate, 0, len(targets))
+	var retried []candidate
+	for _, t := range targets {
+		c := candidate{t: t, br: h.breakerFor(t.addr, info.Model)}
+		if c.br != nil {
+			if at := c.br.b.RetryAt(); !at.IsZero() && at.After(now) {
+				metrics.shortCircuited.WithLabelValues(t.addr).Inc()
+				if earliest.IsZero() || at.Before(earliest) {
+					earliest = at
+				}
+				continue
+			}
+		}
+		if slices.Contains(tried, t.addr) {
+			retried = append(retried, c)
+		} else {
+			fresh = append(fresh, c)
+		}
 	}
-	t := byUp[chosen]
+	if len(fresh) == 0 {
+		// Every upstream that accepts was tried: allow them again.
+		fresh = retried
+	}
+	for len(fresh) > 0 {
+		pool := make(reverseproxy.UpstreamPool, len(fresh))
+		for i, c := range fresh {
+			pool[i] = c.t.up
+		}
+		chosen := h.selector.Select(pool, r, w)
+		if chosen == nil {
+			return proxy.Upstream{}, fmt.Errorf("%w: none of %d upstream(s) is available", proxy.ErrNoUpstream, len(pool))
+		}
+		i := slices.Index(pool, chosen)
+		c := fresh[i]
+		if c.br == nil {
+			return c.upstream(nil), nil
+		}
+		if permit, ok := c.br.b.Allow(); ok {
+			return c.upstream(&permit), nil
+		}
+		// Lost the race for a half-open probe slot: try the others.
+		metrics.shortCircuited.WithLabelValues(c.t.addr).Inc()
+		if at := c.br.b.RetryAt(); !at.IsZero() && (earliest.IsZero() || at.Before(earliest)) {
+			earliest = at
+		}
+		fresh = slices.Delete(fresh, i, i+1)
+	}
+	return proxy.Upstream{}, &proxy.UnavailableError{
+		RetryAfter:  max(earliest.Sub(now), 0),
+		CircuitOpen: true,
+		Reason:      fmt.Sprintf("the circuit breakers of all %d upstream(s) are open", len(targets)),
+	}
+}
+
+// upstream hands c to the proxy for one attempt.
+func (c candidate) upstream(permit *breaker.Permit) proxy.Upstream {
+	t := c.t
 	t.state.inflight.Add(1)
 	di := t.di
+	br := c.br
 	return proxy.Upstream{
 		Addr:    t.addr,
 		Context: func(ctx context.Context) context.Context { return context.WithValue(ctx, dialInfoKey, di) },
-		Done:    func(*proxy.AttemptReport) { t.state.inflight.Add(-1) },
-	}, nil
+		Done: func(rep *proxy.AttemptReport) {
+			t.state.inflight.Add(-1)
+			if permit != nil {
+				br.record(permit, rep)
+			}
+		},
+	}
 }
 
 // targets returns the upstreams for r: the static ones, or those of the

@@ -28,7 +28,7 @@ func (x *exchange) attemptUntilCommit() (*attempt, *failure) {
 				return nil, &failure{last: last}
 			}
 			// Breakers filter candidates inside the Balancer.
-			up, err := x.p.cfg.Balancer.Pick(x.w, x.r, tried)
+			up, err := x.p.cfg.Balancer.Pick(x.w, x.r, x.res.Info, tried)
 			if err != nil {
 				if last != nil {
 					return nil, &failure{last: last}

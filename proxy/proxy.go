@@ -54,10 +54,12 @@ func (e *UnavailableError) Unwrap() error { return ErrNoUpstream }
 type Balancer interface {
 	// Pick returns an upstream for r, preferring one whose Addr is not in
 	// tried; it returns one already tried only when no other exists. It
-	// returns an error wrapping ErrNoUpstream when there is none. w is the
+	// returns an error wrapping ErrNoUpstream when there is none (an
+	// *UnavailableError says when to come back). info is the parsed request
+	// (model, for per-model breakers). w is the
 	// client's writer, for policies that set a cookie; nothing is written
 	// to its body.
-	Pick(w http.ResponseWriter, r *http.Request, tried []string) (Upstream, error)
+	Pick(w http.ResponseWriter, r *http.Request, info RequestInfo, tried []string) (Upstream, error)
 }
 
 // Observer receives the lifecycle's measurements (metrics, logs). Calls come

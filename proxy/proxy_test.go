@@ -30,7 +30,7 @@ type listBalancer struct {
 	released atomic.Int64
 }
 
-func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, tried []string) (Upstream, error) {
+func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, _ RequestInfo, tried []string) (Upstream, error) {
 	for _, a := range b.addrs {
 		seen := false
 		for _, t := range tried {

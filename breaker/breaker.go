@@ -1,0 +1,860 @@
+package breaker
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Option configures a Breaker (New) or every breaker of a Registry
+// (NewRegistry).
+type Option func(*options)
+
+type options struct {
+	clock    Clock
+	rand     func() float64
+	listener func(Transition)
+	store    Store
+}
+
+func buildOptions(opts []Option) options {
+	o := options{clock: SystemClock{}, rand: rand.Float64}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return o
+}
+
+// WithClock sets the clock (default SystemClock). Tests pass a fake one.
+func WithClock(c Clock) Option {
+	return func(o *options) {
+		if c != nil {
+			o.clock = c
+		}
+	}
+}
+
+// WithRand sets the source of the cooldown jitter: a function returning
+// values in [0, 1), safe for concurrent use (default math/rand/v2.Float64).
+// 0.5 means no jitter; 0 and 1 are the ends of ±OpenJitter.
+func WithRand(f func() float64) Option {
+	return func(o *options) {
+		if f != nil {
+			o.rand = f
+		}
+	}
+}
+
+// WithListener sets a function called once for each state change, in order,
+// for logs, metrics and events. It is called without the breaker's lock held
+// (so it may call the breaker's methods), by whichever goroutine caused the
+// change or by another one delivering at the same time; it should be quick.
+func WithListener(f func(Transition)) Option {
+	return func(o *options) { o.listener = f }
+}
+
+// WithStore sets the Store that holds the open state shared beyond this
+// breaker (see Store). Default none.
+func WithStore(s Store) Option {
+	return func(o *options) { o.store = s }
+}
+
+// config is a breaker's immutable settings with the rolling windows that
+// belong to them. It is replaced, never modified, so the closed-state hot
+// path reads it with one atomic load.
+type config struct {
+	s     Settings // effective: defaults applied, invalid values replaced
+	raw   Settings // as given, for Registry.Get's change test
+	fails *window  // FailuresWindow; failures only (recorded under the lock)
+	ratio *window  // RatioWindow; nil unless FailureRatio or SlowRatio is on
+}
+
+func newConfig(raw Settings, now time.Time, old *config) *config {
+	c := &config{s: raw.sanitize(), raw: raw}
+	if old != nil && old.s.FailuresWindow == c.s.FailuresWindow {
+		c.fails = old.fails
+	} else {
+		c.fails = newWindow(now, c.s.FailuresWindow)
+	}
+	if c.s.FailureRatio > 0 || c.s.SlowRatio > 0 {
+		if old != nil && old.ratio != nil && old.s.RatioWindow == c.s.RatioWindow {
+			c.ratio = old.ratio
+		} else {
+			c.ratio = newWindow(now, c.s.RatioWindow)
+		}
+	}
+	return c
+}
+
+// fresh returns c with empty windows, for a breaker that closes.
+func (c *config) fresh(now time.Time) *config { return newConfig(c.raw, now, nil) }
+
+// gateForever is the gate of a breaker forced open until closed.
+const gateForever = math.MaxInt64
+
+// Breaker is one key's circuit breaker. It is safe for concurrent use; build
+// it with New (or Registry.Get).
+type Breaker struct {
+	// word is the state in its low 2 bits and a generation above, bumped on
+	// every transition: a permit remembers the word it was issued under, so
+	// the outcome of a call that outlived its state is ignored.
+	word atomic.Uint64
+	// gate (Open) is when a probe may first be let in, in nanoseconds since
+	// base; gateForever when forced open until closed.
+	gate atomic.Int64
+	// busyUntil (HalfOpen) is until when every probe slot is certainly
+	// taken, in nanoseconds since base; 0 when a slot may be free.
+	busyUntil atomic.Int64
+	// consec is the current run of failures.
+	consec atomic.Int64
+	cfg    atomic.Pointer[config]
+
+	key      string
+	base     time.Time // the clock at creation; gate and busyUntil count from it
+	clock    Clock
+	rand     func() float64
+	listener func(Transition)
+	store    Store
+
+	mu            sync.Mutex
+	since         time.Time
+	openedAt      time.Time
+	openUntil     time.Time // cooldown end, pushed out by ExtendOpen
+	minOpenUntil  time.Time // openedAt + MinOpen, when useMinOpen
+	useMinOpen    bool      // false for Retry-After, store and forced opens
+	forced        bool      // ForceOpen
+	forever       bool      // ForceOpen without a duration
+	reopens       int
+	probes        []probe
+	lastProbe     uint64
+	successes     int
+	lastFailure   string
+	lastFailureAt time.Time
+	pending       []Transition
+
+	notifyMu sync.Mutex // serializes listener calls
+}
+
+// probe is a half-open permit that is out.
+type probe struct {
+	id       uint64
+	deadline time.Time // issued + ProbeTimeout
+}
+
+// New returns a closed breaker for key with settings s (defaults applied;
+// a field that Validate rejects takes its default instead, so callers should
+// validate configuration first). With a Store that reports key as open, the
+// breaker starts open.
+func New(key string, s Settings, opts ...Option) *Breaker {
+	o := buildOptions(opts)
+	now := o.clock.Now()
+	b := &Breaker{
+		key:      key,
+		base:     now,
+		clock:    o.clock,
+		rand:     o.rand,
+		listener: o.listener,
+		store:    o.store,
+		since:    now,
+	}
+	b.cfg.Store(newConfig(s, now, nil))
+	if b.store != nil {
+		b.mu.Lock()
+		b.adoptStoreLocked(now)
+		b.unlock()
+	}
+	return b
+}
+
+// Key returns the breaker's key.
+func (b *Breaker) Key() string { return b.key }
+
+// Settings returns the effective settings: defaults applied, invalid values
+// replaced.
+func (b *Breaker) Settings() Settings { return b.cfg.Load().s }
+
+// State returns the current state. It reads one atomic word and does not
+// apply time-based changes that are due (a cooldown that is over shows as
+// Open until the next Allow takes the probe); Snapshot does.
+func (b *Breaker) State() State { return stateOf(b.word.Load()) }
+
+func stateOf(w uint64) State { return State(w & 3) }
+
+// mono returns t as nanoseconds since the breaker's creation (monotonic when
+// the clock provides it).
+func (b *Breaker) mono(t time.Time) int64 { return int64(t.Sub(b.base)) }
+
+// Permit is the right to make one call, from Allow or AllowProbe. It is a
+// small value: the closed-state path allocates nothing. The zero Permit (a
+// refusal) may be Done, which does nothing, so callers can defer Done before
+// looking at ok. Do not copy a permit that is in use: Done is idempotent per
+// copy.
+type Permit struct {
+	b     *Breaker
+	word  uint64 // the state word it was issued under
+	probe uint64 // probe id; 0 for a closed-state permit
+	done  bool
+}
+
+// Probe reports whether the permit is a half-open probe, whose outcome
+// decides between closing and re-opening the breaker.
+func (p Permit) Probe() bool { return p.probe != 0 }
+
+// Allow asks for a permit for one call. In Closed it always succeeds,
+// without a lock. In Open it fails until the cooldown (and MinOpen) is over;
+// then exactly one caller moves the breaker to HalfOpen and gets a probe
+// permit. In HalfOpen at most HalfOpenProbes probe permits are out at once.
+// With Settings.ActiveProbing, Allow never gives probe permits: user traffic
+// waits for AllowProbe's synthetic probes to close the breaker.
+func (b *Breaker) Allow() (Permit, bool) {
+	w := b.word.Load()
+	if stateOf(w) == Closed {
+		return Permit{b: b, word: w}, true
+	}
+	return b.allowSlow(w, false)
+}
+
+// AllowProbe asks for a probe permit for a synthetic probe sent by the
+// gateway itself (active probing: a health URI or a tiny chat completion).
+// It succeeds when Allow would give a probe permit, whatever ActiveProbing
+// says, and fails in Closed (there is nothing to probe).
+func (b *Breaker) AllowProbe() (Permit, bool) {
+	w := b.word.Load()
+	if stateOf(w) == Closed {
+		return Permit{}, false
+	}
+	return b.allowSlow(w, true)
+}
+
+func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
+	userBlocked := !synthetic && b.cfg.Load().s.ActiveProbing
+	if userBlocked {
+		return Permit{}, false
+	}
+	now := b.clock.Now()
+	t := b.mono(now)
+	// Refusals before a probe is due take no lock.
+	switch stateOf(w) {
+	case Open:
+		if t < b.gate.Load() {
+			return Permit{}, false
+		}
+	case HalfOpen:
+		if t < b.busyUntil.Load() {
+			return Permit{}, false
+		}
+	}
+
+	b.mu.Lock()
+	b.tickLocked(now)
+	var p Permit
+	ok := false
+	switch w = b.word.Load(); stateOf(w) {
+	case Closed:
+		if !synthetic {
+			p, ok = Permit{b: b, word: w}, true
+		}
+	case Open:
+		if !b.forever && t >= b.gate.Load() {
+			b.forced = false
+			b.toLocked(HalfOpen, now, fmt.Sprintf("cooldown over after %s", now.Sub(b.openedAt)))
+			p, ok = b.takeProbeLocked(now)
+		}
+	case HalfOpen:
+		p, ok = b.takeProbeLocked(now)
+	}
+	b.unlock()
+	return p, ok
+}
+
+// takeProbeLocked hands out a probe permit if a slot is free.
+func (b *Breaker) takeProbeLocked(now time.Time) (Permit, bool) {
+	c := b.cfg.Load()
+	if len(b.probes) >= c.s.HalfOpenProbes {
+		return Permit{}, false
+	}
+	b.lastProbe++
+	b.probes = append(b.probes, probe{id: b.lastProbe, deadline: now.Add(c.s.ProbeTimeout)})
+	b.updateBusyLocked()
+	return Permit{b: b, word: b.word.Load(), probe: b.lastProbe}, true
+}
+
+// updateBusyLocked publishes until when Allow may refuse without the lock.
+func (b *Breaker) updateBusyLocked() {
+	c := b.cfg.Load()
+	if stateOf(b.word.Load()) != HalfOpen || len(b.probes) < c.s.HalfOpenProbes {
+		b.busyUntil.Store(0)
+		return
+	}
+	until := b.probes[0].deadline
+	for _, p := range b.probes[1:] {
+		if p.deadline.Before(until) {
+			until = p.deadline
+		}
+	}
+	if b.successes >= c.s.RecoverySuccesses && b.minOpenUntil.Before(until) {
+		until = b.minOpenUntil // it closes then
+	}
+	b.busyUntil.Store(b.mono(until))
+}
+
+// Done records the outcome of the call the permit covered. ttft is the
+// call's time to first token, for the slow-call rule (0 = unknown, never
+// slow); reason says what happened ("http 502", "first byte timeout") and is
+// kept as the last failure and in transitions. Done must be called exactly
+// once per permit, on every path, so callers defer it — in a closure, so
+// that the outcome is read when the call ends, and left Neutral if the
+// gateway panics (see the package example); a second call is a no-op.
+// The outcome of a permit issued before the breaker last changed state (a
+// call in flight when it opened, or before Reset) is ignored.
+func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
+	b := p.b
+	if b == nil || p.done {
+		return
+	}
+	p.done = true
+	if p.probe != 0 {
+		b.doneProbe(p.word, p.probe, o, ttft, reason)
+		return
+	}
+	if o == Neutral || b.word.Load() != p.word {
+		return
+	}
+	c := b.cfg.Load()
+	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
+	if o == Success && !slow {
+		// The hot path: no lock; two atomic adds at most.
+		if c.ratio != nil {
+			c.ratio.record(b.clock.Now(), false, false)
+		}
+		if b.consec.Load() != 0 {
+			b.consec.Store(0)
+		}
+		return
+	}
+	b.doneFailure(p.word, slow, ttft, reason)
+}
+
+// failureReason composes the reason recorded for a failure.
+func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) string {
+	if !slow {
+		if reason == "" {
+			return "failure"
+		}
+		return reason
+	}
+	r := fmt.Sprintf("slow call: ttft %s > %s", ttft, slowTTFT)
+	if reason != "" {
+		r += " (" + reason + ")"
+	}
+	return r
+}
+
+// doneFailure records a failure (or slow call) of a closed-state permit and
+// trips the breaker if a rule fires.
+func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason string) {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	if b.word.Load() != w {
+		return
+	}
+	c := b.cfg.Load()
+	reason = failureReason(slow, ttft, c.s.SlowTTFT, reason)
+	n := int(b.consec.Add(1))
+	c.fails.record(now, true, false)
+	b.lastFailure, b.lastFailureAt = reason, now
+	var rc counts
+	if c.ratio != nil {
+		c.ratio.record(now, true, slow)
+		rc = c.ratio.sum(now)
+	}
+	s := c.s
+	var why string
+	switch fc := c.fails.sum(now).failures; {
+	case s.ConsecutiveFailures > 0 && n >= s.ConsecutiveFailures:
+		why = fmt.Sprintf("%d consecutive failures", n)
+	case s.Failures > 0 && fc >= s.Failures:
+		why = fmt.Sprintf("%d failures within %s", fc, s.FailuresWindow)
+	case s.FailureRatio > 0 && rc.requests >= s.MinRequests &&
+		float64(rc.failures) >= s.FailureRatio*float64(rc.requests):
+		why = fmt.Sprintf("failure ratio %d/%d ≥ %g within %s", rc.failures, rc.requests, s.FailureRatio, s.RatioWindow)
+	case s.SlowRatio > 0 && rc.requests >= s.MinRequests &&
+		float64(rc.slow) >= s.SlowRatio*float64(rc.requests):
+		why = fmt.Sprintf("slow call ratio %d/%d ≥ %g within %s", rc.slow, rc.requests, s.SlowRatio, s.RatioWindow)
+	}
+	if why != "" {
+		why += "; last: " + reason
+		b.openLocked(now, now.Add(b.cooldownLocked()), true, why)
+		b.publishOpenLocked(why)
+		return
+	}
+	if b.store != nil {
+		b.adoptStoreLocked(now)
+	}
+}
+
+// doneProbe records the outcome of a half-open probe.
+func (b *Breaker) doneProbe(w, id uint64, o Outcome, ttft time.Duration, reason string) {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	if b.word.Load() != w || !b.removeProbeLocked(id) {
+		return // the breaker moved on, or the probe timed out already
+	}
+	c := b.cfg.Load()
+	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
+	switch {
+	case o == Neutral:
+	case o == Failure || slow:
+		reason = failureReason(slow, ttft, c.s.SlowTTFT, reason)
+		b.probeFailedLocked(now, "probe failed: "+reason)
+		return
+	default:
+		b.successes++
+	}
+	b.tickLocked(now)
+	b.updateBusyLocked()
+}
+
+func (b *Breaker) removeProbeLocked(id uint64) bool {
+	for i, p := range b.probes {
+		if p.id == id {
+			b.probes = append(b.probes[:i], b.probes[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// probeFailedLocked re-opens a half-open breaker with the grown cooldown.
+func (b *Breaker) probeFailedLocked(now time.Time, reason string) {
+	b.consec.Add(1)
+	b.cfg.Load().fails.record(now, true, false)
+	b.lastFailure, b.lastFailureAt = reason, now
+	b.reopens++
+	b.openLocked(now, now.Add(b.cooldownLocked()), true, reason)
+	b.publishOpenLocked(reason)
+}
+
+// tickLocked applies the time-based changes that are due: probes past
+// ProbeTimeout fail, and a half-open breaker whose recovery waited for
+// MinOpen closes.
+func (b *Breaker) tickLocked(now time.Time) {
+	if stateOf(b.word.Load()) != HalfOpen {
+		return
+	}
+	c := b.cfg.Load()
+	for _, p := range b.probes {
+		if !now.Before(p.deadline) {
+			b.probeFailedLocked(now, fmt.Sprintf("probe timed out after %s", c.s.ProbeTimeout))
+			return
+		}
+	}
+	if b.successes >= c.s.RecoverySuccesses && !now.Before(b.minOpenUntil) {
+		b.closeLocked(now, fmt.Sprintf("%d consecutive probe successes", b.successes), false)
+	}
+}
+
+// cooldownLocked is min(OpenFor × 2^reopens, MaxOpen), jittered by
+// ±OpenJitter, capped by MaxOpen.
+func (b *Breaker) cooldownLocked() time.Duration {
+	s := b.cfg.Load().s
+	d := s.OpenFor
+	for i := 0; i < b.reopens && d < s.MaxOpen; i++ {
+		d *= 2
+	}
+	d = min(d, s.MaxOpen)
+	// Jitter after the cap too, so that a fleet at the cap stays spread.
+	r := b.rand()
+	if !(r >= 0 && r < 1) {
+		r = 0.5
+	}
+	d = time.Duration(float64(d) * (1 + OpenJitter*(2*r-1)))
+	return min(d, s.MaxOpen)
+}
+
+// openLocked moves the breaker to Open until `until`, and until MinOpen is
+// over if useMinOpen.
+func (b *Breaker) openLocked(now, until time.Time, useMinOpen bool, reason string) {
+	b.openedAt = now
+	b.openUntil = until
+	b.useMinOpen = useMinOpen
+	b.minOpenUntil = b.minOpenFromLocked(now)
+	b.forced, b.forever = false, false
+	b.setGateLocked()
+	b.probes = b.probes[:0]
+	b.successes = 0
+	b.busyUntil.Store(0)
+	b.toLocked(Open, now, reason)
+}
+
+// publishOpenLocked tells the store that the breaker is open, and why.
+func (b *Breaker) publishOpenLocked(reason string) {
+	if b.store != nil {
+		b.store.PutOpen(b.key, b.gateTimeLocked(), reason)
+	}
+}
+
+// gateTimeLocked is when an open breaker may first let a probe in; zero
+// when forced open until closed.
+func (b *Breaker) gateTimeLocked() time.Time {
+	if b.forever {
+		return time.Time{}
+	}
+	if b.minOpenUntil.After(b.openUntil) {
+		return b.minOpenUntil
+	}
+	return b.openUntil
+}
+
+func (b *Breaker) minOpenFromLocked(openedAt time.Time) time.Time {
+	if !b.useMinOpen {
+		return openedAt
+	}
+	return openedAt.Add(max(b.cfg.Load().s.MinOpen, 0))
+}
+
+func (b *Breaker) setGateLocked() {
+	if b.forever {
+		b.gate.Store(gateForever)
+		return
+	}
+	b.gate.Store(b.mono(b.gateTimeLocked()))
+}
+
+// closeLocked moves the breaker to Closed with empty windows and counters;
+// reset also forgets the last failure.
+func (b *Breaker) closeLocked(now time.Time, reason string, reset bool) {
+	b.cfg.Store(b.cfg.Load().fresh(now))
+	b.consec.Store(0)
+	b.reopens = 0
+	b.probes = b.probes[:0]
+	b.successes = 0
+	b.forced, b.forever = false, false
+	b.openedAt, b.openUntil, b.minOpenUntil, b.useMinOpen = time.Time{}, time.Time{}, time.Time{}, false
+	b.busyUntil.Store(0)
+	if reset {
+		b.lastFailure, b.lastFailureAt = "", time.Time{}
+	}
+	b.toLocked(Closed, now, reason)
+	if reset {
+		b.since = now
+	}
+	if b.store != nil {
+		b.store.ClearOpen(b.key)
+	}
+}
+
+// toLocked publishes state st with a new generation and queues the
+// transition for the listener if the state changed.
+func (b *Breaker) toLocked(st State, now time.Time, reason string) {
+	w := b.word.Load()
+	from := stateOf(w)
+	b.word.Store((w>>2+1)<<2 | uint64(st))
+	if from == st {
+		return
+	}
+	b.since = now
+	if b.listener == nil {
+		return
+	}
+	t := Transition{
+		Key:                 b.key,
+		From:                from,
+		To:                  st,
+		At:                  now,
+		Reason:              reason,
+		ConsecutiveFailures: int(b.consec.Load()),
+		FailuresInWindow:    b.cfg.Load().fails.sum(now).failures,
+	}
+	if st == Open {
+		t.OpenUntil = b.gateTimeLocked()
+	}
+	b.pending = append(b.pending, t)
+}
+
+// unlock releases the lock and delivers queued transitions.
+func (b *Breaker) unlock() {
+	deliver := len(b.pending) > 0
+	b.mu.Unlock()
+	if deliver {
+		b.deliver()
+	}
+}
+
+// deliver calls the listener for queued transitions, in order, one
+// goroutine at a time. A goroutine that finds another delivering leaves its
+// transitions to it; the deliverer looks again after letting go.
+func (b *Breaker) deliver() {
+	for {
+		if !b.notifyMu.TryLock() {
+			return
+		}
+		b.drain()
+		b.mu.Lock()
+		more := len(b.pending) > 0
+		b.mu.Unlock()
+		if !more {
+			return
+		}
+	}
+}
+
+func (b *Breaker) drain() {
+	defer b.notifyMu.Unlock()
+	for {
+		b.mu.Lock()
+		q := b.pending
+		b.pending = nil
+		b.mu.Unlock()
+		if len(q) == 0 {
+			return
+		}
+		for _, t := range q {
+			b.listener(t)
+		}
+	}
+}
+
+// RetryAt returns the earliest time the breaker may accept a call again, for
+// the Retry-After of a 503: zero if Allow would succeed now. In Open it is
+// the end of the cooldown (and MinOpen), or now+MaxOpen as a hint when
+// forced open until closed; in HalfOpen with every slot taken, the time the
+// oldest probe times out (a slot is certain to free by then, usually much
+// sooner); with ActiveProbing, never zero outside Closed (now when a probe
+// is due).
+func (b *Breaker) RetryAt() time.Time {
+	if stateOf(b.word.Load()) == Closed {
+		return time.Time{}
+	}
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	b.tickLocked(now)
+	s := b.cfg.Load().s
+	var at time.Time
+	switch stateOf(b.word.Load()) {
+	case Closed:
+		return time.Time{}
+	case Open:
+		if b.forever {
+			return now.Add(s.MaxOpen)
+		}
+		at = b.gateTimeLocked()
+	case HalfOpen:
+		if len(b.probes) >= s.HalfOpenProbes {
+			at = b.probes[0].deadline
+			for _, p := range b.probes[1:] {
+				if p.deadline.Before(at) {
+					at = p.deadline
+				}
+			}
+		}
+	}
+	if !at.After(now) {
+		if !s.ActiveProbing {
+			return time.Time{}
+		}
+		at = now
+	}
+	return at
+}
+
+// ProbeDue reports whether a synthetic probe may be sent now (active
+// probing): the breaker is open with its cooldown over, or half-open with a
+// free probe slot. The gateway then calls AllowProbe.
+func (b *Breaker) ProbeDue() bool {
+	if stateOf(b.word.Load()) == Closed {
+		return false
+	}
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	b.tickLocked(now)
+	switch stateOf(b.word.Load()) {
+	case Open:
+		return !b.forever && b.mono(now) >= b.gate.Load()
+	case HalfOpen:
+		return len(b.probes) < b.cfg.Load().s.HalfOpenProbes
+	}
+	return false
+}
+
+// ExtendOpen applies an upstream's Retry-After (from a 429 or 503): the
+// upstream asked for no traffic for d. It opens the breaker until
+// max(current end, now+d), with d clamped to MaxOpen:
+//   - Open: the cooldown end moves out to now+d if that is later (a breaker
+//     forced open until closed is left alone);
+//   - Closed: it opens for exactly d (MinOpen does not apply: the upstream
+//     said when), without counting as a re-open;
+//   - HalfOpen: the Retry-After answers the probe, so it re-opens as a failed
+//     probe would (grown cooldown), and at least until now+d.
+//
+// When it ends the breaker half-opens as after any trip. d ≤ 0 and d >
+// MaxRetryAfter (junk) are ignored. Callers record the call's failure with
+// Done as well; the order does not matter.
+func (b *Breaker) ExtendOpen(d time.Duration, reason string) {
+	if d <= 0 || d > MaxRetryAfter {
+		return
+	}
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	b.tickLocked(now)
+	s := b.cfg.Load().s
+	until := now.Add(min(d, s.MaxOpen))
+	reason = fmt.Sprintf("retry-after %s", d) + suffix(reason)
+	switch stateOf(b.word.Load()) {
+	case Open:
+		if b.forever || !until.After(b.openUntil) {
+			return
+		}
+		b.openUntil = until
+		b.setGateLocked()
+		b.publishOpenLocked(reason)
+	case Closed:
+		b.openLocked(now, until, false, reason)
+		b.publishOpenLocked(reason)
+	case HalfOpen:
+		b.probeFailedLocked(now, reason)
+		if until.After(b.openUntil) {
+			b.openUntil = until
+			b.setGateLocked()
+			b.publishOpenLocked(reason)
+		}
+	}
+}
+
+func suffix(reason string) string {
+	if reason == "" {
+		return ""
+	}
+	return ": " + reason
+}
+
+// ForceOpen opens the breaker by operator decision (admin API, draining a
+// server for maintenance): for d, after which it half-opens as usual, or
+// with d ≤ 0 until ForceClose or Reset. MaxOpen does not cap d. It does not
+// count as a re-open.
+func (b *Breaker) ForceOpen(d time.Duration, reason string) {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	reason = "forced open" + suffix(reason)
+	until := now.Add(d)
+	if d <= 0 {
+		until = now
+	}
+	// Set the gate before the word goes Open, so lock-free readers never
+	// see Open with an old gate.
+	b.forced, b.forever, b.useMinOpen = true, d <= 0, false
+	b.openedAt, b.openUntil, b.minOpenUntil = now, until, now
+	b.setGateLocked()
+	b.probes = b.probes[:0]
+	b.successes = 0
+	b.busyUntil.Store(0)
+	b.toLocked(Open, now, reason)
+	b.publishOpenLocked(reason)
+}
+
+// ForceClose closes the breaker by operator decision: windows, counters and
+// re-open count start afresh; the last failure is kept for the admin API.
+func (b *Breaker) ForceClose(reason string) {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	b.closeLocked(now, "forced closed"+suffix(reason), false)
+}
+
+// Reset returns the breaker to the state of a new one: closed, with no
+// history. Permits issued before are ignored when they are done.
+func (b *Breaker) Reset() {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	b.closeLocked(now, "reset", true)
+}
+
+// SetSettings replaces the rules, keeping the state (a config reload): new
+// thresholds apply from the next recorded outcome; an open breaker keeps
+// its cooldown end, clamped to now+MaxOpen, with MinOpen counted from when
+// it opened; a half-open breaker closes at once if it already has the new
+// RecoverySuccesses (and MinOpen is over). The rolling windows keep their
+// counts unless their duration changed.
+func (b *Breaker) SetSettings(s Settings) {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	c := newConfig(s, now, b.cfg.Load())
+	b.cfg.Store(c)
+	switch stateOf(b.word.Load()) {
+	case Open:
+		if b.forced {
+			break
+		}
+		if lim := now.Add(c.s.MaxOpen); b.openUntil.After(lim) {
+			b.openUntil = lim
+		}
+		b.minOpenUntil = b.minOpenFromLocked(b.openedAt)
+		b.setGateLocked()
+	case HalfOpen:
+		b.minOpenUntil = b.minOpenFromLocked(b.openedAt)
+		b.tickLocked(now)
+		b.updateBusyLocked()
+	}
+}
+
+// Snapshot returns the breaker's state for the admin API, after applying
+// the time-based changes that are due.
+func (b *Breaker) Snapshot() Snapshot {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	b.tickLocked(now)
+	c := b.cfg.Load()
+	snap := Snapshot{
+		Key:                 b.key,
+		State:               stateOf(b.word.Load()),
+		Since:               b.since,
+		ConsecutiveFailures: int(b.consec.Load()),
+		FailuresInWindow:    c.fails.sum(now).failures,
+		Forced:              b.forced,
+		ProbesInFlight:      len(b.probes),
+		ProbeSuccesses:      b.successes,
+		Reopens:             b.reopens,
+		LastFailure:         b.lastFailure,
+		LastFailureAt:       b.lastFailureAt,
+	}
+	if c.ratio != nil {
+		rc := c.ratio.sum(now)
+		snap.RequestsInWindow, snap.SlowInWindow = rc.requests, rc.slow
+	}
+	if snap.State == Open {
+		snap.OpenUntil = b.gateTimeLocked()
+	}
+	return snap
+}
+
+// adoptStoreLocked opens a closed breaker that the store reports open
+// (another gateway, or an earlier life of this key, tripped it).
+func (b *Breaker) adoptStoreLocked(now time.Time) {
+	if stateOf(b.word.Load()) != Closed {
+		return
+	}
+	until, reason, ok := b.store.OpenUntil(b.key, now)
+	if !ok {
+		return
+	}
+	s := b.cfg.Load().s
+	if lim := now.Add(s.MaxOpen); until.IsZero() || until.After(lim) {
+		until = lim
+	}
+	if !until.After(now) {
+		return
+	}
+	b.openLocked(now, until, false, "open in store"+suffix(reason))
+}

@@ -1,0 +1,17 @@
+package breaker
+
+import "time"
+
+// Clock is the breaker's source of time. It is injected (WithClock) so that
+// tests move time by hand and never sleep.
+type Clock interface {
+	// Now returns the current time. Breakers compare the times it returns
+	// with one another only, so a clock need not follow the wall clock.
+	Now() time.Time
+}
+
+// SystemClock is the real clock: time.Now, with its monotonic reading.
+type SystemClock struct{}
+
+// Now returns time.Now().
+func (SystemClock) Now() time.Time { return time.Now() }

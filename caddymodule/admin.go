@@ -1,0 +1,112 @@
+package caddymodule
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// adminAPI serves the breakers on Caddy's admin endpoint:
+//
+//	GET  /llm_proxy/breakers                   every breaker, as JSON
+//	POST /llm_proxy/breakers/<key>/open[?for=<duration>]   force open (until close without for)
+//	POST /llm_proxy/breakers/<key>/close       force closed
+//	POST /llm_proxy/breakers/<key>/reset       fresh closed state
+//
+// <key> is the upstream's dial address ("10.0.0.2:8000"), with "|<model>"
+// under scope model; escape it in the path as needed.
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.llm_proxy",
+		New: func() caddy.Module { return new(adminAPI) },
+	}
+}
+
+// Routes returns the admin routes.
+func (a adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{
+		{Pattern: "/llm_proxy/breakers", Handler: caddy.AdminHandlerFunc(a.list)},
+		{Pattern: "/llm_proxy/breakers/", Handler: caddy.AdminHandlerFunc(a.control)},
+	}
+}
+
+// breakerView is one breaker in the admin API's listing.
+type breakerView struct {
+	breaker.Snapshot
+	Upstream string `json:"upstream"`
+	Model    string `json:"model,omitempty"`
+}
+
+func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	views := []breakerView{}
+	breakerPool.Range(func(_, v any) bool {
+		e := v.(*breakerEntry)
+		views = append(views, breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
+		return true
+	})
+	sort.Slice(views, func(i, j int) bool { return views[i].Key < views[j].Key })
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(views)
+}
+
+func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodPost {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
+	i := strings.LastIndex(rest, "/")
+	if i <= 0 {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_proxy/breakers/<key>/open|close|reset")}
+	}
+	key, action := rest[:i], rest[i+1:]
+	var e *breakerEntry
+	breakerPool.Range(func(k, val any) bool {
+		if k == key {
+			e = val.(*breakerEntry)
+			return false
+		}
+		return true
+	})
+	if e == nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
+	}
+	reason := "by operator via admin API"
+	switch action {
+	case "open":
+		var d time.Duration
+		if s := r.URL.Query().Get("for"); s != "" {
+			var err error
+			if d, err = caddy.ParseDuration(s); err != nil || d <= 0 {
+				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("bad duration %q", s)}
+			}
+		}
+		e.b.ForceOpen(d, reason)
+	case "close":
+		e.b.ForceClose(reason)
+	case "reset":
+		e.b.Reset()
+	default:
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("unknown action %q: want open, close or reset", action)}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
+}
+
+var _ caddy.AdminRouter = adminAPI{}

@@ -1,0 +1,414 @@
+package caddymodule
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// BreakerConfig configures the circuit breakers, one per upstream (or per
+// upstream and model). Breakers are on by default with the defaults below;
+// state is kept across config reloads, and new settings apply to it.
+type BreakerConfig struct {
+	// Disabled turns breakers off ("breaker off"). Default: false.
+	Disabled bool `json:"disabled,omitempty"`
+
+	// Scope is "upstream" (one breaker per upstream dial address) or
+	// "model" (one per upstream and requested model, for servers that host
+	// several models). Default: "upstream".
+	Scope string `json:"scope,omitempty"`
+
+	// ConsecutiveFailures opens the breaker after this many failures in a
+	// row. Default: 3; -1 disables the rule.
+	ConsecutiveFailures int `json:"consecutive_failures,omitempty"`
+
+	// Failures opens the breaker when this many failures fall within
+	// FailuresWindow. Default: 0 (rule off).
+	Failures int `json:"failures,omitempty"`
+
+	// FailuresWindow is the rolling window of the Failures rule.
+	// Default: 30s.
+	FailuresWindow caddy.Duration `json:"failures_window,omitempty"`
+
+	// FailureRatio opens the breaker when failures/requests over
+	// RatioWindow reach it, once MinRequests requests were seen.
+	// Default: 0 (rule off).
+	FailureRatio float64 `json:"failure_ratio,omitempty"`
+
+	// MinRequests is the least number of requests in RatioWindow before a
+	// ratio rule may fire. Default: 20.
+	MinRequests int `json:"min_requests,omitempty"`
+
+	// RatioWindow is the rolling window of FailureRatio and SlowRatio.
+	// Default: 30s.
+	RatioWindow caddy.Duration `json:"window,omitempty"`
+
+	// SlowTTFT makes a successful attempt whose time to first token is
+	// above it count as a failure (a degraded server answers 200 while its
+	// TTFT climbs). Default: 0 (off).
+	SlowTTFT caddy.Duration `json:"slow_ttft,omitempty"`
+
+	// SlowRatio opens the breaker when slow calls/requests over RatioWindow
+	// reach it (requires SlowTTFT). Default: 0 (rule off).
+	SlowRatio float64 `json:"slow_ratio,omitempty"`
+
+	// MinOpen is the least time an open breaker stays open, even if a
+	// probe succeeds. Default: 10s.
+	MinOpen caddy.Duration `json:"min_open,omitempty"`
+
+	// OpenFor is the cooldown before half-open; it doubles (with ±20%
+	// jitter) on each consecutive re-open, up to MaxOpen. Default: 10s.
+	OpenFor caddy.Duration `json:"open_for,omitempty"`
+
+	// MaxOpen caps the grown cooldown and a Retry-After extension.
+	// Default: 5m.
+	MaxOpen caddy.Duration `json:"max_open,omitempty"`
+
+	// HalfOpenProbes is how many probe requests may be in flight at once
+	// while half-open. Default: 1.
+	HalfOpenProbes int `json:"half_open_probes,omitempty"`
+
+	// RecoverySuccesses is how many consecutive probe successes close the
+	// breaker. Default: 2.
+	RecoverySuccesses int `json:"recovery_successes,omitempty"`
+
+	// Probe, when set, makes the gateway probe an open upstream itself
+	// once its cooldown is over, instead of risking a user request: users
+	// are routed elsewhere until RecoverySuccesses probes succeed.
+	// Default: none (user requests are the probes).
+	Probe *ActiveProbe `json:"probe,omitempty"`
+}
+
+// ActiveProbe is a synthetic request sent to an open upstream.
+type ActiveProbe struct {
+	// URI is the path of a GET probe, e.g. "/health". Default: "/health"
+	// when Chat is empty.
+	URI string `json:"uri,omitempty"`
+
+	// Chat is a JSON body POSTed to /v1/chat/completions instead of the
+	// GET; the probe succeeds on a 2xx with a complete body. Keep it small
+	// (max_tokens 1). Default: none.
+	Chat string `json:"chat,omitempty"`
+
+	// Interval is the time between probes while the breaker is open.
+	// Default: 5s.
+	Interval caddy.Duration `json:"interval,omitempty"`
+}
+
+// settings converts the config into breaker settings; probeTimeout is the
+// handler's first_byte_timeout, so a hanging probe fails at the same time a
+// hanging user attempt would.
+func (c *BreakerConfig) settings(probeTimeout time.Duration) breaker.Settings {
+	if c == nil {
+		c = &BreakerConfig{}
+	}
+	return breaker.Settings{
+		ConsecutiveFailures: c.ConsecutiveFailures,
+		Failures:            c.Failures,
+		FailuresWindow:      time.Duration(c.FailuresWindow),
+		FailureRatio:        c.FailureRatio,
+		MinRequests:         c.MinRequests,
+		RatioWindow:         time.Duration(c.RatioWindow),
+		SlowTTFT:            time.Duration(c.SlowTTFT),
+		SlowRatio:           c.SlowRatio,
+		MinOpen:             time.Duration(c.MinOpen),
+		OpenFor:             time.Duration(c.OpenFor),
+		MaxOpen:             time.Duration(c.MaxOpen),
+		HalfOpenProbes:      c.HalfOpenProbes,
+		RecoverySuccesses:   c.RecoverySuccesses,
+		ProbeTimeout:        probeTimeout,
+		ActiveProbing:       c.Probe != nil,
+	}
+}
+
+// breakerEntry is a breaker with what the gateway keeps beside it. Entries
+// live in breakerPool, reference-counted by the configs that use them, so an
+// open breaker stays open across reloads.
+type breakerEntry struct {
+	b        *breaker.Breaker
+	key      string
+	upstream string
+	model    string
+
+	mu      sync.Mutex
+	prober  *prober // the latest config's active probe; nil when off
+	probing bool    // a probe loop is running
+	stop    chan struct{}
+}
+
+// Destruct stops the entry's probe loop when no config uses it any more.
+func (e *breakerEntry) Destruct() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.stop != nil {
+		close(e.stop)
+		e.stop = nil
+	}
+	return nil
+}
+
+// breakerPool holds *breakerEntry by key: the upstream's dial address, or
+// "address|model" with scope model.
+var breakerPool = caddy.NewUsagePool()
+
+// current holds what breaker listeners need from the latest config (logger,
+// events app): listeners outlive the config that created their breaker.
+var current struct {
+	sync.Mutex
+	logger *zap.Logger
+	events *caddyevents.App
+	ctx    caddy.Context
+}
+
+func setCurrent(ctx caddy.Context, logger *zap.Logger, events *caddyevents.App) {
+	current.Lock()
+	defer current.Unlock()
+	current.logger, current.events, current.ctx = logger, events, ctx
+}
+
+// breakerFor returns the entry for an upstream (and model, with scope
+// model), taking a reference for this handler on first use; nil when
+// breakers are off.
+func (h *Handler) breakerFor(addr, model string) *breakerEntry {
+	if h.breakerSettings == nil {
+		return nil
+	}
+	key := addr
+	if h.Breaker != nil && h.Breaker.Scope == "model" {
+		key = addr + "|" + model
+	}
+	if v, ok := h.breakers.Load(key); ok {
+		return v.(*breakerEntry)
+	}
+	h.breakersMu.Lock()
+	defer h.breakersMu.Unlock()
+	if v, ok := h.breakers.Load(key); ok {
+		return v.(*breakerEntry)
+	}
+	v, loaded, _ := breakerPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		e := &breakerEntry{key: key, upstream: addr, model: model}
+		e.b = breaker.New(key, *h.breakerSettings, breaker.WithListener(e.transition))
+		metrics.breakerState.WithLabelValues(addr, modelLabel(model)).Set(0)
+		return e, nil
+	})
+	e := v.(*breakerEntry)
+	if loaded {
+		// A reload: the new thresholds apply to the existing state.
+		e.b.SetSettings(*h.breakerSettings)
+	}
+	e.setProber(h.newProber(addr))
+	h.breakers.Store(key, e)
+	h.breakerKeys = append(h.breakerKeys, key)
+	return e
+}
+
+// releaseBreakers drops this handler's references (Cleanup).
+func (h *Handler) releaseBreakers() {
+	h.breakersMu.Lock()
+	defer h.breakersMu.Unlock()
+	for _, key := range h.breakerKeys {
+		_, _ = breakerPool.Delete(key)
+	}
+	h.breakerKeys = nil
+}
+
+// record gives the attempt's outcome to the breaker (DESIGN §3 table):
+// upstream faults are failures, cancelled attempts are neutral, the rest
+// (successes and the client's own 4xx) show a live upstream.
+func (e *breakerEntry) record(p *breaker.Permit, rep *proxy.AttemptReport) {
+	if rep == nil {
+		p.Done(breaker.Neutral, 0, "")
+		return
+	}
+	switch {
+	case rep.Outcome == proxy.AttemptCanceled:
+		p.Done(breaker.Neutral, 0, "")
+	case rep.Outcome.UpstreamFault():
+		p.Done(breaker.Failure, rep.TTFT, rep.Outcome.String())
+	default:
+		p.Done(breaker.Success, rep.TTFT, "")
+	}
+	if rep.RetryAfter > 0 {
+		e.b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+	}
+}
+
+// transition is the breaker's listener: metrics, a log line, a Caddy event,
+// and the start of active probing when it opens.
+func (e *breakerEntry) transition(tr breaker.Transition) {
+	model := modelLabel(e.model)
+	metrics.breakerState.WithLabelValues(e.upstream, model).Set(float64(tr.To))
+	metrics.breakerTransitions.WithLabelValues(e.upstream, tr.From.String(), tr.To.String()).Inc()
+
+	current.Lock()
+	logger, events, ctx := current.logger, current.events, current.ctx
+	current.Unlock()
+	if logger != nil {
+		level := zapcore.InfoLevel
+		if tr.To == breaker.Open {
+			level = zapcore.WarnLevel
+		}
+		if ce := logger.Check(level, "circuit breaker "+tr.To.String()); ce != nil {
+			ce.Write(
+				zap.String("breaker", tr.Key),
+				zap.String("upstream", e.upstream),
+				zap.String("from", tr.From.String()),
+				zap.String("to", tr.To.String()),
+				zap.String("reason", tr.Reason),
+				zap.Int("consecutive_failures", tr.ConsecutiveFailures),
+				zap.Int("failures_in_window", tr.FailuresInWindow),
+				zap.Time("open_until", tr.OpenUntil),
+			)
+		}
+	}
+	if events != nil {
+		events.Emit(ctx, "llm_proxy_breaker_"+tr.To.String(), map[string]any{
+			"breaker":  tr.Key,
+			"upstream": e.upstream,
+			"model":    e.model,
+			"from":     tr.From.String(),
+			"to":       tr.To.String(),
+			"reason":   tr.Reason,
+		})
+	}
+	if tr.To == breaker.Open {
+		e.startProbing()
+	}
+}
+
+// prober sends synthetic probes to one upstream.
+type prober struct {
+	addr      string
+	transport http.RoundTripper
+	dial      func(context.Context) context.Context
+	probe     ActiveProbe
+	timeout   time.Duration
+}
+
+// newProber returns the handler's prober for addr, nil without active probing.
+func (h *Handler) newProber(addr string) *prober {
+	if h.Breaker == nil || h.Breaker.Probe == nil {
+		return nil
+	}
+	p := *h.Breaker.Probe
+	if p.Interval <= 0 {
+		p.Interval = caddy.Duration(5 * time.Second)
+	}
+	if p.URI == "" && p.Chat == "" {
+		p.URI = "/health"
+	}
+	t, _ := newTarget(&reverseproxy.Upstream{Dial: addr}, new(upstreamState))
+	var dial func(context.Context) context.Context
+	if t != nil {
+		di := t.di
+		dial = func(ctx context.Context) context.Context { return context.WithValue(ctx, dialInfoKey, di) }
+	}
+	return &prober{addr: addr, transport: h.transport, dial: dial, probe: p, timeout: h.firstByteTimeout()}
+}
+
+func (e *breakerEntry) setProber(p *prober) {
+	e.mu.Lock()
+	e.prober = p
+	e.mu.Unlock()
+}
+
+// startProbing starts the probe loop if active probing is on and no loop
+// runs. The loop belongs to the entry, not to a config: it survives
+// reloads and stops when the breaker closes or the entry is destroyed.
+func (e *breakerEntry) startProbing() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.prober == nil || e.probing {
+		return
+	}
+	if e.stop == nil {
+		e.stop = make(chan struct{})
+	}
+	e.probing = true
+	go e.probeLoop(e.stop)
+}
+
+func (e *breakerEntry) probeLoop(stop <-chan struct{}) {
+	defer func() {
+		e.mu.Lock()
+		e.probing = false
+		e.mu.Unlock()
+	}()
+	for {
+		e.mu.Lock()
+		p := e.prober
+		e.mu.Unlock()
+		if p == nil || e.b.State() == breaker.Closed {
+			return
+		}
+		t := time.NewTimer(time.Duration(p.probe.Interval))
+		select {
+		case <-stop:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		if !e.b.ProbeDue() {
+			continue
+		}
+		permit, ok := e.b.AllowProbe()
+		if !ok {
+			continue
+		}
+		if err := p.send(); err != nil {
+			permit.Done(breaker.Failure, 0, "active probe: "+err.Error())
+		} else {
+			permit.Done(breaker.Success, 0, "")
+		}
+	}
+}
+
+// send runs one probe: success is a 2xx with a complete body within the
+// first-byte timeout.
+func (p *prober) send() error {
+	ctx, cancel := context.WithTimeout(context.Background(), p.timeout)
+	defer cancel()
+	if p.dial != nil {
+		ctx = p.dial(ctx)
+	}
+	method, path, body := http.MethodGet, p.probe.URI, io.Reader(nil)
+	if p.probe.Chat != "" {
+		method, path, body = http.MethodPost, "/v1/chat/completions", strings.NewReader(p.probe.Chat)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://"+p.addr+path, body)
+	if err != nil {
+		return err
+	}
+	req.URL.Scheme = "" // the transport sets http or https
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set("User-Agent", "caddy-llm-proxy-probe")
+	resp, err := p.transport.RoundTrip(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	var buf bytes.Buffer
+	if _, err := io.Copy(&buf, io.LimitReader(resp.Body, 1<<20)); err != nil {
+		return fmt.Errorf("reading probe response: %w", err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("probe %s %s: status %d", method, path, resp.StatusCode)
+	}
+	return nil
+}
