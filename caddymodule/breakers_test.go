@@ -1,0 +1,145 @@
+package caddymodule
+
+import (
+	"errors"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// breakerHandler is a handler with breakers on, over fresh upstream
+// addresses (breakers are process-wide, keyed by address).
+func breakerHandler(t *testing.T, cfg *BreakerConfig, dials ...string) *Handler {
+	t.Helper()
+	initMetrics()
+	h := staticHandler(t, func(*Handler) reverseproxy.Selector { return new(reverseproxy.FirstSelection) }, dials...)
+	h.Breaker = cfg
+	s := cfg.settings(time.Minute)
+	h.breakerSettings = &s
+	h.breakers, h.breakersMu = new(sync.Map), new(sync.Mutex)
+	t.Cleanup(h.releaseBreakers)
+	return h
+}
+
+func pickErr(b balancer, model string) (proxy.Upstream, error) {
+	return b.Pick(httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil), proxy.RequestInfo{Model: model}, nil)
+}
+
+func fail(up proxy.Upstream) {
+	up.Done(&proxy.AttemptReport{Upstream: up.Addr, Outcome: proxy.AttemptHTTP5xx, Status: 503})
+}
+
+func TestOpenBreakerRemovesUpstreamBeforeSelection(t *testing.T) {
+	h := breakerHandler(t, nil, "10.1.0.1:8000", "10.1.0.2:8000")
+	b := balancer{h: h}
+	for range 3 { // default: 3 consecutive failures
+		up, err := pickErr(b, "")
+		if err != nil || up.Addr != "10.1.0.1:8000" {
+			t.Fatalf("pick %v %v", up.Addr, err)
+		}
+		fail(up)
+	}
+	if st := h.breakerFor("10.1.0.1:8000", "").b.State(); st != breaker.Open {
+		t.Fatalf("state %v after 3 failures", st)
+	}
+	before := testutil.ToFloat64(metrics.shortCircuited.WithLabelValues("10.1.0.1:8000"))
+	up, err := pickErr(b, "")
+	if err != nil || up.Addr != "10.1.0.2:8000" {
+		t.Fatalf("with the first open, the policy 'first' must get the second: %v %v", up.Addr, err)
+	}
+	up.Done(&proxy.AttemptReport{Outcome: proxy.AttemptSuccess})
+	if got := testutil.ToFloat64(metrics.shortCircuited.WithLabelValues("10.1.0.1:8000")) - before; got != 1 {
+		t.Fatalf("short_circuited grew by %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(metrics.breakerState.WithLabelValues("10.1.0.1:8000", "unknown")); got != 2 {
+		t.Fatalf("breaker_state gauge %v, want 2 (open)", got)
+	}
+}
+
+func TestAllBreakersOpenGivesRetryAfterWithoutUpstream(t *testing.T) {
+	h := breakerHandler(t, &BreakerConfig{ConsecutiveFailures: 1, OpenFor: 30000000000, MinOpen: 30000000000}, "10.1.1.1:8000")
+	b := balancer{h: h}
+	up, _ := pickErr(b, "")
+	fail(up)
+	_, err := pickErr(b, "")
+	var ue *proxy.UnavailableError
+	if !errors.As(err, &ue) || !ue.CircuitOpen || !errors.Is(err, proxy.ErrNoUpstream) {
+		t.Fatalf("err %v", err)
+	}
+	// 30s cooldown jittered by ±20%.
+	if ue.RetryAfter < 23*time.Second || ue.RetryAfter > 37*time.Second {
+		t.Fatalf("RetryAfter %v", ue.RetryAfter)
+	}
+}
+
+func TestNeutralAnd4xxLeaveBreakerClosed(t *testing.T) {
+	h := breakerHandler(t, nil, "10.1.2.1:8000")
+	b := balancer{h: h}
+	for _, o := range []proxy.AttemptOutcome{proxy.AttemptCanceled, proxy.AttemptHTTP4xx, proxy.AttemptInbandError4xx,
+		proxy.AttemptCanceled, proxy.AttemptHTTP4xx, proxy.AttemptCanceled} {
+		up, err := pickErr(b, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		up.Done(&proxy.AttemptReport{Outcome: o})
+	}
+	snap := h.breakerFor("10.1.2.1:8000", "").b.Snapshot()
+	if snap.State != breaker.Closed || snap.ConsecutiveFailures != 0 || snap.FailuresInWindow != 0 {
+		t.Fatalf("snapshot %+v", snap)
+	}
+}
+
+func TestRetryAfterOpensBreakerForThatLong(t *testing.T) {
+	h := breakerHandler(t, nil, "10.1.3.1:8000", "10.1.3.2:8000")
+	b := balancer{h: h}
+	up, _ := pickErr(b, "")
+	up.Done(&proxy.AttemptReport{Outcome: proxy.AttemptHTTP429, Status: 429, RetryAfter: 2 * time.Second})
+	br := h.breakerFor("10.1.3.1:8000", "").b
+	if br.State() != breaker.Open {
+		t.Fatalf("a 429 with Retry-After should exclude the upstream; state %v", br.State())
+	}
+	if until := br.Snapshot().OpenUntil; time.Until(until) > 2*time.Second || time.Until(until) < time.Second {
+		t.Fatalf("open until %v from now, want ~2s", time.Until(until))
+	}
+	if up, _ := pickErr(b, ""); up.Addr != "10.1.3.2:8000" {
+		t.Fatalf("picked %s", up.Addr)
+	}
+}
+
+func TestScopeModelKeepsBreakersApart(t *testing.T) {
+	h := breakerHandler(t, &BreakerConfig{Scope: "model", ConsecutiveFailures: 1}, "10.1.4.1:8000")
+	b := balancer{h: h}
+	up, _ := pickErr(b, "llama")
+	fail(up)
+	if _, err := pickErr(b, "llama"); err == nil {
+		t.Fatal("llama's breaker should be open")
+	}
+	if _, err := pickErr(b, "qwen"); err != nil {
+		t.Fatalf("qwen on the same upstream should pass: %v", err)
+	}
+}
+
+func TestBreakerStateSurvivesHandlerReplacement(t *testing.T) {
+	old := breakerHandler(t, &BreakerConfig{ConsecutiveFailures: 1, OpenFor: 60000000000, MinOpen: 60000000000}, "10.1.5.1:8000")
+	up, _ := pickErr(balancer{h: old}, "")
+	fail(up)
+	// A reload: the new handler takes its reference before the old one
+	// releases its own.
+	next := breakerHandler(t, &BreakerConfig{ConsecutiveFailures: 5}, "10.1.5.1:8000")
+	_ = next.breakerFor("10.1.5.1:8000", "")
+	old.releaseBreakers()
+	e := next.breakerFor("10.1.5.1:8000", "")
+	if e.b.State() != breaker.Open {
+		t.Fatalf("state after reload %v, want open", e.b.State())
+	}
+	if e.b.Settings().ConsecutiveFailures != 5 {
+		t.Fatalf("new settings not applied: %+v", e.b.Settings())
+	}
+}
