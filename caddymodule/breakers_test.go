@@ -29,7 +29,7 @@ func breakerHandler(t *testing.T, cfg *BreakerConfig, dials ...string) *Handler 
 }
 
 func pickErr(b balancer, model string) (proxy.Upstream, error) {
-	return b.Pick(httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil), proxy.RequestInfo{Model: model}, nil)
+	return b.Pick(httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil), proxy.PickRequest{Info: proxy.RequestInfo{Model: model}})
 }
 
 func fail(up proxy.Upstream) {

@@ -23,6 +23,11 @@ var metrics = struct {
 	breakerState       *prometheus.GaugeVec
 	breakerTransitions *prometheus.CounterVec
 	shortCircuited     *prometheus.CounterVec
+
+	retries         *prometheus.CounterVec
+	budgetExhausted prometheus.Counter
+	hedges          *prometheus.CounterVec
+	hedgeDelay      *prometheus.GaugeVec
 }{}
 
 // ttftBuckets span a warm GPU's 25 ms to a saturated queue's minute.
@@ -68,6 +73,22 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "short_circuited_total",
 			Help: "Times an upstream was skipped because its circuit breaker refused.",
 		}, []string{"upstream"})
+		metrics.retries = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "retries_total",
+			Help: "Retries scheduled, by the upstream whose attempt failed and the failure (reason).",
+		}, []string{"upstream", "reason"})
+		metrics.budgetExhausted = prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "retry_budget_exhausted_total",
+			Help: "Retries refused by the retry budget; the request got its failure at once.",
+		})
+		metrics.hedges = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "hedges_total",
+			Help: "Hedged requests: fired (backup started), won (backup committed), lost (primary committed), suppressed (a gate refused).",
+		}, []string{"outcome"})
+		metrics.hedgeDelay = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "hedge_delay_seconds",
+			Help: "The hedge delay last computed, by model.",
+		}, []string{"model"})
 	})
 }
 
@@ -76,7 +97,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
 	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
 		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
-		metrics.shortCircuited} {
+		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -126,6 +147,14 @@ func (observer) AttemptDone(a *proxy.AttemptReport) {
 }
 
 func (observer) EventRelayed() { metrics.eventsRelayed.Inc() }
+
+func (observer) Retry(upstream string, reason proxy.AttemptOutcome) {
+	metrics.retries.WithLabelValues(upstream, reason.String()).Inc()
+}
+
+func (observer) RetryBudgetExhausted() { metrics.budgetExhausted.Inc() }
+
+func (observer) Hedge(outcome string) { metrics.hedges.WithLabelValues(outcome).Inc() }
 
 func (observer) RequestDone(r *proxy.Result) {
 	model := modelLabel(r.Info.Model)

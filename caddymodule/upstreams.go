@@ -92,8 +92,8 @@ type candidate struct {
 // Pick removes the upstreams whose breaker refuses, prefers those the
 // request has not tried, lets the selection policy choose, and takes the
 // breaker's permit and an in-flight count, both given back by Done.
-func (b balancer) Pick(w http.ResponseWriter, r *http.Request, info proxy.RequestInfo, tried []string) (proxy.Upstream, error) {
-	h := b.h
+func (b balancer) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickRequest) (proxy.Upstream, error) {
+	h, info, tried := b.h, req.Info, req.Tried
 	targets, err := h.targets(r)
 	if err != nil {
 		return proxy.Upstream{}, fmt.Errorf("%w: %v", proxy.ErrNoUpstream, err)
@@ -108,6 +108,9 @@ func (b balancer) Pick(w http.ResponseWriter, r *http.Request, info proxy.Reques
 	for _, t := range targets {
 		c := candidate{t: t, br: h.breakerFor(t.addr, info.Model)}
 		if c.br != nil {
+			if req.Hedge && c.br.b.State() != breaker.Closed {
+				continue // never hedge onto a recovering upstream
+			}
 			if at := c.br.b.RetryAt(); !at.IsZero() && at.After(now) {
 				metrics.shortCircuited.WithLabelValues(t.addr).Inc()
 				if earliest.IsZero() || at.Before(earliest) {
@@ -122,8 +125,9 @@ func (b balancer) Pick(w http.ResponseWriter, r *http.Request, info proxy.Reques
 			fresh = append(fresh, c)
 		}
 	}
-	if len(fresh) == 0 {
-		// Every upstream that accepts was tried: allow them again.
+	if len(fresh) == 0 && !req.Hedge {
+		// Every upstream that accepts was tried: allow them again. A
+		// hedge only ever goes to another upstream.
 		fresh = retried
 	}
 	for len(fresh) > 0 {
@@ -165,6 +169,7 @@ func (c candidate) upstream(permit *breaker.Permit) proxy.Upstream {
 	br := c.br
 	return proxy.Upstream{
 		Addr:    t.addr,
+		Closed:  br == nil || br.b.State() == breaker.Closed,
 		Context: func(ctx context.Context) context.Context { return context.WithValue(ctx, dialInfoKey, di) },
 		Done: func(rep *proxy.AttemptReport) {
 			t.state.inflight.Add(-1)

@@ -38,7 +38,7 @@ func staticHandler(t *testing.T, sel func(*Handler) reverseproxy.Selector, dials
 
 func pick(t *testing.T, b balancer, tried ...string) proxy.Upstream {
 	t.Helper()
-	up, err := b.Pick(httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil), proxy.RequestInfo{}, tried)
+	up, err := b.Pick(httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil), proxy.PickRequest{Tried: tried})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -52,6 +52,8 @@ type attempt struct {
 	// inband is the in-band error event that failed the attempt, if any.
 	inband *sse.InbandError
 	ended  bool
+	// hedge is true for a backup attempt started by the hedge timer.
+	hedge bool
 	// drain asks end() to read the rest of a finished response (the
 	// chunked terminator after [DONE]) so the connection can be reused.
 	drain bool
@@ -64,7 +66,7 @@ const (
 )
 
 // startAttempt launches an attempt on up; its result arrives on results.
-func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) {
+func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, started: time.Now()}
 	a.fbTimer = time.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
@@ -79,6 +81,7 @@ func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) {
 		}()
 		a.preCommit()
 	}()
+	return a
 }
 
 // preCommit runs the attempt up to its commit point: the first SSE data

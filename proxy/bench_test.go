@@ -34,7 +34,7 @@ func (d *discardWriter) Flush()                      {}
 
 type oneBalancer struct{}
 
-func (oneBalancer) Pick(http.ResponseWriter, *http.Request, RequestInfo, []string) (Upstream, error) {
+func (oneBalancer) Pick(http.ResponseWriter, *http.Request, PickRequest) (Upstream, error) {
 	return Upstream{Addr: "mem:1"}, nil
 }
 

@@ -9,61 +9,216 @@ import (
 	"time"
 )
 
-// attemptUntilCommit is step 4 of the lifecycle: it runs attempts, one
-// upstream after another, until one reaches its commit point. It returns
-// that attempt, or nil and the failure to report.
+// attemptUntilCommit is step 4 of the lifecycle: it runs attempts until one
+// reaches its commit point, and returns it, or nil and the failure to
+// report. Attempts run in their own goroutines, with their own contexts,
+// and report on a channel, so the loop can wait at once on them, on the
+// hedge timer and on the client.
 //
-// Attempts run in their own goroutines and report on a channel so that the
-// loop can also wait on the client and, later, on a hedge timer. The places
-// where breakers, the retry budget and hedging plug in are marked.
+// Order of the gates (DESIGN §3): the breaker (inside the Balancer) first,
+// then the retry budget, then hedging.
 func (x *exchange) attemptUntilCommit() (*attempt, *failure) {
-	max := x.p.cfg.MaxAttempts
-	results := make(chan *attempt, max)
-	var tried []string
-	var last *attempt
-	inflight := 0
+	cfg := &x.p.cfg
+	rc := &race{x: x, results: make(chan *attempt, cfg.MaxAttempts)}
+	if cfg.Retries != nil {
+		cfg.Retries.Request()
+	}
+	var hedgeDelay time.Duration
+	if cfg.Hedging != nil {
+		cfg.Hedging.Request()
+		hedgeDelay, rc.hedging = cfg.Hedging.Delay(x.res.Info)
+	}
+	if f := rc.startNext(false); f != nil {
+		return nil, f
+	}
+	var hedgeC <-chan time.Time
+	if rc.hedging {
+		t := time.NewTimer(hedgeDelay)
+		defer t.Stop()
+		hedgeC = t.C
+		rc.hedgeTimer = t
+	}
 	for {
-		if inflight == 0 {
-			if last != nil && !x.mayRetry(last, len(tried)) {
-				return nil, &failure{last: last}
-			}
-			// Breakers filter candidates inside the Balancer.
-			up, err := x.p.cfg.Balancer.Pick(x.w, x.r, x.res.Info, tried)
-			if err != nil {
-				if last != nil {
-					return nil, &failure{last: last}
-				}
-				return nil, &failure{pickErr: err}
-			}
-			tried = append(tried, up.Addr)
-			x.res.Attempts++
-			x.res.Upstream = up.Addr
-			x.startAttempt(up, results)
-			inflight++
-		}
 		select {
-		case a := <-results:
-			inflight--
+		case a := <-rc.results:
+			rc.inflight--
 			if a.ok {
-				x.abandon(results, inflight)
+				rc.commit(a)
 				return a, nil
 			}
 			a.end(false)
-			last = a
+			rc.last = a
+			if rc.inflight > 0 {
+				continue // the other attempt of a hedged pair may still commit
+			}
+			if f := rc.retry(); f != nil {
+				return nil, f
+			}
+		case <-hedgeC:
+			hedgeC = nil
+			if rc.hedge() && rc.hedges < cfg.Hedging.MaxHedges() {
+				rc.hedgeTimer.Reset(hedgeDelay)
+				hedgeC = rc.hedgeTimer.C
+			}
 		case <-x.ctx.Done():
-			x.abandon(results, inflight)
-			return nil, &failure{last: last, ctxErr: context.Cause(x.ctx)}
+			x.abandon(rc.results, rc.inflight)
+			return nil, &failure{last: rc.last, ctxErr: context.Cause(x.ctx)}
 		}
 	}
 }
 
-// mayRetry decides whether a failed attempt is followed by another.
-func (x *exchange) mayRetry(last *attempt, attempts int) bool {
-	if !last.outcome.Retryable() || attempts >= x.p.cfg.MaxAttempts {
+// race is the state of one request's attempts.
+type race struct {
+	x          *exchange
+	results    chan *attempt
+	tried      []string
+	inflight   int
+	last       *attempt
+	retries    int
+	hedges     int
+	hedging    bool
+	hedgeTimer *time.Timer
+	// primaryClosed is whether the latest non-hedge attempt's upstream had
+	// a closed breaker; a sick primary is never hedged.
+	primaryClosed bool
+}
+
+// startNext picks an upstream and starts an attempt on it. It returns the
+// failure to report when no upstream can be had.
+func (rc *race) startNext(hedge bool) *failure {
+	x := rc.x
+	up, err := x.p.cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried, Hedge: hedge})
+	if err != nil {
+		if rc.last != nil {
+			return &failure{last: rc.last, pickErr: err}
+		}
+		return &failure{pickErr: err}
+	}
+	rc.launch(up, hedge)
+	return nil
+}
+
+func (rc *race) launch(up Upstream, hedge bool) {
+	x := rc.x
+	rc.tried = append(rc.tried, up.Addr)
+	x.res.Attempts++
+	x.res.Upstream = up.Addr
+	if !hedge {
+		rc.primaryClosed = up.Closed
+	}
+	a := x.startAttempt(up, rc.results)
+	a.hedge = hedge
+	rc.inflight++
+}
+
+// retry decides, after every attempt has failed, whether another one runs:
+// only for a retryable failure, within max_attempts, when the retry budget
+// grants it, after a full-jitter backoff. It starts the attempt, or
+// returns the failure to report at once.
+func (rc *race) retry() *failure {
+	x, cfg, last := rc.x, &rc.x.p.cfg, rc.last
+	stop := &failure{last: last}
+	if !last.outcome.Retryable() || x.res.Attempts >= cfg.MaxAttempts || x.ctx.Err() != nil {
+		return stop
+	}
+	if cfg.Retries != nil && !cfg.Retries.TryRetry() {
+		x.p.obs.RetryBudgetExhausted()
+		return stop
+	}
+	x.p.obs.Retry(last.up.Addr, last.outcome)
+	n := rc.retries
+	rc.retries++
+	x.res.Retries = rc.retries
+	// With hedging on, a primary that fails before the hedge fires is
+	// replaced at once: the failover is the backup.
+	immediate := rc.hedging && rc.hedges == 0
+	if cfg.Retries != nil && !immediate {
+		if d, ok := cfg.Retries.Backoff(n, 0, x.remaining()); ok && !x.sleep(d) {
+			return &failure{last: last, ctxErr: context.Cause(x.ctx)}
+		}
+	}
+	up, err := cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried})
+	var ue *UnavailableError
+	if err != nil && errors.As(err, &ue) && ue.RetryAfter > 0 && cfg.Retries != nil {
+		// Every upstream asked for a pause (Retry-After, open breakers):
+		// wait only if that fits, never sleeping through a long one.
+		d, ok := cfg.Retries.Backoff(n, ue.RetryAfter, x.remaining())
+		if !ok {
+			return stop
+		}
+		if !x.sleep(d) {
+			return &failure{last: last, ctxErr: context.Cause(x.ctx)}
+		}
+		up, err = cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried})
+	}
+	if err != nil {
+		return stop
+	}
+	rc.launch(up, false)
+	return nil
+}
+
+// hedge runs when the hedge delay passes without a first event: it starts
+// a backup on another upstream when the primary's breaker is closed, the
+// hedge-rate cap and the retry budget allow, and attempts remain. It
+// reports whether a backup started.
+func (rc *race) hedge() bool {
+	x, cfg := rc.x, &rc.x.p.cfg
+	if rc.inflight == 0 || rc.hedges >= cfg.Hedging.MaxHedges() || x.res.Attempts >= cfg.MaxAttempts {
 		return false
 	}
-	// The retry budget and backoff plug in here.
-	return x.ctx.Err() == nil
+	if !rc.primaryClosed || !cfg.Hedging.TryHedge() || (cfg.Retries != nil && !cfg.Retries.TryRetry()) {
+		x.p.obs.Hedge(HedgeSuppressed)
+		return false
+	}
+	if f := rc.startNext(true); f != nil {
+		x.p.obs.Hedge(HedgeSuppressed)
+		return false
+	}
+	rc.hedges++
+	x.res.Hedged = true
+	x.p.obs.Hedge(HedgeFired)
+	return true
+}
+
+// commit makes a the winner: every other attempt is cancelled through its
+// own context (neutral for its breaker), and the hedge statistics learn.
+func (rc *race) commit(a *attempt) {
+	x := rc.x
+	x.abandon(rc.results, rc.inflight)
+	if rc.hedges > 0 {
+		if a.hedge {
+			x.p.obs.Hedge(HedgeWon)
+		} else if rc.inflight > 0 {
+			x.p.obs.Hedge(HedgeLost)
+		}
+	}
+	if x.p.cfg.Hedging != nil && a.ttft > 0 {
+		x.p.cfg.Hedging.Observe(x.res.Info, a.ttft)
+	}
+}
+
+// remaining is the time left before stream_timeout, 0 without one.
+func (x *exchange) remaining() time.Duration {
+	if x.p.cfg.StreamTimeout <= 0 {
+		return 0
+	}
+	return max(x.p.cfg.StreamTimeout-time.Since(x.start), time.Nanosecond)
+}
+
+// sleep waits d, or until the request ends; it reports whether d passed.
+func (x *exchange) sleep(d time.Duration) bool {
+	if d <= 0 {
+		return x.ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-x.ctx.Done():
+		return false
+	}
 }
 
 // abandon cancels the attempts still running and ends them as they report,

@@ -25,6 +25,9 @@ type Upstream struct {
 	// Context, when set, decorates the attempt's context before the round
 	// trip (Caddy's transport reads its dial information from there).
 	Context func(context.Context) context.Context
+	// Closed reports that the upstream's circuit breaker was closed when
+	// it was picked (or that it has none): only such a primary is hedged.
+	Closed bool
 	// Done, when set, is called exactly once when the attempt ends, on
 	// every path, with the attempt's report (the balancer releases its
 	// in-flight count and records the outcome on the upstream's breaker).
@@ -59,8 +62,59 @@ type Balancer interface {
 	// (model, for per-model breakers). w is the
 	// client's writer, for policies that set a cookie; nothing is written
 	// to its body.
-	Pick(w http.ResponseWriter, r *http.Request, info RequestInfo, tried []string) (Upstream, error)
+	Pick(w http.ResponseWriter, r *http.Request, req PickRequest) (Upstream, error)
 }
+
+// PickRequest is what a Balancer knows of the attempt to place.
+type PickRequest struct {
+	// Info is the parsed request (its model, for per-model breakers).
+	Info RequestInfo
+	// Tried lists the upstreams this request has already tried.
+	Tried []string
+	// Hedge is true for a backup attempt: only upstreams whose breaker is
+	// closed qualify (never hedge into a sick fleet).
+	Hedge bool
+}
+
+// Retries gates and paces retries. Hedges draw from the same budget, so
+// together they stay within its bound. Implementations must be safe for
+// concurrent use.
+type Retries interface {
+	// Request records an original request, which earns retry capacity.
+	Request()
+	// TryRetry charges one retry (or hedge) to the budget when it is
+	// scheduled; false refuses it.
+	TryRetry() bool
+	// Backoff returns the wait before retry n (0 for the first), at least
+	// retryAfter when that is positive; ok is false when the wait does not
+	// fit in remaining (0: no deadline) or the implementation's own bound.
+	Backoff(n int, retryAfter, remaining time.Duration) (d time.Duration, ok bool)
+}
+
+// Hedging decides when a backup attempt starts. Implementations must be
+// safe for concurrent use.
+type Hedging interface {
+	// Delay is how long to wait for the primary's first event before
+	// starting a backup; ok=false disables hedging for this request.
+	Delay(info RequestInfo) (d time.Duration, ok bool)
+	// Request records a request for the hedge-rate cap.
+	Request()
+	// TryHedge charges a hedge to the hedge-rate cap; false refuses it.
+	TryHedge() bool
+	// Observe records the TTFT of a committed attempt (the percentile
+	// delay learns from it).
+	Observe(info RequestInfo, ttft time.Duration)
+	// MaxHedges bounds the backups per request.
+	MaxHedges() int
+}
+
+// Hedge outcomes, the "outcome" label of caddy_llm_proxy_hedges_total.
+const (
+	HedgeFired      = "fired"      // a backup attempt started
+	HedgeWon        = "won"        // the backup committed first
+	HedgeLost       = "lost"       // the primary committed while the backup ran
+	HedgeSuppressed = "suppressed" // the delay passed but a gate refused the backup
+)
 
 // Observer receives the lifecycle's measurements (metrics, logs). Calls come
 // from the request's goroutines; implementations must be safe for
@@ -70,6 +124,12 @@ type Observer interface {
 	AttemptDone(a *AttemptReport)
 	// EventRelayed is called once per SSE event written to the client.
 	EventRelayed()
+	// Retry is called when a retry is scheduled after upstream failed with reason.
+	Retry(upstream string, reason AttemptOutcome)
+	// RetryBudgetExhausted is called when the budget refuses a retry.
+	RetryBudgetExhausted()
+	// Hedge is called with HedgeFired, HedgeWon, HedgeLost or HedgeSuppressed.
+	Hedge(outcome string)
 	// RequestDone reports the finished request.
 	RequestDone(r *Result)
 }
@@ -115,6 +175,10 @@ type Result struct {
 	Events int
 	// Streamed is true when the response was an SSE stream.
 	Streamed bool
+	// Retries is the number of retries scheduled.
+	Retries int
+	// Hedged is true when a backup attempt was started.
+	Hedged bool
 }
 
 // Config configures a Proxy. Zero durations take the documented defaults.
@@ -147,8 +211,14 @@ type Config struct {
 	// StreamTimeout bounds the whole response from the request's arrival;
 	// 0 means no bound.
 	StreamTimeout time.Duration
-	// MaxAttempts bounds the attempts per request; default 2.
+	// MaxAttempts bounds the attempts per request, hedges included;
+	// default 2.
 	MaxAttempts int
+	// Retries gates and paces retries; nil retries at once within
+	// MaxAttempts.
+	Retries Retries
+	// Hedging starts backup attempts; nil disables hedging.
+	Hedging Hedging
 }
 
 // Defaults of Config.
@@ -302,6 +372,9 @@ func (p *Proxy) checkDebug(msg string) *zapcore.CheckedEntry {
 
 type nopObserver struct{}
 
-func (nopObserver) AttemptDone(*AttemptReport) {}
-func (nopObserver) EventRelayed()              {}
-func (nopObserver) RequestDone(*Result)        {}
+func (nopObserver) AttemptDone(*AttemptReport)   {}
+func (nopObserver) EventRelayed()                {}
+func (nopObserver) RequestDone(*Result)          {}
+func (nopObserver) Retry(string, AttemptOutcome) {}
+func (nopObserver) RetryBudgetExhausted()        {}
+func (nopObserver) Hedge(string)                 {}

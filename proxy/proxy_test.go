@@ -30,7 +30,8 @@ type listBalancer struct {
 	released atomic.Int64
 }
 
-func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, _ RequestInfo, tried []string) (Upstream, error) {
+func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, req PickRequest) (Upstream, error) {
+	tried := req.Tried
 	for _, a := range b.addrs {
 		seen := false
 		for _, t := range tried {
@@ -48,10 +49,13 @@ func (b *listBalancer) Pick(_ http.ResponseWriter, _ *http.Request, _ RequestInf
 
 // recordingObserver keeps what the proxy reports.
 type recordingObserver struct {
-	mu       sync.Mutex
-	attempts []AttemptReport
-	events   int
-	results  []Result
+	mu        sync.Mutex
+	attempts  []AttemptReport
+	events    int
+	results   []Result
+	retries   int
+	exhausted int
+	hedges    map[string]int
 }
 
 func (o *recordingObserver) AttemptDone(a *AttemptReport) {
@@ -60,6 +64,20 @@ func (o *recordingObserver) AttemptDone(a *AttemptReport) {
 	o.attempts = append(o.attempts, *a)
 }
 func (o *recordingObserver) EventRelayed() { o.mu.Lock(); o.events++; o.mu.Unlock() }
+func (o *recordingObserver) Retry(string, AttemptOutcome) {
+	o.mu.Lock()
+	o.retries++
+	o.mu.Unlock()
+}
+func (o *recordingObserver) RetryBudgetExhausted() { o.mu.Lock(); o.exhausted++; o.mu.Unlock() }
+func (o *recordingObserver) Hedge(outcome string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.hedges == nil {
+		o.hedges = map[string]int{}
+	}
+	o.hedges[outcome]++
+}
 func (o *recordingObserver) RequestDone(r *Result) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -441,31 +459,59 @@ func TestHopHeadersRemovedAndForwardedSet(t *testing.T) {
 	}
 }
 
+// closeSignal wraps response bodies and reports each Close.
+type closeSignal struct {
+	rt     http.RoundTripper
+	closed chan struct{}
+}
+
+func (c closeSignal) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := c.rt.RoundTrip(r)
+	if err == nil {
+		resp.Body = &signalBody{ReadCloser: resp.Body, closed: c.closed}
+	}
+	return resp, err
+}
+
+type signalBody struct {
+	io.ReadCloser
+	closed chan struct{}
+}
+
+func (b *signalBody) Close() error {
+	err := b.ReadCloser.Close()
+	b.closed <- struct{}{}
+	return err
+}
+
 func TestUpstreamConnectionReusedAfterDone(t *testing.T) {
 	var newConns atomic.Int64
-	idle := make(chan struct{}, 16)
 	up := &upstream{}
 	up.Server = httptest.NewUnstartedServer(http.HandlerFunc(sseUpstream(chunkA, chunkEnd, done)))
 	up.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		switch s {
-		case http.StateNew:
+		if s == http.StateNew {
 			newConns.Add(1)
-		case http.StateIdle:
-			idle <- struct{}{}
 		}
 	}
 	up.Start()
 	t.Cleanup(up.Close)
-	p, _, _ := newTestProxy(t, Config{}, up)
+	closed := make(chan struct{}, 16)
+	p, err := New(Config{
+		Transport: closeSignal{rt: schemeTransport{http.DefaultTransport}, closed: closed},
+		Balancer:  &listBalancer{addrs: []string{up.addr()}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	for i := range 5 {
 		w := httptest.NewRecorder()
 		if res := p.ServeHTTP(w, post(`{"stream":true}`)); res.Outcome != OutcomeSuccess {
 			t.Fatalf("request %d: %v", i, res.Outcome)
 		}
 		select {
-		case <-idle:
-		case <-time.After(2 * time.Second):
-			t.Fatalf("request %d: the upstream connection never went idle", i)
+		case <-closed: // the background drain read the end and closed the body
+		case <-time.After(3 * time.Second):
+			t.Fatalf("request %d: the upstream body was never closed", i)
 		}
 	}
 	if n := newConns.Load(); n != 1 {
