@@ -487,7 +487,12 @@ func (b *signalBody) Close() error {
 func TestUpstreamConnectionReusedAfterDone(t *testing.T) {
 	var newConns atomic.Int64
 	up := &upstream{}
-	up.Server = httptest.NewUnstartedServer(http.HandlerFunc(sseUpstream(chunkA, chunkEnd, done)))
+	up.Server = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sseUpstream(chunkA, chunkEnd, done)(w, r)
+		// The chunked terminator follows [DONE] a little later, as from
+		// a server that flushes each event and then finishes its handler.
+		time.Sleep(30 * time.Millisecond)
+	}))
 	up.Config.ConnState = func(_ net.Conn, s http.ConnState) {
 		if s == http.StateNew {
 			newConns.Add(1)
