@@ -28,6 +28,7 @@ type attempt struct {
 	up      Upstream
 	ctx     context.Context
 	cancel  context.CancelCauseFunc
+	unlink  func() bool // stops the request's cancellation reaching ctx
 	started time.Time
 	fbTimer *time.Timer
 
@@ -67,8 +68,12 @@ const (
 
 // startAttempt launches an attempt on up; its result arrives on results.
 func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
-	ctx, cancel := context.WithCancelCause(x.ctx)
-	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, started: time.Now()}
+	// The attempt's context carries the request's values but is cancelled
+	// only through the link below, which end() may cut: a finished
+	// stream's connection can then be drained after the request is over.
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(x.ctx))
+	unlink := context.AfterFunc(x.ctx, func() { cancel(context.Cause(x.ctx)) })
+	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: time.Now()}
 	a.fbTimer = time.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
 	go func() {
 		defer func() {
@@ -273,7 +278,9 @@ func (a *attempt) end(committed bool) {
 	switch {
 	case a.resp != nil && a.drain:
 		// Closing a body before EOF closes its connection; a stream that
-		// sent [DONE] is about to end, so read its end off the wire.
+		// sent [DONE] is about to end, so read its end off the wire,
+		// past the end of the request.
+		a.unlink()
 		body, cancel := a.resp.Body, a.cancel
 		go func() {
 			t := time.AfterFunc(drainTimeout, func() { cancel(errLostRace) })
