@@ -2,8 +2,9 @@
 # Builds ./caddy: Caddy at the pinned version with this module, via xcaddy.
 #
 # The build is cached by the content of the Go sources that go into the
-# binary (non-test .go files, go.mod, go.sum): an unchanged tree reuses
-# .cache/caddy-<hash> instead of spending minutes on a rebuild.
+# binary (the non-test .go files of the linked packages, go.mod, go.sum): an
+# unchanged tree reuses .cache/caddy-<hash> instead of spending minutes on a
+# rebuild.
 #
 # Usage: ./xcaddy.sh [output-path]    (default ./caddy)
 set -euo pipefail
@@ -21,9 +22,13 @@ if ! "$xcaddy" version 2>/dev/null | grep -q "$XCADDY_VERSION"; then
 	go install "github.com/caddyserver/xcaddy/cmd/xcaddy@$XCADDY_VERSION"
 fi
 
+# The packages of this module that the binary links (not the mock, the
+# load generator or tests): a change anywhere else reuses the cached build.
+module=$(go list -m)
+pkgdirs=$(go list -deps -f "{{with .Module}}{{if eq .Path \"$module\"}}{{\$.Dir}}{{end}}{{end}}" .)
 hash=$( { echo "$CADDY_VERSION $XCADDY_VERSION $(go version)"; \
-	git ls-files -co --exclude-standard -- '*.go' go.mod go.sum 2>/dev/null \
-	| grep -v '_test\.go$' | grep -v '^e2e/' | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -c1-16)
+	for dir in $pkgdirs; do ls "$dir"/*.go; done | grep -v '_test\.go$' | LC_ALL=C sort | xargs sha256sum; \
+	sha256sum go.mod go.sum; } | sha256sum | cut -c1-16)
 cached=$root/.cache/caddy-$hash
 if [ ! -x "$cached" ]; then
 	echo "xcaddy.sh: building caddy $CADDY_VERSION with llm_proxy (cache key $hash)" >&2

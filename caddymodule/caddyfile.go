@@ -39,6 +39,18 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    stream_idle_timeout <duration>
 //	    stream_timeout <duration>
 //	    max_attempts <n>
+//	    retries {
+//	        ratio <ratio>
+//	        window <duration>
+//	        min_per_sec <n>
+//	        bucket <max_tokens> <refill_per_sec>
+//	        backoff <base> <cap>
+//	    }
+//	    hedge {
+//	        after <duration> | after p<NN> [min <duration>] [max <duration>]
+//	        max_ratio <ratio>
+//	        max_hedges <n>
+//	    }
 //	    breaker off
 //	    breaker {
 //	        consecutive_failures <n>|off
@@ -194,6 +206,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if d.NextArg() {
 				return d.ArgErr()
 			}
+
+		case "retries":
+			if h.Retries != nil {
+				return d.Err("retries already specified")
+			}
+			rc, err := parseRetries(d)
+			if err != nil {
+				return err
+			}
+			h.Retries = rc
 
 		case "breaker":
 			if h.Breaker != nil {
@@ -442,6 +464,14 @@ func parseRatio(d *caddyfile.Dispenser, name, v string) (float64, error) {
 		return 0, d.Errf("bad %s %q: want a ratio in (0, 1], such as 0.5", name, v)
 	}
 	return r, nil
+}
+
+func parseNonNegative(d *caddyfile.Dispenser, name, v string) (float64, error) {
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || !(f >= 0 && f <= 1e9) {
+		return 0, d.Errf("bad %s %q: want a non-negative number", name, v)
+	}
+	return f, nil
 }
 
 func parsePositiveDuration(d *caddyfile.Dispenser, name, v string) (time.Duration, error) {

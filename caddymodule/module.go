@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -80,6 +79,13 @@ type Handler struct {
 	// plus pre-commit failovers, each to an upstream not yet tried while
 	// one exists. Default: 2.
 	MaxAttempts int `json:"max_attempts,omitempty"`
+
+	// Retries configures the retry budget and backoff. Default: on, with
+	// the defaults documented on RetryConfig.
+	Retries *RetryConfig `json:"retries,omitempty"`
+
+	// Hedge turns on hedged requests. Default: off.
+	Hedge *HedgeConfig `json:"hedge,omitempty"`
 
 	// Breaker configures the circuit breakers. Default: on, with the
 	// defaults documented on BreakerConfig; {"disabled": true} turns them off.
@@ -294,7 +300,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Set("http.llm_proxy.upstream", res.Upstream)
 		repl.Set("http.llm_proxy.attempts", res.Attempts)
-		repl.Set("http.llm_proxy.ttft_ms", strconv.FormatInt(res.TTFT.Milliseconds(), 10))
+		repl.Set("http.llm_proxy.ttft_ms", res.TTFT.Milliseconds())
+		repl.Set("http.llm_proxy.retries", res.Retries)
+		repl.Set("http.llm_proxy.hedged", res.Hedged)
 		repl.Set("http.llm_proxy.outcome", res.Outcome.String())
 		repl.Set("http.llm_proxy.model", res.Info.Model)
 		repl.Set("http.llm_proxy.breaker_state", h.breakerState(res))

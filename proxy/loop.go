@@ -291,7 +291,13 @@ func (x *exchange) fail(f *failure) {
 		x.passThrough(a)
 	case AttemptInbandError4xx:
 		res.Outcome = OutcomeClientError
-		x.writeError(&GatewayError{Status: a.inband.Status, Type: orDefault(a.inband.Type, TypeInvalidRequest),
+		// OpenAI's type for the status (SDKs map on both); the upstream's
+		// own type stays visible in the code when it sent none.
+		typ := TypeInvalidRequest
+		if a.inband.Status == http.StatusTooManyRequests {
+			typ = TypeRateLimit
+		}
+		x.writeError(&GatewayError{Status: a.inband.Status, Type: typ,
 			Code: orDefault(a.inband.Code, strconv.Itoa(a.inband.Status)), Message: a.inband.Message})
 	case AttemptFirstByteTimeout, AttemptStreamTimeout:
 		res.Outcome = OutcomeTimeout

@@ -1,0 +1,163 @@
+package caddymodule
+
+import (
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// RetryConfig configures the retry budget and backoff. Retries happen only
+// before commit, only for retryable failures (DESIGN §3), each to another
+// upstream while one exists, and within max_attempts. The budget is shared
+// by every request to the same upstream pool, survives reloads, and bounds
+// extra load (retries and hedges together) as a fraction of traffic. On by
+// default with the defaults below.
+type RetryConfig struct {
+	// Ratio allows retries while retries ≤ Ratio × requests over Window.
+	// Default: 0.1 (at most 10% extra load, whatever the failure rate).
+	Ratio float64 `json:"ratio,omitempty"`
+
+	// Window is the rolling window of the ratio budget. Default: 10s.
+	Window caddy.Duration `json:"window,omitempty"`
+
+	// MinPerSec is a floor of retries per second that the ratio budget
+	// always allows, so low-traffic pools can still retry. Default: 3.
+	MinPerSec float64 `json:"min_per_sec,omitempty"`
+
+	// Bucket replaces the ratio budget with a token bucket: each retry
+	// takes a token; tokens refill at a fixed rate up to a maximum.
+	// Default: none (the ratio budget).
+	Bucket *TokenBucket `json:"bucket,omitempty"`
+
+	// BackoffBase and BackoffCap shape the full-jitter backoff: retry n
+	// waits uniformly in [0, min(cap, base·2^n)]. An upstream's Retry-After
+	// is waited for only when it is at most BackoffCap (and fits
+	// stream_timeout); otherwise the client gets the 429/503 at once.
+	// Defaults: 100ms and 2s.
+	BackoffBase caddy.Duration `json:"backoff_base,omitempty"`
+	BackoffCap  caddy.Duration `json:"backoff_cap,omitempty"`
+}
+
+// TokenBucket is the token-bucket form of the retry budget.
+type TokenBucket struct {
+	// MaxTokens is the bucket's size: the largest burst of retries.
+	MaxTokens float64 `json:"max_tokens"`
+	// RefillPerSec is the rate at which tokens come back.
+	RefillPerSec float64 `json:"refill_per_sec"`
+}
+
+// HedgeConfig turns on hedged requests: when no first event has arrived
+// after the hedge delay, a backup attempt goes to another upstream and the
+// first to produce an event wins. Off unless configured: hedging costs
+// upstream load.
+type HedgeConfig struct {
+	// After is a fixed hedge delay. Exclusive with Percentile.
+	After caddy.Duration `json:"after,omitempty"`
+
+	// Percentile sets the delay to this quantile (0.95 for p95) of the
+	// recently observed TTFT of the pool and model (a time-decayed
+	// histogram), clamped to [Min, Max]. Dean and Barroso ("The Tail at
+	// Scale", CACM 2013) hedge at p95.
+	Percentile float64 `json:"percentile,omitempty"`
+
+	// Min and Max clamp the percentile delay; Max is also used while too
+	// few TTFTs have been seen. Defaults: none and 2s.
+	Min caddy.Duration `json:"min,omitempty"`
+	Max caddy.Duration `json:"max,omitempty"`
+
+	// MaxRatio caps the share of requests that may hedge over a rolling
+	// 10s window. Default: 0.1.
+	MaxRatio float64 `json:"max_ratio,omitempty"`
+
+	// MaxHedges is the most backups per request. Default: 1.
+	MaxHedges int `json:"max_hedges,omitempty"`
+}
+
+// Defaults of RetryConfig and HedgeConfig.
+const (
+	defaultRetryRatio     = 0.1
+	defaultRetryWindow    = 10 * time.Second
+	defaultRetryMinPerSec = 3
+	defaultBackoffBase    = 100 * time.Millisecond
+	defaultBackoffCap     = 2 * time.Second
+	defaultHedgeMaxRatio  = 0.1
+	defaultHedgeWindow    = 10 * time.Second
+	defaultHedgeMax       = 2 * time.Second
+)
+
+// parseRetries parses a retries block; d is at "retries".
+func parseRetries(d *caddyfile.Dispenser) (*RetryConfig, error) {
+	rc := new(RetryConfig)
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name := d.Val()
+		args := d.RemainingArgs()
+		switch name {
+		case "ratio":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			r, err := parseRatio(d, name, args[0])
+			if err != nil {
+				return nil, err
+			}
+			rc.Ratio = r
+		case "window":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			dur, err := parsePositiveDuration(d, "retries window", args[0])
+			if err != nil {
+				return nil, err
+			}
+			rc.Window = caddy.Duration(dur)
+		case "min_per_sec":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			f, err := parseNonNegative(d, name, args[0])
+			if err != nil {
+				return nil, err
+			}
+			rc.MinPerSec = f
+		case "bucket":
+			if len(args) != 2 {
+				return nil, d.Errf("want: bucket <max_tokens> <refill_per_sec>")
+			}
+			maxTokens, err := parseNonNegative(d, "bucket max_tokens", args[0])
+			if err != nil || maxTokens < 1 {
+				return nil, d.Errf("bad bucket max_tokens %q: want a number ≥ 1", args[0])
+			}
+			refill, err := parseNonNegative(d, "bucket refill_per_sec", args[1])
+			if err != nil || refill <= 0 {
+				return nil, d.Errf("bad bucket refill_per_sec %q: want a positive number such as 0.5", args[1])
+			}
+			rc.Bucket = &TokenBucket{MaxTokens: maxTokens, RefillPerSec: refill}
+		case "backoff":
+			if len(args) != 2 {
+				return nil, d.Errf("want: backoff <base> <cap>")
+			}
+			base, err := parsePositiveDuration(d, "backoff base", args[0])
+			if err != nil {
+				return nil, err
+			}
+			capD, err := parsePositiveDuration(d, "backoff cap", args[1])
+			if err != nil {
+				return nil, err
+			}
+			if capD < base {
+				return nil, d.Errf("backoff cap %v is below its base %v", capD, base)
+			}
+			rc.BackoffBase, rc.BackoffCap = caddy.Duration(base), caddy.Duration(capD)
+		default:
+			return nil, d.Errf("unrecognized retries option %q", name)
+		}
+	}
+	if rc.Bucket != nil && (rc.Ratio != 0 || rc.Window != 0 || rc.MinPerSec != 0) {
+		return nil, d.Err("retries: bucket replaces ratio, window and min_per_sec; use one form")
+	}
+	return rc, nil
+}

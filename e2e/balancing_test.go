@@ -1,0 +1,102 @@
+package e2e
+
+import (
+	"context"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
+)
+
+// TestLeastConnReleasesEveryAttempt: the default least_conn policy counts
+// the gateway's attempts in flight, so every attempt must give its count
+// back however it ended (first-byte timeout, 5xx, reset, client gone,
+// success). After every kind of attempt ending on replica 0 (forced with
+// lb_policy first), a reload to least_conn (the in-flight counts live in
+// state that survives reloads), concurrent streams still spread evenly
+// over all three replicas, replica 0 included.
+func TestLeastConnReleasesEveryAttempt(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
+	site := func(policy string) string {
+		// breaker off: replica 0 fails 15 times in a row on purpose.
+		return "\tllm_proxy " + upstreams(fleet) + " {\n" + policy + "\t\tmax_attempts 3\n\t\tfirst_byte_timeout 300ms\n\t\tbreaker off\n\t}"
+	}
+	gw := startGateway(t, site("\t\tlb_policy first\n"))
+	c := newClient(t)
+
+	// Failures on replica 0, each request failing over to replica 1.
+	for _, spec := range []string{"hang", "status=503", "reset", "hang_after_headers", "error_event=0"} {
+		f, err := mockllm.ParseFault(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fleet.Replica(0).SetBehavior(mockllm.Behavior{Fault: f})
+		for range 3 {
+			ctx := testContext(t, 30*time.Second)
+			s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Fail on zero.", true), "X-Mock-Tokens: 2", "X-Mock-Token-Interval: 0")
+			checkCleanStream(t, s)
+		}
+	}
+	// Clients that go away mid-stream.
+	fleet.Replica(0).SetBehavior(mockllm.Behavior{})
+	for range 3 {
+		ctx, cancel := context.WithCancel(context.Background())
+		resp := post(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Leave early.", true), "X-Mock-Tokens: 50", "X-Mock-Token-Interval: 50ms")
+		_, _, _ = readEvents(resp.Body, func(_ event, n int) bool { return n < 2 })
+		cancel()
+		resp.Body.Close()
+	}
+	if !waitFor(3*time.Second, func() bool {
+		for _, r := range fleet.Stats().Replicas {
+			if r.InFlight != 0 {
+				return false
+			}
+		}
+		return true
+	}) {
+		t.Fatalf("upstream requests still in flight: %+v", fleet.Stats().Replicas)
+	}
+	if t.Failed() {
+		return
+	}
+	if r := fleet.Replica(0).Stats(); r.Requests != 18 {
+		t.Fatalf("replica 0 got %d requests, want 18 (lb_policy first)", r.Requests)
+	}
+	gw.reload(site("")) // default: least_conn
+
+	// 30 long streams, started 25ms apart so that each pick sees the ones
+	// before it, all in flight together: least_conn gives each replica 10.
+	// A leaked count (3 per leaking path above) would starve replica 0.
+	fleet.ResetStats()
+	const n = 30
+	var wg sync.WaitGroup
+	errs := make(chan string, n)
+	for range n {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			s, err := doStream(ctx, c, gw.URL+"/v1/chat/completions", chatBody("Spread us.", true), "X-Mock-Tokens: 20", "X-Mock-Token-Interval: 100ms")
+			switch {
+			case err != nil:
+				errs <- err.Error()
+			case s.Status != http.StatusOK || len(s.Events) == 0 || !s.Events[len(s.Events)-1].IsDone():
+				errs <- "incomplete stream"
+			}
+		})
+		time.Sleep(25 * time.Millisecond)
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Errorf("concurrent stream: %s", e)
+	}
+	for i, r := range fleet.Stats().Replicas {
+		t.Logf("replica %d: %d requests", i, r.Requests)
+		if r.Requests < 9 || r.Requests > 11 {
+			t.Errorf("replica %d got %d of %d concurrent streams, want about %d (least_conn)", i, r.Requests, n, n/3)
+		}
+	}
+}
