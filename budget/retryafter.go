@@ -1,6 +1,3 @@
-// Package budget holds the retry arithmetic of the gateway: parsing
-// Retry-After, and (with the retry budget issue) the ratio and token-bucket
-// budgets and full-jitter backoff. Pure Go: no net/http, no Caddy.
 package budget
 
 import (

@@ -1,0 +1,49 @@
+package budget_test
+
+import (
+	"math"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/budget"
+)
+
+// t0 is the fake clock's start.
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// fakeClock is a Clock moved by hand; safe for concurrent use.
+type fakeClock struct{ ns atomic.Int64 }
+
+func (c *fakeClock) Now() time.Time          { return t0.Add(time.Duration(c.ns.Load())) }
+func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
+func (c *fakeClock) Set(d time.Duration)     { c.ns.Store(int64(d)) }
+func (c *fakeClock) Elapsed() time.Duration  { return time.Duration(c.ns.Load()) }
+
+// newRatio builds a Ratio on a fresh fake clock.
+func newRatio(t testing.TB, c budget.RatioConfig) (*budget.Ratio, *fakeClock) {
+	t.Helper()
+	clk := new(fakeClock)
+	r, err := budget.NewRatio(c, clk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, clk
+}
+
+// ratioBound is the exact bound documented on Ratio: the most retries a
+// Ratio may grant over a run of length elapsed with the given requests.
+func ratioBound(c budget.RatioConfig, requests int, elapsed time.Duration) int {
+	w := c.Window
+	k := float64(elapsed/w + 1)
+	return int(math.Floor(c.Ratio*float64(requests) + c.MinPerSec*w.Seconds()*k + 1e-9))
+}
+
+// drain asks for retries until refused and returns how many were granted.
+func drain(b budget.Budget) int {
+	n := 0
+	for b.TryRetry() {
+		n++
+	}
+	return n
+}

@@ -1,0 +1,234 @@
+package budget
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sync/atomic"
+	"time"
+)
+
+// Defaults of RatioConfig.
+const (
+	// DefaultRatio is the share of original requests that may be retried:
+	// 0.1, one retry per ten requests (the Google SRE book's per-client
+	// retry budget; Finagle and Envoy default to 0.2).
+	DefaultRatio = 0.1
+	// DefaultWindow is the rolling window over which requests earn retries
+	// and retries are charged: 10s, as Finagle's ttl.
+	DefaultWindow = 10 * time.Second
+	// DefaultMinPerSec is the floor of retries per second granted whatever
+	// the traffic: 3 (the default; Envoy's retry_budget also lets
+	// 3 retries through whatever the traffic, as min_retry_concurrency).
+	DefaultMinPerSec = 3.0
+)
+
+// Off, set as RatioConfig.Ratio or RatioConfig.MinPerSec, turns that part of
+// the budget off (a zero value means "use the default"). With both off the
+// budget never grants a retry.
+const Off = -1.0
+
+// RatioConfig configures a Ratio budget. Zero fields take their defaults.
+type RatioConfig struct {
+	// Ratio is the share of original requests that may be retried over
+	// the window, in [0, 1]; default 0.1. Off (-1) means none: only the
+	// MinPerSec floor. Values above 1 are refused: at 1 the budget
+	// already lets a dead fleet receive twice its offered load, beyond it
+	// the budget no longer bounds a retry storm any better than
+	// max_attempts does, and "10" is most likely a mistyped 10%.
+	Ratio float64
+	// Window is the rolling window over which requests earn retries and
+	// retries are charged; default 10s, at least MinWindow (100ms). It is
+	// kept as ten buckets, so it forgets Window/10 at a time.
+	Window time.Duration
+	// MinPerSec is the floor: retries per second granted whatever the
+	// traffic, so that a service with little traffic can still retry;
+	// default 3. It is granted as a reservoir of MinPerSec × Window
+	// retries per window, which may be spent in a burst. Off (-1) means
+	// no floor.
+	MinPerSec float64
+}
+
+// withDefaults returns c with zero fields set to their defaults and Off
+// fields set to zero, or an error naming the first invalid field.
+func (c RatioConfig) withDefaults() (RatioConfig, error) {
+	switch {
+	case c.Ratio == 0:
+		c.Ratio = DefaultRatio
+	case c.Ratio == Off:
+		c.Ratio = 0
+	case !(c.Ratio > 0 && c.Ratio <= 1): // also refuses NaN
+		return c, fmt.Errorf("retry budget: ratio %v: must be in [0, 1] (a share of requests, not a percentage; above 1 a budget bounds nothing)", c.Ratio)
+	}
+	switch {
+	case c.Window == 0:
+		c.Window = DefaultWindow
+	case c.Window < MinWindow:
+		return c, fmt.Errorf("retry budget: window %v: must be at least %v", c.Window, MinWindow)
+	}
+	switch {
+	case c.MinPerSec == 0:
+		c.MinPerSec = DefaultMinPerSec
+	case c.MinPerSec == Off:
+		c.MinPerSec = 0
+	case !(c.MinPerSec > 0 && c.MinPerSec <= 1e6): // also refuses NaN, +Inf
+		return c, fmt.Errorf("retry budget: min_per_sec %v: must be in [0, 1e6]", c.MinPerSec)
+	}
+	return c, nil
+}
+
+// Ratio is the default retry budget: a retry is granted while the retries
+// charged in the rolling window, this one included, number at most
+//
+//	Ratio × (original requests in the window) + MinPerSec × Window.
+//
+// It follows Finagle's RetryBudget (deposits per request that expire after a
+// ttl, a reserve of minRetriesPerSec × ttl; Finagle's defaults are 20% and
+// 10/s over 10s) and the Google SRE book's per-client retry budget (10%).
+// Envoy's retry_budget (budget_percent, min_retry_concurrency) bounds the
+// same ratio over active rather than recent requests. gRPC's retryThrottling
+// and the AWS SDKs' retry quota are token buckets: see Bucket.
+//
+// Bound. Over any run that starts when the budget is created and lasts T,
+// with W the window (rounded down to a multiple of 10ns), the retries granted
+// are at most
+//
+//	Ratio × requests + MinPerSec × W × (⌊T/W⌋ + 1)
+//
+// exactly, whatever the interleaving of concurrent calls: a retry's window
+// is the ten buckets ending with the one it is charged to, the last retry of
+// the run saw every retry of its window, and the windows of the last retries
+// at least ten buckets apart do not overlap. For T a multiple of W that is
+// Ratio × requests + MinPerSec × (T + W); the extra MinPerSec × W is the
+// reservoir a quiet budget starts with. Since retries and requests leave the
+// window together, a retry granted late in its window keeps counting after
+// the requests that earned it have left, which only makes the budget
+// stricter.
+//
+// The window is ten buckets advanced lazily by the injected clock; there is
+// no goroutine. Request and TryRetry are lock-free and allocate nothing.
+type Ratio struct {
+	cfg     RatioConfig
+	reserve float64 // MinPerSec × Window, in retries
+	ep      clockEpochs
+	_       [64]byte
+	// cur holds the epoch of the newest bucket that was charged a retry
+	// and its retries. Every grant is one compare-and-swap of this word,
+	// so concurrent TryRetry calls cannot over-grant.
+	cur atomic.Uint64
+	// past holds the final retry count of older epochs, as (epoch, count)
+	// words; the caller that moves cur to a newer epoch stores the old
+	// epoch's count here first.
+	past [windowBuckets]atomic.Uint64
+	_    [64]byte
+	reqs requestRing
+}
+
+// NewRatio returns a Ratio budget. Zero fields of c take their defaults
+// (DefaultRatio, DefaultWindow, DefaultMinPerSec); an invalid field is an
+// error that names it. The window starts at clock.Now().
+func NewRatio(c RatioConfig, clock Clock) (*Ratio, error) {
+	if clock == nil {
+		return nil, errors.New("retry budget: nil clock")
+	}
+	c, err := c.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	r := &Ratio{cfg: c, ep: newClockEpochs(clock, c.Window)}
+	r.cfg.Window = r.ep.width * windowBuckets
+	r.reserve = c.MinPerSec * r.cfg.Window.Seconds()
+	return r, nil
+}
+
+// Config returns the configuration in use: defaults applied, Off fields as
+// 0, Window rounded down to a multiple of 10ns.
+func (r *Ratio) Config() RatioConfig { return r.cfg }
+
+// Request records one original request, which earns Ratio retries for the
+// next Window.
+func (r *Ratio) Request() { r.reqs.add(r.ep.now()) }
+
+// TryRetry grants a retry (or hedge) and charges it at once, or refuses it.
+// See Ratio for the rule.
+func (r *Ratio) TryRetry() bool {
+	now := r.ep.now()
+	for {
+		w := r.cur.Load()
+		ep, n := r.state(w, now)
+		if n >= countMax {
+			return false
+		}
+		if !r.fits(ep, n+1+r.pastRetries(ep)) {
+			return false
+		}
+		if r.cur.CompareAndSwap(w, pack(ep, n+1)) {
+			return true
+		}
+	}
+}
+
+// state returns the epoch a retry asked for at epoch now is charged to (the
+// newer of now and cur's epoch, so that the charged epoch never goes back)
+// and the retries already charged to it. Before moving to a newer epoch it
+// stores the old epoch's count in past, where every later reader sees it.
+func (r *Ratio) state(w, now uint64) (ep, n uint64) {
+	ep, n = unpack(w)
+	if now <= ep {
+		return ep, n
+	}
+	if ep != 0 {
+		r.keep(ep, n)
+	}
+	return now, 0
+}
+
+// keep records that epoch ep had n retries, unless a newer epoch or a
+// larger count for ep is already there (a slower caller storing an older
+// reading).
+func (r *Ratio) keep(ep, n uint64) {
+	p := &r.past[ep%windowBuckets]
+	for {
+		old := p.Load()
+		oe, on := unpack(old)
+		if oe > ep || (oe == ep && on >= n) {
+			return
+		}
+		if p.CompareAndSwap(old, pack(ep, n)) {
+			return
+		}
+	}
+}
+
+// pastRetries returns the retries charged to the epochs of the window ending
+// with ep, except ep itself.
+func (r *Ratio) pastRetries(ep uint64) uint64 {
+	var s uint64
+	for i := range r.past {
+		if e, n := unpack(r.past[i].Load()); e < ep && inWindow(e, ep) {
+			s += n
+		}
+	}
+	return s
+}
+
+// fits reports whether retries charged in the window ending with ep are
+// within the budget.
+func (r *Ratio) fits(ep, retries uint64) bool {
+	return float64(retries) <= r.cfg.Ratio*float64(r.reqs.sum(ep))+r.reserve
+}
+
+// Stats reports the requests and retries in the window and the retries
+// available now.
+func (r *Ratio) Stats() Stats {
+	ep, n := r.state(r.cur.Load(), r.ep.now())
+	retries := n + r.pastRetries(ep)
+	reqs := r.reqs.sum(ep)
+	avail := math.Floor(r.cfg.Ratio*float64(reqs) + r.reserve - float64(retries))
+	return Stats{
+		Window:    r.cfg.Window,
+		Requests:  int(reqs),
+		Retries:   int(retries),
+		Available: int(max(0, min(avail, countMax))),
+	}
+}
