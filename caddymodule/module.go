@@ -8,6 +8,8 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -96,6 +98,13 @@ type Handler struct {
 	breakersMu      *sync.Mutex
 	breakerKeys     []string
 
+	// poolKey identifies the upstream pool across reloads (its sorted dial
+	// addresses, or its dynamic source's config): budgets and TTFT
+	// statistics are kept per pool.
+	poolKey   string
+	budgetKey string
+	retryGate *retryGate
+
 	static         []*target
 	dynamic        reverseproxy.UpstreamSource
 	dynamicTargets *sync.Map // dial address → *target
@@ -130,6 +139,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.dynamicTargets = new(sync.Map)
 	h.breakers, h.breakersMu = new(sync.Map), new(sync.Mutex)
 
+	h.poolKey = poolKeyOf(h.Upstreams, h.DynamicUpstreamsRaw)
 	if h.DynamicUpstreamsRaw != nil {
 		mod, err := ctx.LoadModule(h, "DynamicUpstreamsRaw")
 		if err != nil {
@@ -163,6 +173,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionBreakers(ctx); err != nil {
 		return err
 	}
+	if err := h.provisionRetries(); err != nil {
+		return err
+	}
 
 	p, err := proxy.New(proxy.Config{
 		Transport:         h.transport,
@@ -175,6 +188,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		StreamIdleTimeout: time.Duration(h.StreamIdleTimeout),
 		StreamTimeout:     time.Duration(h.StreamTimeout),
 		MaxAttempts:       h.MaxAttempts,
+		Retries:           h.retryGate,
 	})
 	if err != nil {
 		return err
@@ -291,6 +305,9 @@ func (h *Handler) Cleanup() error {
 		_, _ = upstreamStates.Delete(key)
 	}
 	h.releaseBreakers()
+	if h.budgetKey != "" {
+		_, _ = budgetPool.Delete(h.budgetKey)
+	}
 	return nil
 }
 
@@ -341,6 +358,19 @@ func (h *Handler) logResult(res *proxy.Result) {
 			zap.Int("events", res.Events),
 		)
 	}
+}
+
+// poolKeyOf names an upstream pool by what it is made of.
+func poolKeyOf(ups reverseproxy.UpstreamPool, dynamic json.RawMessage) string {
+	if dynamic != nil {
+		return "dynamic:" + string(dynamic)
+	}
+	dials := make([]string, len(ups))
+	for i, u := range ups {
+		dials[i] = u.Dial
+	}
+	slices.Sort(dials)
+	return strings.Join(dials, ",")
 }
 
 // trustedProxy reports whether Caddy found the peer in trusted_proxies.

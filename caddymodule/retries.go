@@ -1,10 +1,13 @@
 package caddymodule
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/llmproxy/caddy-llm-proxy/budget"
 )
 
 // RetryConfig configures the retry budget and backoff. Retries happen only
@@ -160,4 +163,73 @@ func parseRetries(d *caddyfile.Dispenser) (*RetryConfig, error) {
 		return nil, d.Err("retries: bucket replaces ratio, window and min_per_sec; use one form")
 	}
 	return rc, nil
+}
+
+// retryGate adapts the pool's budget and the backoff to proxy.Retries.
+type retryGate struct {
+	budget  budget.Budget
+	backoff budget.Backoff
+}
+
+func (g *retryGate) Request()       { g.budget.Request() }
+func (g *retryGate) TryRetry() bool { return g.budget.TryRetry() }
+
+// Backoff never waits past the backoff cap: a longer Retry-After is the
+// client's to honour, and it gets the 429/503 with it at once.
+func (g *retryGate) Backoff(n int, retryAfter, remaining time.Duration) (time.Duration, bool) {
+	if remaining <= 0 || remaining > g.backoff.Cap {
+		remaining = g.backoff.Cap
+	}
+	return g.backoff.Delay(n, retryAfter, remaining)
+}
+
+// budgetEntry holds a pool's retry budget in budgetPool, so it survives
+// reloads (DESIGN §5).
+type budgetEntry struct{ budget.Budget }
+
+func (budgetEntry) Destruct() error { return nil }
+
+// budgetPool holds budgets by pool identity and settings: a reload with the
+// same upstreams and settings keeps the budget's window.
+var budgetPool = caddy.NewUsagePool()
+
+// provisionRetries builds the retry gate from the config.
+func (h *Handler) provisionRetries() error {
+	rc := h.Retries
+	if rc == nil {
+		rc = new(RetryConfig)
+	}
+	bo := budget.Backoff{Base: time.Duration(rc.BackoffBase), Cap: time.Duration(rc.BackoffCap)}
+	if bo.Base <= 0 {
+		bo.Base = defaultBackoffBase
+	}
+	if bo.Cap <= 0 {
+		bo.Cap = defaultBackoffCap
+	}
+	if bo.Cap < bo.Base {
+		return fmt.Errorf("retries: backoff cap %v is below its base %v", bo.Cap, bo.Base)
+	}
+	var key string
+	var construct func() (caddy.Destructor, error)
+	if rc.Bucket != nil {
+		key = fmt.Sprintf("budget|%s|bucket|%g|%g", h.poolKey, rc.Bucket.MaxTokens, rc.Bucket.RefillPerSec)
+		construct = func() (caddy.Destructor, error) {
+			b, err := budget.NewBucket(rc.Bucket.MaxTokens, rc.Bucket.RefillPerSec, budget.SystemClock{})
+			return budgetEntry{b}, err
+		}
+	} else {
+		cfg := budget.RatioConfig{Ratio: rc.Ratio, Window: time.Duration(rc.Window), MinPerSec: rc.MinPerSec}
+		key = fmt.Sprintf("budget|%s|ratio|%g|%v|%g", h.poolKey, cfg.Ratio, cfg.Window, cfg.MinPerSec)
+		construct = func() (caddy.Destructor, error) {
+			b, err := budget.NewRatio(cfg, budget.SystemClock{})
+			return budgetEntry{b}, err
+		}
+	}
+	v, _, err := budgetPool.LoadOrNew(key, construct)
+	if err != nil {
+		return fmt.Errorf("retries: %w", err)
+	}
+	h.budgetKey = key
+	h.retryGate = &retryGate{budget: v.(budgetEntry).Budget, backoff: bo}
+	return nil
 }
