@@ -47,7 +47,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        backoff <base> <cap>
 //	    }
 //	    hedge {
-//	        after <duration> | after p<NN> [min <duration>] [max <duration>]
+//	        after <duration> | after p<NN> [min <duration>] [max <duration>] [fallback <duration>]
 //	        max_ratio <ratio>
 //	        max_hedges <n>
 //	    }
@@ -216,6 +216,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Retries = rc
+
+		case "hedge":
+			if h.Hedge != nil {
+				return d.Err("hedge already specified")
+			}
+			hc, err := parseHedge(d)
+			if err != nil {
+				return err
+			}
+			h.Hedge = hc
 
 		case "breaker":
 			if h.Breaker != nil {

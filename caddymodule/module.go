@@ -104,6 +104,9 @@ type Handler struct {
 	poolKey   string
 	budgetKey string
 	retryGate *retryGate
+	hedger    *hedger
+	trackers  *sync.Map // key → *hedge.LatencyTracker referenced by this handler
+	hedgeKeys []string
 
 	static         []*target
 	dynamic        reverseproxy.UpstreamSource
@@ -138,6 +141,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	h.dynamicTargets = new(sync.Map)
 	h.breakers, h.breakersMu = new(sync.Map), new(sync.Mutex)
+	h.trackers = new(sync.Map)
 
 	h.poolKey = poolKeyOf(h.Upstreams, h.DynamicUpstreamsRaw)
 	if h.DynamicUpstreamsRaw != nil {
@@ -176,7 +180,14 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionRetries(); err != nil {
 		return err
 	}
+	if err := h.provisionHedging(); err != nil {
+		return err
+	}
 
+	var hedging proxy.Hedging // a nil *hedger must stay a nil interface
+	if h.hedger != nil {
+		hedging = h.hedger
+	}
 	p, err := proxy.New(proxy.Config{
 		Transport:         h.transport,
 		Balancer:          balancer{h: h},
@@ -189,6 +200,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		StreamTimeout:     time.Duration(h.StreamTimeout),
 		MaxAttempts:       h.MaxAttempts,
 		Retries:           h.retryGate,
+		Hedging:           hedging,
 	})
 	if err != nil {
 		return err
@@ -308,6 +320,12 @@ func (h *Handler) Cleanup() error {
 	if h.budgetKey != "" {
 		_, _ = budgetPool.Delete(h.budgetKey)
 	}
+	h.breakersMu.Lock()
+	for _, key := range h.hedgeKeys {
+		_, _ = hedgePool.Delete(key)
+	}
+	h.hedgeKeys = nil
+	h.breakersMu.Unlock()
 	return nil
 }
 

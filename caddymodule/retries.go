@@ -2,12 +2,15 @@ package caddymodule
 
 import (
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/hedge"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
 // RetryConfig configures the retry budget and backoff. Retries happen only
@@ -52,29 +55,40 @@ type TokenBucket struct {
 
 // HedgeConfig turns on hedged requests: when no first event has arrived
 // after the hedge delay, a backup attempt goes to another upstream and the
-// first to produce an event wins. Off unless configured: hedging costs
-// upstream load.
+// first to produce an event wins; the other is cancelled at once. Off
+// unless configured: hedging costs upstream load. Backups draw from the
+// retry budget too, and go only to an upstream whose breaker is closed,
+// from a primary whose breaker is closed.
 type HedgeConfig struct {
 	// After is a fixed hedge delay. Exclusive with Percentile.
 	After caddy.Duration `json:"after,omitempty"`
 
 	// Percentile sets the delay to this quantile (0.95 for p95) of the
-	// recently observed TTFT of the pool and model (a time-decayed
-	// histogram), clamped to [Min, Max]. Dean and Barroso ("The Tail at
+	// recently observed TTFT of the pool and model (a histogram with a 60s
+	// half-life), clamped to [Min, Max]. Dean and Barroso ("The Tail at
 	// Scale", CACM 2013) hedge at p95.
 	Percentile float64 `json:"percentile,omitempty"`
 
-	// Min and Max clamp the percentile delay; Max is also used while too
-	// few TTFTs have been seen. Defaults: none and 2s.
+	// Min and Max clamp the percentile delay. Defaults: no bounds.
 	Min caddy.Duration `json:"min,omitempty"`
 	Max caddy.Duration `json:"max,omitempty"`
+
+	// Fallback is the percentile delay while fewer than 20 TTFTs have been
+	// seen. Default: Max, else 1s.
+	Fallback caddy.Duration `json:"fallback,omitempty"`
 
 	// MaxRatio caps the share of requests that may hedge over a rolling
 	// 10s window. Default: 0.1.
 	MaxRatio float64 `json:"max_ratio,omitempty"`
 
-	// MaxHedges is the most backups per request. Default: 1.
+	// MaxHedges is the most backups per request (each also counts against
+	// max_attempts). Default: 1.
 	MaxHedges int `json:"max_hedges,omitempty"`
+}
+
+func (c *HedgeConfig) policy() hedge.DelayPolicy {
+	return hedge.DelayPolicy{Fixed: time.Duration(c.After), Percentile: c.Percentile,
+		Min: time.Duration(c.Min), Max: time.Duration(c.Max), Fallback: time.Duration(c.Fallback)}
 }
 
 // Defaults of RetryConfig and HedgeConfig.
@@ -84,9 +98,6 @@ const (
 	defaultRetryMinPerSec = 3
 	defaultBackoffBase    = 100 * time.Millisecond
 	defaultBackoffCap     = 2 * time.Second
-	defaultHedgeMaxRatio  = 0.1
-	defaultHedgeWindow    = 10 * time.Second
-	defaultHedgeMax       = 2 * time.Second
 )
 
 // parseRetries parses a retries block; d is at "retries".
@@ -232,4 +243,128 @@ func (h *Handler) provisionRetries() error {
 	h.budgetKey = key
 	h.retryGate = &retryGate{budget: v.(budgetEntry).Budget, backoff: bo}
 	return nil
+}
+
+// parseHedge parses a hedge block; d is at "hedge".
+func parseHedge(d *caddyfile.Dispenser) (*HedgeConfig, error) {
+	hc := new(HedgeConfig)
+	if d.NextArg() {
+		return nil, d.ArgErr()
+	}
+	sawAfter := false
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name := d.Val()
+		args := d.RemainingArgs()
+		switch name {
+		case "after":
+			p, err := hedge.ParseAfter(args)
+			if err != nil {
+				return nil, d.Err(err.Error())
+			}
+			hc.After, hc.Percentile = caddy.Duration(p.Fixed), p.Percentile
+			hc.Min, hc.Max, hc.Fallback = caddy.Duration(p.Min), caddy.Duration(p.Max), caddy.Duration(p.Fallback)
+			sawAfter = true
+		case "max_ratio":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			r, err := parseRatio(d, name, args[0])
+			if err != nil {
+				return nil, err
+			}
+			hc.MaxRatio = r
+		case "max_hedges":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			n, err := strconv.Atoi(args[0])
+			if err != nil || n < 1 || n > 9 {
+				return nil, d.Errf("bad max_hedges %q: want a whole number from 1 to 9", args[0])
+			}
+			hc.MaxHedges = n
+		default:
+			return nil, d.Errf("unrecognized hedge option %q", name)
+		}
+	}
+	if !sawAfter {
+		return nil, d.Err("hedge: after is required (after <duration> or after p<NN>)")
+	}
+	return hc, nil
+}
+
+// hedger implements proxy.Hedging for one handler: the delay policy, the
+// pool's hedge-rate cap and its TTFT trackers (both kept across reloads).
+type hedger struct {
+	policy    hedge.DelayPolicy
+	cap       *hedge.RateCap
+	maxHedges int
+	h         *Handler
+}
+
+func (g *hedger) Delay(info proxy.RequestInfo) (time.Duration, bool) {
+	d := g.policy.Delay(g.h.tracker(info))
+	metrics.hedgeDelay.WithLabelValues(modelLabel(info.Model)).Set(d.Seconds())
+	return d, true
+}
+func (g *hedger) Request()       { g.cap.Request() }
+func (g *hedger) TryHedge() bool { return g.cap.TryHedge() }
+func (g *hedger) MaxHedges() int { return g.maxHedges }
+func (g *hedger) Observe(info proxy.RequestInfo, ttft time.Duration) {
+	g.h.tracker(info).Observe(ttft)
+}
+
+// hedgeEntry holds a rate cap or a TTFT tracker in hedgePool.
+type hedgeEntry struct{ v any }
+
+func (hedgeEntry) Destruct() error { return nil }
+
+// hedgePool holds hedge-rate caps ("cap|pool|ratio") and TTFT trackers
+// ("ttft|pool|model|stream") across reloads.
+var hedgePool = caddy.NewUsagePool()
+
+// provisionHedging builds the hedger; nil config leaves hedging off.
+func (h *Handler) provisionHedging() error {
+	hc := h.Hedge
+	if hc == nil {
+		return nil
+	}
+	p := hc.policy()
+	if err := p.Validate(); err != nil {
+		return fmt.Errorf("hedge: %w", err)
+	}
+	if hc.MaxHedges < 0 || hc.MaxRatio < 0 || hc.MaxRatio > 1 {
+		return fmt.Errorf("hedge: max_hedges %d or max_ratio %g out of range", hc.MaxHedges, hc.MaxRatio)
+	}
+	capKey := fmt.Sprintf("cap|%s|%g", h.poolKey, hc.MaxRatio)
+	v, _, err := hedgePool.LoadOrNew(capKey, func() (caddy.Destructor, error) {
+		c, err := hedge.NewRateCap(hc.MaxRatio, 0, hedge.SystemClock{})
+		return hedgeEntry{c}, err
+	})
+	if err != nil {
+		return fmt.Errorf("hedge: %w", err)
+	}
+	h.hedgeKeys = append(h.hedgeKeys, capKey)
+	h.hedger = &hedger{policy: p, cap: v.(hedgeEntry).v.(*hedge.RateCap), maxHedges: max(hc.MaxHedges, 1), h: h}
+	return nil
+}
+
+// tracker returns the TTFT tracker of the pool for the request's model and
+// mode (streamed TTFT and a full JSON body are different quantities).
+func (h *Handler) tracker(info proxy.RequestInfo) *hedge.LatencyTracker {
+	key := fmt.Sprintf("ttft|%s|%s|%t", h.poolKey, modelLabel(info.Model), info.Stream)
+	if v, ok := h.trackers.Load(key); ok {
+		return v.(*hedge.LatencyTracker)
+	}
+	h.breakersMu.Lock()
+	defer h.breakersMu.Unlock()
+	if v, ok := h.trackers.Load(key); ok {
+		return v.(*hedge.LatencyTracker)
+	}
+	v, _, _ := hedgePool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return hedgeEntry{hedge.NewLatencyTracker(0, hedge.SystemClock{})}, nil
+	})
+	t := v.(hedgeEntry).v.(*hedge.LatencyTracker)
+	h.trackers.Store(key, t)
+	h.hedgeKeys = append(h.hedgeKeys, key)
+	return t
 }
