@@ -227,20 +227,29 @@ func (h *Handler) releaseBreakers() {
 }
 
 // record gives the attempt's outcome to the breaker (DESIGN §3 table):
-// upstream faults are failures, cancelled attempts are neutral, the rest
-// (successes and the client's own 4xx) show a live upstream.
+// upstream faults are failures and cancelled attempts are neutral. A 4xx
+// is the client's fault: neutral too, so a stream of bad requests neither
+// resets a failing upstream's run of failures nor dilutes its failure
+// ratio; but a half-open probe answered with a 4xx proves the server is
+// back, so there it is a success.
 func (e *breakerEntry) record(p *breaker.Permit, rep *proxy.AttemptReport) {
 	if rep == nil {
 		p.Done(breaker.Neutral, 0, "")
 		return
 	}
-	switch {
-	case rep.Outcome == proxy.AttemptCanceled:
-		p.Done(breaker.Neutral, 0, "")
-	case rep.Outcome.UpstreamFault():
-		p.Done(breaker.Failure, rep.TTFT, rep.Outcome.String())
-	default:
+	switch rep.Outcome {
+	case proxy.AttemptSuccess:
 		p.Done(breaker.Success, rep.TTFT, "")
+	case proxy.AttemptCanceled:
+		p.Done(breaker.Neutral, 0, "")
+	case proxy.AttemptHTTP4xx, proxy.AttemptInbandError4xx:
+		if p.Probe() {
+			p.Done(breaker.Success, 0, "")
+		} else {
+			p.Done(breaker.Neutral, 0, "")
+		}
+	default:
+		p.Done(breaker.Failure, rep.TTFT, rep.Outcome.String())
 	}
 	if rep.RetryAfter > 0 {
 		e.b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))

@@ -143,3 +143,18 @@ func TestBreakerStateSurvivesHandlerReplacement(t *testing.T) {
 		t.Fatalf("new settings not applied: %+v", e.b.Settings())
 	}
 }
+
+func Test4xxDoesNotResetARunOfFailures(t *testing.T) {
+	h := breakerHandler(t, nil, "10.1.6.1:8000")
+	b := balancer{h: h}
+	for _, o := range []proxy.AttemptOutcome{proxy.AttemptHTTP5xx, proxy.AttemptHTTP5xx, proxy.AttemptHTTP4xx, proxy.AttemptHTTP5xx} {
+		up, err := pickErr(b, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		up.Done(&proxy.AttemptReport{Outcome: o})
+	}
+	if st := h.breakerFor("10.1.6.1:8000", "").b.State(); st != breaker.Open {
+		t.Fatalf("5xx, 5xx, 400, 5xx left the breaker %v; the client's 400 must not reset the run", st)
+	}
+}

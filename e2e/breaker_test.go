@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -78,4 +80,401 @@ func TestOpenBreakerShortCircuitsWith503(t *testing.T) {
 	if v, _ := metricValue(samples, "caddy_llm_proxy_requests_total", map[string]string{"outcome": "no_upstream"}); v != 1 {
 		t.Errorf("caddy_llm_proxy_requests_total{outcome=no_upstream} = %v, want 1", v)
 	}
+}
+
+// checkBreakersUntouched fails the test unless every upstream's breaker is
+// closed with no failure counted and none remembered.
+func checkBreakersUntouched(t *testing.T, gw *gateway, fleet *mockllm.Fleet) {
+	t.Helper()
+	views := gw.breakers()
+	for _, addr := range fleet.Addrs() {
+		v, ok := views[addr]
+		if !ok {
+			t.Errorf("the admin API lists no breaker for %s", addr)
+			continue
+		}
+		if v.State != "closed" || v.ConsecutiveFailures != 0 || v.FailuresInWindow != 0 || v.LastFailure != "" {
+			t.Errorf("breaker %s: state %s, consecutive_failures %d, failures_in_window %d, last_failure %q; want closed with zero failures",
+				addr, v.State, v.ConsecutiveFailures, v.FailuresInWindow, v.LastFailure)
+		}
+	}
+	samples := gw.scrapeMetrics()
+	if n, _ := metricValue(samples, "caddy_llm_proxy_breaker_transitions_total", nil); n != 0 {
+		t.Errorf("caddy_llm_proxy_breaker_transitions_total = %v, want 0", n)
+	}
+	for _, addr := range fleet.Addrs() {
+		if v, found := metricValue(samples, "caddy_llm_proxy_breaker_state", map[string]string{"upstream": addr}); !found || v != 0 {
+			t.Errorf("caddy_llm_proxy_breaker_state{upstream=%s} = %v (found %v), want 0", addr, v, found)
+		}
+	}
+}
+
+// TestClientsLeavingMidStreamLeaveBreakerClosed: six clients that go away
+// mid-stream from a healthy upstream (all sent to the same one, twice
+// consecutive_failures) leave its breaker closed with zero failures: a
+// client disconnect is neutral.
+func TestClientsLeavingMidStreamLeaveBreakerClosed(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
+	gw := startGateway(t, fmt.Sprintf("\tllm_proxy %s {\n\t\tlb_policy first\n\t\tbreaker {\n\t\t\tconsecutive_failures 3\n\t\t}\n\t}", upstreams(fleet)))
+	ctx := testContext(t, 30*time.Second)
+
+	const clients = 6
+	errs := make(chan error, clients)
+	for i := range clients {
+		go func() {
+			cctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			req, err := newRequest(cctx, gw.URL+"/v1/chat/completions", chatBody("Leave me halfway.", true),
+				"X-Mock-Tokens: 100", "X-Mock-Token-Interval: 50ms", fmt.Sprintf("X-Request-Id: leaver-%d", i))
+			if err != nil {
+				errs <- err
+				return
+			}
+			resp, err := newClient(t).Do(req)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				errs <- fmt.Errorf("client %d: status %d", i, resp.StatusCode)
+				return
+			}
+			events, _, err := readEvents(resp.Body, func(_ event, n int) bool { return n < 3 })
+			if err != nil || len(events) != 3 {
+				errs <- fmt.Errorf("client %d: read %d events (%v), want 3", i, len(events), err)
+				return
+			}
+			errs <- nil // cancel and Close: the client goes away mid-stream
+		}()
+	}
+	for range clients {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !waitFor(5*time.Second, func() bool { return fleet.Replica(0).Stats().Cancelled == clients }) {
+		st := fleet.Replica(0).Stats()
+		t.Fatalf("the upstream saw %d of %d requests cancelled (%d requests) after 5s", st.Cancelled, clients, st.Requests)
+	}
+	if !waitFor(5*time.Second, func() bool {
+		n, _ := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_upstream_attempts_total", map[string]string{"outcome": "canceled"})
+		return n == clients
+	}) {
+		t.Fatalf("caddy_llm_proxy_upstream_attempts_total{outcome=canceled} did not reach %d", clients)
+	}
+	checkBreakersUntouched(t, gw, fleet)
+	for i := 1; i < 3; i++ {
+		if n := fleet.Replica(i).Stats().Requests; n != 0 {
+			t.Errorf("upstream %d got %d requests, want 0 (lb_policy first, nothing failed over)", i, n)
+		}
+	}
+	s := streamRequest(ctx, t, newClient(t), gw.URL+"/v1/chat/completions", chatBody("Still there?", true), "X-Mock-Tokens: 2")
+	checkCleanStream(t, s)
+	if got := s.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(0).Addr() {
+		t.Errorf("next request served by %q, want the first upstream %s (its breaker closed)", got, fleet.Replica(0).Addr())
+	}
+}
+
+// TestUpstream400sLeaveBreakersClosed: five 400s from the upstream (a
+// prompt longer than the context) are the client's fault: passed through,
+// not retried, and every breaker stays closed with zero failures.
+func TestUpstream400sLeaveBreakersClosed(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
+	gw := startGateway(t, fmt.Sprintf("\tllm_proxy %s {\n\t\tlb_policy first\n\t\tmax_attempts 3\n\t\tbreaker {\n\t\t\tconsecutive_failures 3\n\t\t}\n\t}", upstreams(fleet)))
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+
+	for i := range 5 {
+		r, err := doPlain(ctx, c, gw.URL+"/v1/chat/completions", chatBody("An enormous prompt.", true), "X-Mock-Fault: status=400")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Status != http.StatusBadRequest || r.Header.Get("X-Circuit-Breaker") != "" {
+			t.Fatalf("request %d: status %d, X-Circuit-Breaker %q; want the upstream's 400: %s", i+1, r.Status, r.Header.Get("X-Circuit-Breaker"), r.Body)
+		}
+	}
+	if st := fleet.Replica(0).Stats(); st.Requests != 5 || st.Faults["status"] != 5 {
+		t.Errorf("the first upstream got %d requests (%d 400s), want 5 and 5", st.Requests, st.Faults["status"])
+	}
+	if n := fleetRequests(fleet); n != 5 {
+		t.Errorf("the fleet got %d requests, want 5: a 400 is not retried", n)
+	}
+	checkBreakersUntouched(t, gw, fleet)
+	s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("A short prompt.", true), "X-Mock-Tokens: 2")
+	checkCleanStream(t, s)
+	if got := s.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(0).Addr() {
+		t.Errorf("next request served by %q, want the first upstream %s", got, fleet.Replica(0).Addr())
+	}
+}
+
+// TestAdminAPIListsAndControlsBreakers: GET /llm_proxy/breakers lists a
+// breaker per upstream with the documented fields; POST …/open (until
+// closed, or ?for=) makes the gateway route around the upstream, and with
+// every breaker forced open requests get the 503 of an open circuit;
+// …/close and …/reset bring the traffic back; an unknown key is 404, a
+// wrong method 405, a bad duration 400.
+func TestAdminAPIListsAndControlsBreakers(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
+	gw := startGateway(t, fmt.Sprintf("\tllm_proxy %s {\n\t\tlb_policy round_robin\n\t\tbreaker {\n\t\t\topen_for 5s\n\t\t\tmin_open 5s\n\t\t}\n\t}", upstreams(fleet)))
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	a0, a1, a2 := fleet.Replica(0).Addr(), fleet.Replica(1).Addr(), fleet.Replica(2).Addr()
+
+	// The listing, as raw JSON: every documented field is there.
+	status, body := gw.admin(http.MethodGet, "/llm_proxy/breakers")
+	if status != http.StatusOK {
+		t.Fatalf("GET /llm_proxy/breakers: status %d: %s", status, body)
+	}
+	var listing []map[string]any
+	if err := json.Unmarshal(body, &listing); err != nil {
+		t.Fatalf("GET /llm_proxy/breakers: %v: %s", err, body)
+	}
+	if len(listing) != 3 {
+		t.Fatalf("listing has %d breakers, want 3 (one per upstream): %s", len(listing), body)
+	}
+	for _, b := range listing {
+		for _, f := range []string{"key", "upstream", "state", "since", "consecutive_failures", "failures_in_window", "probes_in_flight"} {
+			if _, ok := b[f]; !ok {
+				t.Errorf("breaker %v lacks %q", b["key"], f)
+			}
+		}
+		if b["state"] != "closed" || b["key"] != b["upstream"] {
+			t.Errorf("breaker %v: state %v, upstream %v; want closed, keyed by its upstream", b["key"], b["state"], b["upstream"])
+		}
+	}
+
+	// send makes n requests and returns how many each upstream served.
+	send := func(n int, wantStatus int) map[string]int {
+		t.Helper()
+		served := map[string]int{}
+		for range n {
+			r, err := doPlain(ctx, c, gw.URL+"/v1/chat/completions", chatBody("Who serves me?", false), "X-Mock-Tokens: 2")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.Status != wantStatus {
+				t.Fatalf("status %d, want %d: %s", r.Status, wantStatus, r.Body)
+			}
+			served[r.Header.Get(mockllm.HeaderReplica)]++
+		}
+		return served
+	}
+
+	// Drain upstream 0 until closed.
+	status, v := gw.breakerAction(a0, "open")
+	if status != http.StatusOK || v.State != "open" || !v.Forced || !v.OpenUntil.IsZero() {
+		t.Fatalf("POST %s/open: status %d, %+v; want open, forced, no open_until", a0, status, v)
+	}
+	before := fleet.Replica(0).Stats().Requests
+	if served := send(6, http.StatusOK); served[a0] != 0 || served[a1]+served[a2] != 6 {
+		t.Errorf("with upstream 0 forced open, requests went to %v; want none to %s", served, a0)
+	}
+	if n := fleet.Replica(0).Stats().Requests; n != before {
+		t.Errorf("upstream 0 got %d requests while forced open", n-before)
+	}
+	if v := gw.breaker(a0); v.State != "open" || !v.Forced {
+		t.Errorf("listing shows %+v for the forced breaker, want open and forced", v)
+	}
+
+	// Open the others for 1s: all three refuse, so the gateway answers
+	// 503 circuit open without touching an upstream.
+	var timedUntil time.Time
+	for _, a := range []string{a1, a2} {
+		status, v := gw.breakerAction(a, "open?for=1s")
+		timedUntil = v.OpenUntil
+		if status != http.StatusOK || v.State != "open" || !v.Forced {
+			t.Fatalf("POST %s/open?for=1s: status %d, %+v", a, status, v)
+		}
+		if d := time.Until(v.OpenUntil); d < 500*time.Millisecond || d > 1100*time.Millisecond {
+			t.Errorf("POST %s/open?for=1s: open_until in %v, want about 1s", a, d)
+		}
+	}
+	total := fleetRequests(fleet)
+	r, err := doPlain(ctx, c, gw.URL+"/v1/chat/completions", chatBody("Anyone?", false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Status != http.StatusServiceUnavailable || r.Header.Get("X-Circuit-Breaker") != "open" {
+		t.Errorf("with every breaker open: status %d, X-Circuit-Breaker %q; want 503 and open: %s", r.Status, r.Header.Get("X-Circuit-Breaker"), r.Body)
+	}
+	if ra, err := strconv.Atoi(r.Header.Get("Retry-After")); err != nil || ra != 1 {
+		t.Errorf("Retry-After %q, want 1 (the two timed opens end within a second)", r.Header.Get("Retry-After"))
+	}
+	if n := fleetRequests(fleet); n != total {
+		t.Errorf("the fleet got %d requests while every breaker was open", n-total)
+	}
+
+	// After the 1s the timed ones let probes in and close again (user
+	// requests are the probes; recovery_successes 2); upstream 0 stays
+	// drained.
+	time.Sleep(time.Until(timedUntil) + 20*time.Millisecond)
+	for _, a := range []string{a1, a2} {
+		if v, ok := gw.waitBreaker(a, 5*time.Second, func(v breakerView) bool {
+			send(1, http.StatusOK)
+			return v.State == "closed"
+		}); !ok {
+			t.Errorf("breaker %s: %+v 5s after open?for=1s, want closed again", a, v)
+		}
+	}
+	if v := gw.breaker(a0); v.State != "open" {
+		t.Errorf("breaker %s forced open without for: %s, want still open", a0, v.State)
+	}
+
+	// close brings upstream 0 back.
+	if status, v := gw.breakerAction(a0, "close"); status != http.StatusOK || v.State != "closed" || v.Forced {
+		t.Errorf("POST %s/close: status %d, %+v; want closed", a0, status, v)
+	}
+	if served := send(6, http.StatusOK); served[a0] == 0 {
+		t.Errorf("after close, requests went to %v; want some to %s", served, a0)
+	}
+
+	// reset too, after a forced open.
+	gw.breakerAction(a1, "open")
+	if served := send(4, http.StatusOK); served[a1] != 0 {
+		t.Errorf("with %s forced open, requests went to %v", a1, served)
+	}
+	if status, v := gw.breakerAction(a1, "reset"); status != http.StatusOK || v.State != "closed" || v.LastFailure != "" || v.ConsecutiveFailures != 0 {
+		t.Errorf("POST %s/reset: status %d, %+v; want a fresh closed breaker", a1, status, v)
+	}
+	if served := send(6, http.StatusOK); served[a1] == 0 {
+		t.Errorf("after reset, requests went to %v; want some to %s", served, a1)
+	}
+
+	// Errors.
+	for _, tc := range []struct {
+		method, path string
+		want         int
+	}{
+		{http.MethodPost, "/llm_proxy/breakers/127.0.0.1:1/open", http.StatusNotFound},
+		{http.MethodPost, "/llm_proxy/breakers/" + a0 + "/explode", http.StatusNotFound},
+		{http.MethodPost, "/llm_proxy/breakers/" + a0 + "/open?for=soon", http.StatusBadRequest},
+		{http.MethodGet, "/llm_proxy/breakers/" + a0 + "/open", http.StatusMethodNotAllowed},
+		{http.MethodPost, "/llm_proxy/breakers", http.StatusMethodNotAllowed},
+	} {
+		if status, body := gw.admin(tc.method, tc.path); status != tc.want {
+			t.Errorf("%s %s: status %d, want %d: %s", tc.method, tc.path, status, tc.want, body)
+		}
+	}
+	if v := gw.breaker(a0); v.State != "closed" {
+		t.Errorf("a GET or a bad request changed breaker %s to %s", a0, v.State)
+	}
+}
+
+// TestBreakerMetricsFollowTripAndRecovery: along a trip and a recovery,
+// caddy_llm_proxy_breaker_state goes 0 → 2 → 1 → 0,
+// breaker_transitions_total counts each transition exactly once, and
+// short_circuited_total grows by one for every pick that skipped the
+// upstream.
+func TestBreakerMetricsFollowTripAndRecovery(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3, PerReplica: map[int]mockllm.Behavior{
+		0: {Fault: mockllm.Fault{Kind: mockllm.FaultStatus, Status: 503}},
+	}})
+	sick := fleet.Replica(0)
+	addr := sick.Addr()
+	gw := startGateway(t, fmt.Sprintf(`	llm_proxy %s {
+		lb_policy first
+		max_attempts 1
+		breaker {
+			consecutive_failures 3
+			open_for 1s
+			min_open 1s
+			recovery_successes 2
+		}
+	}`, upstreams(fleet)))
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	url := gw.URL + "/v1/chat/completions"
+	up := map[string]string{"upstream": addr}
+
+	type want struct {
+		state                  float64
+		shorted                float64
+		open, halfOpen, closed float64 // closed→open, open→half_open, half_open→closed
+	}
+	check := func(when string, w want) {
+		t.Helper()
+		s := gw.scrapeMetrics()
+		if v, _ := metricValue(s, "caddy_llm_proxy_breaker_state", up); v != w.state {
+			t.Errorf("%s: breaker_state = %v, want %v", when, v, w.state)
+		}
+		if v, _ := metricValue(s, "caddy_llm_proxy_short_circuited_total", up); v != w.shorted {
+			t.Errorf("%s: short_circuited_total = %v, want %v", when, v, w.shorted)
+		}
+		for _, tr := range []struct {
+			from, to string
+			want     float64
+		}{{"closed", "open", w.open}, {"open", "half_open", w.halfOpen}, {"half_open", "closed", w.closed}, {"half_open", "open", 0}} {
+			if v, _ := metricValue(s, "caddy_llm_proxy_breaker_transitions_total",
+				map[string]string{"upstream": addr, "from": tr.from, "to": tr.to}); v != tr.want {
+				t.Errorf("%s: breaker_transitions_total{%s→%s} = %v, want %v", when, tr.from, tr.to, v, tr.want)
+			}
+		}
+		if v, _ := metricValue(s, "caddy_llm_proxy_breaker_transitions_total", nil); v != w.open+w.halfOpen+w.closed {
+			t.Errorf("%s: breaker_transitions_total over all upstreams = %v, want %v", when, v, w.open+w.halfOpen+w.closed)
+		}
+	}
+	get := func(status int, headers ...string) *plainResponse {
+		t.Helper()
+		r, err := doPlain(ctx, c, url, chatBody("Metrics.", false), append([]string{"X-Mock-Tokens: 2"}, headers...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Status != status {
+			t.Fatalf("status %d, want %d: %s", r.Status, status, r.Body)
+		}
+		return r
+	}
+
+	check("at start", want{})
+	for range 3 {
+		get(http.StatusServiceUnavailable)
+	}
+	opened := gw.breaker(addr)
+	check("after the trip", want{state: 2, open: 1})
+
+	// Five requests skip the open upstream: five refused picks.
+	for range 5 {
+		if r := get(http.StatusOK); r.Header.Get(mockllm.HeaderReplica) == addr {
+			t.Fatalf("the open upstream served a request")
+		}
+	}
+	check("after 5 requests around it", want{state: 2, shorted: 5, open: 1})
+
+	// Recovery: after the cooldown the next request is the probe; a slow
+	// one, so that the half-open state can be seen.
+	sick.SetBehavior(mockllm.Behavior{})
+	time.Sleep(time.Until(opened.OpenUntil) + 50*time.Millisecond)
+	probe := make(chan *plainResponse, 1)
+	go func() {
+		r, _ := doPlain(ctx, newClient(t), url, chatBody("Probe.", false), "X-Mock-Tokens: 10", "X-Mock-Token-Interval: 80ms")
+		probe <- r
+	}()
+	if v, ok := gw.waitBreaker(addr, 3*time.Second, func(v breakerView) bool { return v.ProbesInFlight == 1 }); !ok {
+		t.Fatalf("no probe in flight 3s after the cooldown: %+v", v)
+	}
+	check("during the probe", want{state: 1, shorted: 5, open: 1, halfOpen: 1})
+	// A request meanwhile is refused by the busy half-open breaker: one
+	// more refused pick.
+	if r := get(http.StatusOK); r.Header.Get(mockllm.HeaderReplica) == addr {
+		t.Errorf("a second request reached the half-open upstream while its probe ran")
+	}
+	check("during the probe, after one more request", want{state: 1, shorted: 6, open: 1, halfOpen: 1})
+	if r := <-probe; r == nil || r.Status != http.StatusOK || r.Header.Get(mockllm.HeaderReplica) != addr {
+		t.Fatalf("probe request: %+v; want 200 from %s", r, addr)
+	}
+	// The second success closes it.
+	if r := get(http.StatusOK); r.Header.Get(mockllm.HeaderReplica) != addr {
+		t.Errorf("second probe served by %q, want %s", r.Header.Get(mockllm.HeaderReplica), addr)
+	}
+	if v := gw.breaker(addr); v.State != "closed" {
+		t.Fatalf("breaker %+v after two probe successes, want closed", v)
+	}
+	check("after recovery", want{state: 0, shorted: 6, open: 1, halfOpen: 1, closed: 1})
+	get(http.StatusOK)
+	check("after one more request", want{state: 0, shorted: 6, open: 1, halfOpen: 1, closed: 1})
 }

@@ -662,3 +662,96 @@ func waitFor(d time.Duration, cond func() bool) bool {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// breakerView is one breaker as the admin API shows it
+// (GET /llm_proxy/breakers, and the answer to a POST on one).
+type breakerView struct {
+	Key                 string    `json:"key"`
+	Upstream            string    `json:"upstream"`
+	Model               string    `json:"model"`
+	State               string    `json:"state"`
+	Since               time.Time `json:"since"`
+	ConsecutiveFailures int       `json:"consecutive_failures"`
+	FailuresInWindow    int       `json:"failures_in_window"`
+	OpenUntil           time.Time `json:"open_until"`
+	Forced              bool      `json:"forced"`
+	ProbesInFlight      int       `json:"probes_in_flight"`
+	ProbeSuccesses      int       `json:"probe_successes"`
+	Reopens             int       `json:"reopens"`
+	LastFailure         string    `json:"last_failure"`
+	LastFailureAt       time.Time `json:"last_failure_at"`
+}
+
+// admin sends a request without a body to the admin API and returns the
+// status and body; a transport error fails the test.
+func (g *gateway) admin(method, path string) (int, []byte) {
+	g.t.Helper()
+	req, err := http.NewRequest(method, g.AdminURL+path, nil)
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+	if err != nil {
+		g.t.Fatalf("admin %s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		g.t.Fatalf("admin %s %s: reading body: %v", method, path, err)
+	}
+	return resp.StatusCode, body
+}
+
+// breakers lists the breakers (GET /llm_proxy/breakers) by key.
+func (g *gateway) breakers() map[string]breakerView {
+	g.t.Helper()
+	status, body := g.admin(http.MethodGet, "/llm_proxy/breakers")
+	if status != http.StatusOK {
+		g.t.Fatalf("GET /llm_proxy/breakers: status %d: %s", status, body)
+	}
+	var views []breakerView
+	if err := json.Unmarshal(body, &views); err != nil {
+		g.t.Fatalf("GET /llm_proxy/breakers: %v: %s", err, body)
+	}
+	out := make(map[string]breakerView, len(views))
+	for _, v := range views {
+		out[v.Key] = v
+	}
+	return out
+}
+
+// breaker returns the breaker of key as the admin API lists it.
+func (g *gateway) breaker(key string) breakerView {
+	g.t.Helper()
+	v, ok := g.breakers()[key]
+	if !ok {
+		g.t.Fatalf("the admin API lists no breaker %q", key)
+	}
+	return v
+}
+
+// breakerAction POSTs /llm_proxy/breakers/<key>/<action> (action may carry
+// a query, "open?for=2s") and returns the status and, on 200, the view.
+func (g *gateway) breakerAction(key, action string) (int, breakerView) {
+	g.t.Helper()
+	status, body := g.admin(http.MethodPost, "/llm_proxy/breakers/"+key+"/"+action)
+	var v breakerView
+	if status == http.StatusOK {
+		if err := json.Unmarshal(body, &v); err != nil {
+			g.t.Fatalf("POST %s/%s: %v: %s", key, action, err, body)
+		}
+	}
+	return status, v
+}
+
+// waitBreaker polls the admin API until the breaker of key satisfies cond
+// or d passes; it returns the last view and whether cond held.
+func (g *gateway) waitBreaker(key string, d time.Duration, cond func(breakerView) bool) (breakerView, bool) {
+	g.t.Helper()
+	var v breakerView
+	ok := waitFor(d, func() bool {
+		v = g.breaker(key)
+		return cond(v)
+	})
+	return v, ok
+}
