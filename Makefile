@@ -14,8 +14,11 @@ demo:
 bench-overhead:
 	scripts/bench-overhead.sh
 
+# Installs what the tests need (scripts/setup-test.sh), then every test
+# with the race detector, end-to-end tests against the real caddy included.
 test:
-	./xcaddy.sh && go test -race -count=1 ./...
+	scripts/setup-test.sh
+	go test -race -count=1 -timeout 30m ./...
 
 # Keeps .cache (the cached caddy builds): a cold build takes minutes.
 clean:
