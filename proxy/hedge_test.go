@@ -82,12 +82,16 @@ func TestHedgeFirstEventWinsAndLoserIsCancelled(t *testing.T) {
 			sseUpstream(chunkB, done)(w, r)
 		}
 	})
-	fast := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	fast := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		sseUpstream(chunkA)(w, r)
+		time.Sleep(400 * time.Millisecond) // the stream goes on well after the commit
+		sseUpstream(chunkEnd, done)(w, r)
+	})
 	h := &fakeHedging{delay: 50 * time.Millisecond, allow: true}
 	p, obs := hedgedProxy(t, Config{Hedging: h, Retries: &fakeRetries{allow: true}}, slow, fast)
-	w := httptest.NewRecorder()
+	w := &firstWrite{ResponseRecorder: httptest.NewRecorder()}
 	res := p.ServeHTTP(w, post(`{"stream":true}`))
-	committed := time.Now()
+	committed := w.at
 	if w.Body.String() != chunkA+chunkEnd+done || res.Upstream != fast.addr() || !res.Hedged {
 		t.Fatalf("body %q upstream %s hedged %v", w.Body, res.Upstream, res.Hedged)
 	}
@@ -177,4 +181,17 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// firstWrite records when the first byte reached the client (the commit).
+type firstWrite struct {
+	*httptest.ResponseRecorder
+	at time.Time
+}
+
+func (w *firstWrite) Write(b []byte) (int, error) {
+	if w.at.IsZero() {
+		w.at = time.Now()
+	}
+	return w.ResponseRecorder.Write(b)
 }

@@ -73,6 +73,7 @@ type race struct {
 	results    chan *attempt
 	tried      []string
 	inflight   int
+	running    []*attempt // every attempt launched, for cancelling losers
 	last       *attempt
 	retries    int
 	hedges     int
@@ -108,6 +109,7 @@ func (rc *race) launch(up Upstream, hedge bool) {
 	}
 	a := x.startAttempt(up, rc.results)
 	a.hedge = hedge
+	rc.running = append(rc.running, a)
 	rc.inflight++
 }
 
@@ -132,16 +134,19 @@ func (rc *race) retry() *failure {
 	// With hedging on, a primary that fails before the hedge fires is
 	// replaced at once: the failover is the backup.
 	immediate := rc.hedging && rc.hedges == 0
-	if cfg.Retries != nil && !immediate {
-		if d, ok := cfg.Retries.Backoff(n, 0, x.remaining()); ok && !x.sleep(d) {
-			return &failure{last: last, ctxErr: context.Cause(x.ctx)}
-		}
+	pick := func() (Upstream, error) {
+		return cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried})
 	}
-	up, err := cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried})
-	var ue *UnavailableError
-	if err != nil && errors.As(err, &ue) && ue.RetryAfter > 0 && cfg.Retries != nil {
-		// Every upstream asked for a pause (Retry-After, open breakers):
-		// wait only if that fits, never sleeping through a long one.
+	// Find out first whether any upstream can take the retry: a client
+	// whose upstreams all asked for a long pause gets its 429/503 now, not
+	// after a backoff.
+	up, err := pick()
+	if err != nil {
+		var ue *UnavailableError
+		if !errors.As(err, &ue) || ue.RetryAfter <= 0 || cfg.Retries == nil {
+			return stop
+		}
+		// Wait for the earliest upstream only if that fits.
 		d, ok := cfg.Retries.Backoff(n, ue.RetryAfter, x.remaining())
 		if !ok {
 			return stop
@@ -149,10 +154,21 @@ func (rc *race) retry() *failure {
 		if !x.sleep(d) {
 			return &failure{last: last, ctxErr: context.Cause(x.ctx)}
 		}
-		up, err = cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried})
-	}
-	if err != nil {
-		return stop
+		if up, err = pick(); err != nil {
+			return stop
+		}
+	} else if cfg.Retries != nil && !immediate {
+		if d, ok := cfg.Retries.Backoff(n, 0, x.remaining()); ok && d > 0 {
+			// Give the pick back while backing off: no breaker probe slot
+			// or in-flight count is held through the wait.
+			up.Done(nil)
+			if !x.sleep(d) {
+				return &failure{last: last, ctxErr: context.Cause(x.ctx)}
+			}
+			if up, err = pick(); err != nil {
+				return stop
+			}
+		}
 	}
 	rc.launch(up, false)
 	return nil
@@ -185,6 +201,13 @@ func (rc *race) hedge() bool {
 // own context (neutral for its breaker), and the hedge statistics learn.
 func (rc *race) commit(a *attempt) {
 	x := rc.x
+	// Cancel the losers now, wherever they are (waiting for headers, or
+	// for a first event); abandon collects them as they report.
+	for _, o := range rc.running {
+		if o != a {
+			o.cancel(errLostRace)
+		}
+	}
 	x.abandon(rc.results, rc.inflight)
 	if rc.hedges > 0 {
 		if a.hedge {
