@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -98,5 +99,48 @@ func TestLeastConnReleasesEveryAttempt(t *testing.T) {
 		if r.Requests < 9 || r.Requests > 11 {
 			t.Errorf("replica %d got %d of %d concurrent streams, want about %d (least_conn)", i, r.Requests, n, n/3)
 		}
+	}
+}
+
+// TestDynamicUpstreamsFromCaddySources: upstreams from Caddy's own dynamic
+// sources (multi of two "a" sources, one per mock replica port) are
+// balanced by the selection policy, and a replica that stops answering is
+// failed over past.
+func TestDynamicUpstreamsFromCaddySources(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2})
+	port := func(i int) string {
+		addr := fleet.Replica(i).Addr()
+		return addr[strings.LastIndex(addr, ":")+1:]
+	}
+	gw := startGateway(t, `	llm_proxy {
+		dynamic multi {
+			a 127.0.0.1 `+port(0)+`
+			a 127.0.0.1 `+port(1)+`
+		}
+		lb_policy round_robin
+		max_attempts 2
+	}`)
+	c := newClient(t)
+	for range 6 {
+		ctx := testContext(t, 30*time.Second)
+		s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Dynamic.", true), "X-Mock-Tokens: 2", "X-Mock-Token-Interval: 0")
+		checkCleanStream(t, s)
+	}
+	for i, r := range fleet.Stats().Replicas {
+		if r.Requests != 3 {
+			t.Fatalf("replica %d got %d of 6 round-robin requests, want 3", i, r.Requests)
+		}
+	}
+	if err := fleet.Replica(1).Stop(); err != nil {
+		t.Fatal(err)
+	}
+	for range 4 {
+		ctx := testContext(t, 30*time.Second)
+		s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Dynamic.", true), "X-Mock-Tokens: 2", "X-Mock-Token-Interval: 0")
+		checkCleanStream(t, s)
+	}
+	if n := fleet.Replica(0).Stats().Requests; n != 7 {
+		t.Fatalf("with replica 1 stopped, replica 0 served %d requests in all, want 3 + 4", n)
 	}
 }
