@@ -1,5 +1,5 @@
 # Developer entry points. See scripts/ for what demo and bench-overhead do.
-.PHONY: build demo bench-overhead test clean
+.PHONY: build demo bench-overhead bench-hedge test clean
 
 # ./caddy with the llm_proxy module (cached by source hash) and the tools.
 build:
@@ -13,6 +13,10 @@ demo:
 # TTFT and inter-event gap: direct vs llm_proxy vs reverse_proxy.
 bench-overhead:
 	scripts/bench-overhead.sh
+
+# The Tail at Scale's hedging experiment on TTFT: no hedging vs hedge at p95.
+bench-hedge:
+	scripts/bench-hedge.sh
 
 # Installs what the tests need (scripts/setup-test.sh), then every test
 # with the race detector, end-to-end tests against the real caddy included.

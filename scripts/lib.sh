@@ -1,4 +1,4 @@
-# Shared helpers for scripts/demo.sh and scripts/bench-overhead.sh.
+# Shared helpers for scripts/demo.sh, bench-overhead.sh and bench-hedge.sh.
 # Source it; it needs bash. Nothing here needs tools beyond bash and
 # coreutils: ports are probed through bash's /dev/tcp.
 

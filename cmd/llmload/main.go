@@ -5,9 +5,11 @@
 // Usage:
 //
 //	llmload run --url http://127.0.0.1:8089/v1/chat/completions --concurrency 8 --duration 20s \
-//	    [--requests N] [--rate R] [--stream=true] [--metrics-url http://127.0.0.1:2019/metrics] [--json out.json]
+//	    [--requests N] [--rate R] [--stream=true] [--metrics-url http://127.0.0.1:2019/metrics] [--json out.json] \
+//	    [--mock http://127.0.0.1:9101] [--warmup 10s] [--label name]
 //	llmload overhead --direct http://127.0.0.1:9201 --llm-proxy http://127.0.0.1:8091 \
 //	    --reverse-proxy http://127.0.0.1:8092 [--streams 1,100] [--requests-per-level N] [--json out.json]
+//	llmload compare [--target-speedup 5] [--target-max-extra 10] base.json hedged.json
 //
 // Every run is bounded (by duration and/or request count), and llmload only
 // targets this machine unless --allow-remote is given.
@@ -29,6 +31,8 @@ const usage = `llmload: load generator and scenario driver for OpenAI-style endp
 Usage:
   llmload run [flags]        bounded load against one endpoint, with a summary
   llmload overhead [flags]   compare TTFT and event gaps: direct vs llm_proxy vs reverse_proxy
+  llmload compare [flags] base.json other.json
+                             compare run reports (e.g. without and with hedging): markdown table, verdict
 
 Run 'llmload <command> -h' for the flags of a command.
 `
@@ -44,6 +48,8 @@ func main() {
 		err = runCmd(os.Args[2:])
 	case "overhead":
 		err = overheadCmd(os.Args[2:])
+	case "compare":
+		err = compareCmd(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

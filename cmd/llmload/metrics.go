@@ -19,6 +19,10 @@ const (
 	metricRequests = "caddy_llm_proxy_requests_total"
 	metricAttempts = "caddy_llm_proxy_upstream_attempts_total"
 	metricTTFT     = "caddy_llm_proxy_ttft_seconds"
+	metricHedges   = "caddy_llm_proxy_hedges_total"
+	metricDelay    = "caddy_llm_proxy_hedge_delay_seconds"
+	metricRetries  = "caddy_llm_proxy_retries_total"
+	metricBudget   = "caddy_llm_proxy_retry_budget_exhausted_total"
 )
 
 // Series is one sample of the Prometheus text exposition format.
@@ -191,6 +195,18 @@ type GatewayDelta struct {
 	TTFTCount float64 `json:"ttft_count"`
 	TTFTP50   float64 `json:"ttft_p50_ms"`
 	TTFTP99   float64 `json:"ttft_p99_ms"`
+	// Hedges counts hedges by outcome: fired (a backup started), won (the
+	// backup committed), lost (the primary committed), suppressed (a gate
+	// refused the backup: breaker, hedge-rate cap, retry budget, attempts).
+	Hedges map[string]float64 `json:"hedges_by_outcome,omitempty"`
+	// Retries counts retries (pre-commit failovers), BudgetExhausted the
+	// retries the retry budget refused.
+	Retries         float64 `json:"retries"`
+	BudgetExhausted float64 `json:"retry_budget_exhausted"`
+	// HedgeDelayMS is the hedge delay the gateway last computed, read from
+	// the gauge at the end of the run (the highest over models); 0 without
+	// hedging.
+	HedgeDelayMS float64 `json:"hedge_delay_ms,omitempty"`
 }
 
 // gatewayDelta interprets the delta of two scrapes.
@@ -217,6 +233,18 @@ func gatewayDelta(d Scrape) GatewayDelta {
 			}
 		case metricTTFT + "_count":
 			g.TTFTCount += s.Value
+		case metricHedges:
+			g.Found = true
+			if g.Hedges == nil {
+				g.Hedges = map[string]float64{}
+			}
+			g.Hedges[s.Labels["outcome"]] += s.Value
+		case metricRetries:
+			g.Found = true
+			g.Retries += s.Value
+		case metricBudget:
+			g.Found = true
+			g.BudgetExhausted += s.Value
 		default:
 			if strings.HasPrefix(s.Name, metricPrefix) {
 				g.Found = true
@@ -240,6 +268,18 @@ func gatewayDelta(d Scrape) GatewayDelta {
 	g.TTFTP50 = nanToZero(bucketQuantile(0.5, buckets) * 1000)
 	g.TTFTP99 = nanToZero(bucketQuantile(0.99, buckets) * 1000)
 	return g
+}
+
+// hedgeDelayMS returns the highest hedge delay gauge of a scrape (not of a
+// delta: a gauge's difference means nothing), in milliseconds, 0 if none.
+func hedgeDelayMS(s Scrape) float64 {
+	v := 0.0
+	for _, x := range s {
+		if x.Name == metricDelay {
+			v = max(v, x.Value*1000)
+		}
+	}
+	return v
 }
 
 type bucket struct {

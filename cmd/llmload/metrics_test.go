@@ -1,6 +1,7 @@
 package main
 
 import (
+	"math"
 	"strings"
 	"testing"
 )
@@ -85,5 +86,34 @@ func TestParseSeriesUnescapesLabels(t *testing.T) {
 func TestGatewayDeltaWithoutSeries(t *testing.T) {
 	if g := gatewayDelta(Delta(Scrape{}, Scrape{})); g.Found || g.TTFTP50 != 0 {
 		t.Fatalf("%+v", g)
+	}
+}
+
+func TestGatewayDeltaCountsHedgesAndReadsTheDelayGauge(t *testing.T) {
+	before, _ := parseExposition(strings.NewReader(`caddy_llm_proxy_hedges_total{outcome="fired"} 10
+caddy_llm_proxy_hedge_delay_seconds{model="m"} 1
+`), metricPrefix)
+	after, err := parseExposition(strings.NewReader(`caddy_llm_proxy_hedges_total{outcome="fired"} 30
+caddy_llm_proxy_hedges_total{outcome="won"} 12
+caddy_llm_proxy_hedges_total{outcome="suppressed"} 3
+caddy_llm_proxy_retries_total{upstream="a",reason="http_5xx"} 4
+caddy_llm_proxy_retries_total{upstream="b",reason="connect_error"} 1
+caddy_llm_proxy_retry_budget_exhausted_total 2
+caddy_llm_proxy_hedge_delay_seconds{model="m"} 0.234
+caddy_llm_proxy_hedge_delay_seconds{model="other"} 0.1
+`), metricPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := gatewayDelta(Delta(before, after))
+	if g.Hedges[HedgeFired] != 20 || g.Hedges[HedgeWon] != 12 || g.Hedges[HedgeSuppressed] != 3 {
+		t.Errorf("hedges %v", g.Hedges)
+	}
+	if g.Retries != 5 || g.BudgetExhausted != 2 {
+		t.Errorf("retries %v exhausted %v", g.Retries, g.BudgetExhausted)
+	}
+	// The gauge is read from the last scrape, not differenced.
+	if got := hedgeDelayMS(after); math.Abs(got-234) > 1e-9 {
+		t.Errorf("hedge delay %v ms, want 234", got)
 	}
 }

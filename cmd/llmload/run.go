@@ -31,6 +31,9 @@ type RunConfig struct {
 	Timeout     time.Duration `json:"timeout_ns"`
 	Grace       time.Duration `json:"grace_ns"`
 	MetricsURL  string        `json:"metrics_url,omitempty"`
+	MockURL     string        `json:"mock_url,omitempty"`
+	Warmup      time.Duration `json:"warmup_ns,omitempty"`
+	Label       string        `json:"label,omitempty"`
 }
 
 // RunReport is what `llmload run --json` writes.
@@ -39,6 +42,7 @@ type RunReport struct {
 	Elapsed float64       `json:"elapsed_seconds"`
 	Summary Summary       `json:"summary"`
 	Gateway *GatewayDelta `json:"gateway,omitempty"`
+	Mock    *MockSummary  `json:"mock,omitempty"`
 }
 
 func runCmd(args []string) error {
@@ -63,6 +67,9 @@ func runCmd(args []string) error {
 	fs.DurationVar(&cfg.Timeout, "timeout", 60*time.Second, "bound on one request")
 	fs.DurationVar(&cfg.Grace, "grace", 10*time.Second, "after --duration, wait this long for requests in flight, then cancel them")
 	fs.StringVar(&cfg.MetricsURL, "metrics-url", "", "gateway Prometheus `url` to scrape before and after (e.g. http://127.0.0.1:2019/metrics)")
+	fs.StringVar(&cfg.MockURL, "mock", "", "a mockllm replica's base `url`: reset the fleet's statistics before the run, read them after (upstream requests, wasted tokens)")
+	fs.DurationVar(&cfg.Warmup, "warmup", 0, "send the same load this long first, unmeasured (e.g. to let the gateway learn its hedge delay)")
+	fs.StringVar(&cfg.Label, "label", "", "a name for this run in the report (see llmload compare)")
 	fs.Var(&headers, "header", "request header 'Key: Value' (repeatable)")
 	fs.StringVar(&jsonOut, "json", "", "also write the report as JSON to this `file`")
 	fs.BoolVar(&progress, "progress", true, "show a live progress line on stderr")
@@ -76,14 +83,20 @@ func runCmd(args []string) error {
 		return usageErrorf("--concurrency must be at least 1")
 	case cfg.Duration <= 0:
 		return usageErrorf("--duration must be positive: every run is bounded")
-	case cfg.Requests < 0 || cfg.Rate < 0 || cfg.Timeout < 0 || cfg.Grace < 0:
-		return usageErrorf("--requests, --rate, --timeout and --grace must not be negative")
+	case cfg.Requests < 0 || cfg.Rate < 0 || cfg.Timeout < 0 || cfg.Grace < 0 || cfg.Warmup < 0:
+		return usageErrorf("--requests, --rate, --timeout, --grace and --warmup must not be negative")
 	}
 	if _, err := checkTarget(cfg.URL, allowRemote); err != nil {
 		return err
 	}
 	if cfg.MetricsURL != "" {
 		if _, err := checkTarget(cfg.MetricsURL, allowRemote); err != nil {
+			return err
+		}
+	}
+	if cfg.MockURL != "" {
+		var err error
+		if cfg.MockURL, err = mockBase(cfg.MockURL, allowRemote); err != nil {
 			return err
 		}
 	}
@@ -99,6 +112,26 @@ func runCmd(args []string) error {
 		Timeout: cfg.Timeout,
 	}
 
+	var inflight atomic.Int64
+	if cfg.Warmup > 0 {
+		fmt.Fprintf(os.Stderr, "llmload: warming up for %v (not measured)\n", cfg.Warmup)
+		w := cfg
+		w.Duration, w.Requests = cfg.Warmup, 0
+		runLoad(ctx, q, w, NewCollector(recentWindow), &inflight)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		// Let the attempts the warm-up abandoned (hedge losers) end
+		// before the counters are read.
+		time.Sleep(300 * time.Millisecond)
+	}
+	if cfg.MockURL != "" {
+		if err := resetMock(ctx, client, cfg.MockURL); err != nil {
+			fmt.Fprintf(os.Stderr, "llmload: warning: %v; the mock's counts are left out\n", err)
+			cfg.MockURL = ""
+		}
+	}
+
 	var before Scrape
 	if cfg.MetricsURL != "" {
 		var err error
@@ -109,7 +142,6 @@ func runCmd(args []string) error {
 	}
 
 	col := NewCollector(sampleCap)
-	var inflight atomic.Int64
 	start := time.Now()
 	var stopProgress func()
 	if progress {
@@ -122,15 +154,27 @@ func runCmd(args []string) error {
 	}
 
 	rep := RunReport{Config: cfg, Elapsed: elapsed.Seconds(), Summary: col.Summary()}
-	if cfg.MetricsURL != "" {
-		// The gateway counts a request when its handler returns, which
-		// can be a moment after the client read the last byte.
+	if cfg.MetricsURL != "" || cfg.MockURL != "" {
+		// The gateway counts a request when its handler returns, and the
+		// mock sees a cancelled attempt end, a moment after the client
+		// read the last byte.
 		time.Sleep(300 * time.Millisecond)
+	}
+	if cfg.MockURL != "" {
+		if fs, err := fetchMock(context.Background(), client, cfg.MockURL); err != nil {
+			fmt.Fprintf(os.Stderr, "llmload: warning: %v\n", err)
+		} else {
+			m := summarizeMock(cfg.MockURL, fs)
+			rep.Mock = &m
+		}
+	}
+	if cfg.MetricsURL != "" {
 		after, err := scrapeMetrics(context.Background(), client, cfg.MetricsURL, metricPrefix)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "llmload: warning: %v\n", err)
 		} else {
 			g := gatewayDelta(Delta(before, after))
+			g.HedgeDelayMS = hedgeDelayMS(after)
 			rep.Gateway = &g
 		}
 	}
@@ -330,6 +374,9 @@ func printRunReport(w io.Writer, rep *RunReport) {
 	}
 	t.write(w)
 
+	if m := rep.Mock; m != nil {
+		printMock(w, m)
+	}
 	if g := rep.Gateway; g != nil {
 		fmt.Fprintf(w, "\ngateway counters (delta of %s)\n", cfg.MetricsURL)
 		if !g.Found {
@@ -344,6 +391,13 @@ func printRunReport(w io.Writer, rep *RunReport) {
 			t.row("ttft", fmt.Sprintf("%.0f", g.TTFTCount), fmt.Sprintf("p50 %s, p99 %s (estimated from the %s buckets)",
 				fmtMS(g.TTFTP50), fmtMS(g.TTFTP99), metricTTFT))
 		}
+		if g.Retries > 0 || g.BudgetExhausted > 0 {
+			t.row("retries", fmt.Sprintf("%.0f", g.Retries), fmt.Sprintf("%.0f refused by the retry budget", g.BudgetExhausted))
+		}
+		if len(g.Hedges) > 0 || g.HedgeDelayMS > 0 {
+			t.row("hedges", fmt.Sprintf("%.0f", g.Hedges[HedgeFired]), fmt.Sprintf("fired; %s; hedge delay at the end %s",
+				fmtCounts(g.Hedges), fmtMS(g.HedgeDelayMS)))
+		}
 		t.write(w)
 		if len(g.Attempts) > 0 {
 			fmt.Fprintln(w)
@@ -355,6 +409,23 @@ func printRunReport(w io.Writer, rep *RunReport) {
 			t.write(w)
 		}
 	}
+}
+
+// printMock writes what the mock fleet counted.
+func printMock(w io.Writer, m *MockSummary) {
+	fmt.Fprintf(w, "\nmock fleet (%s%s, reset before the run)\n", m.URL, mockStatsPath)
+	t := table{indent: "  ", tail: true}
+	t.row("upstream requests", m.Requests, fmt.Sprintf("completed %d, cancelled %d, faults %d", m.Completed, m.Cancelled, m.Faults))
+	cover := ""
+	if m.Records < m.Requests {
+		cover = fmt.Sprintf(" (from the latest %d of %d requests)", m.Records, m.Requests)
+	}
+	t.row("tokens", m.UsefulTokens+m.WastedTokens, fmt.Sprintf("useful %d, wasted %d (%.2f%% of useful)%s",
+		m.UsefulTokens, m.WastedTokens, m.WastedPct(), cover))
+	if m.Cancelled > 0 {
+		t.row("cancelled held", fmt.Sprintf("%.1fs", m.CancelledSeconds), "upstream time of cancelled requests, arrival to cancellation")
+	}
+	t.write(w)
 }
 
 // sortedOutcomes lists ok first, then the others by count (descending).
