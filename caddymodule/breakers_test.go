@@ -1,14 +1,18 @@
 package caddymodule
 
 import (
+	"context"
 	"errors"
 	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -156,5 +160,49 @@ func Test4xxDoesNotResetARunOfFailures(t *testing.T) {
 	}
 	if st := h.breakerFor("10.1.6.1:8000", "").b.State(); st != breaker.Open {
 		t.Fatalf("5xx, 5xx, 400, 5xx left the breaker %v; the client's 400 must not reset the run", st)
+	}
+}
+
+// eventRecorder is a Caddy event handler that keeps what it sees.
+type eventRecorder struct {
+	mu     sync.Mutex
+	events []caddy.Event
+}
+
+func (r *eventRecorder) Handle(_ context.Context, e caddy.Event) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, e)
+	return nil
+}
+
+func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	app := new(caddyevents.App)
+	if err := app.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rec := new(eventRecorder)
+	if err := app.On("llm_proxy_breaker_open", rec); err != nil {
+		t.Fatal(err)
+	}
+	setCurrent(ctx, zap.NewNop(), app)
+	defer setCurrent(caddy.Context{}, nil, nil)
+
+	h := breakerHandler(t, &BreakerConfig{ConsecutiveFailures: 1}, "10.1.7.1:8000")
+	before := testutil.ToFloat64(metrics.breakerTransitions.WithLabelValues("10.1.7.1:8000", "closed", "open"))
+	up, _ := pickErr(balancer{h: h}, "")
+	fail(up)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if len(rec.events) != 1 || rec.events[0].Name() != "llm_proxy_breaker_open" {
+		t.Fatalf("events %v", rec.events)
+	}
+	if d := rec.events[0].Data; d["upstream"] != "10.1.7.1:8000" || d["from"] != "closed" || d["to"] != "open" {
+		t.Fatalf("event data %v", d)
+	}
+	if got := testutil.ToFloat64(metrics.breakerTransitions.WithLabelValues("10.1.7.1:8000", "closed", "open")) - before; got != 1 {
+		t.Fatalf("transitions_total grew by %v", got)
 	}
 }
