@@ -183,6 +183,10 @@ func (rc *race) hedge() bool {
 	if rc.inflight == 0 || rc.hedges >= cfg.Hedging.MaxHedges() || x.res.Attempts >= cfg.MaxAttempts {
 		return false
 	}
+	// The hedge-rate cap is asked before the budget: when the budget then
+	// refuses (a failing pool, where hedging is unwanted anyway) a cap slot
+	// is spent, which only makes hedging more conservative; the other order
+	// would spend retry budget on hedges the cap refuses.
 	if !rc.primaryClosed || !cfg.Hedging.TryHedge() || (cfg.Retries != nil && !cfg.Retries.TryRetry()) {
 		x.p.obs.Hedge(HedgeSuppressed)
 		return false
