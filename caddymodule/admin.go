@@ -20,6 +20,7 @@ func init() {
 // adminAPI serves the breakers on Caddy's admin endpoint:
 //
 //	GET  /llm_proxy/breakers                   every breaker, as JSON
+//	GET  /llm_proxy/breakers/<key>             one breaker
 //	POST /llm_proxy/breakers/<key>/open[?for=<duration>]   force open (until close without for)
 //	POST /llm_proxy/breakers/<key>/close       force closed
 //	POST /llm_proxy/breakers/<key>/reset       fresh closed state
@@ -67,23 +68,27 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
+	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
+	if r.Method == http.MethodGet {
+		e := lookupBreaker(rest)
+		if e == nil {
+			if i := strings.LastIndex(rest, "/"); i > 0 && lookupBreaker(rest[:i]) != nil {
+				return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("use POST for %s", rest[i+1:])}
+			}
+			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", rest)}
+		}
+		w.Header().Set("Content-Type", "application/json")
+		return json.NewEncoder(w).Encode(breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
+	}
 	if r.Method != http.MethodPost {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
-	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
 	i := strings.LastIndex(rest, "/")
 	if i <= 0 {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_proxy/breakers/<key>/open|close|reset")}
 	}
 	key, action := rest[:i], rest[i+1:]
-	var e *breakerEntry
-	breakerPool.Range(func(k, val any) bool {
-		if k == key {
-			e = val.(*breakerEntry)
-			return false
-		}
-		return true
-	})
+	e := lookupBreaker(key)
 	if e == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
 	}
@@ -107,6 +112,19 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
+}
+
+// lookupBreaker returns the breaker entry for key, nil if none.
+func lookupBreaker(key string) *breakerEntry {
+	var e *breakerEntry
+	breakerPool.Range(func(k, val any) bool {
+		if k == key {
+			e = val.(*breakerEntry)
+			return false
+		}
+		return true
+	})
+	return e
 }
 
 var _ caddy.AdminRouter = adminAPI{}

@@ -202,7 +202,7 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 	v, loaded, _ := breakerPool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		e := &breakerEntry{key: key, upstream: addr, model: model}
 		e.b = breaker.New(key, *h.breakerSettings, breaker.WithListener(e.transition))
-		metrics.breakerState.WithLabelValues(addr, modelLabel(model)).Set(0)
+		metrics.breakerState.WithLabelValues(addr, breakerModelLabel(model)).Set(0)
 		return e, nil
 	})
 	e := v.(*breakerEntry)
@@ -237,19 +237,19 @@ func (e *breakerEntry) record(p *breaker.Permit, rep *proxy.AttemptReport) {
 		p.Done(breaker.Neutral, 0, "")
 		return
 	}
-	switch rep.Outcome {
-	case proxy.AttemptSuccess:
+	switch o := rep.Outcome; {
+	case o == proxy.AttemptSuccess:
 		p.Done(breaker.Success, rep.TTFT, "")
-	case proxy.AttemptCanceled:
-		p.Done(breaker.Neutral, 0, "")
-	case proxy.AttemptHTTP4xx, proxy.AttemptInbandError4xx:
+	case o == proxy.AttemptHTTP4xx || o == proxy.AttemptInbandError4xx:
 		if p.Probe() {
 			p.Done(breaker.Success, 0, "")
 		} else {
 			p.Done(breaker.Neutral, 0, "")
 		}
-	default:
-		p.Done(breaker.Failure, rep.TTFT, rep.Outcome.String())
+	case o.UpstreamFault():
+		p.Done(breaker.Failure, rep.TTFT, o.String())
+	default: // cancelled, or the client's own stream_timeout
+		p.Done(breaker.Neutral, 0, "")
 	}
 	if rep.RetryAfter > 0 {
 		e.b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
@@ -259,8 +259,7 @@ func (e *breakerEntry) record(p *breaker.Permit, rep *proxy.AttemptReport) {
 // transition is the breaker's listener: metrics, a log line, a Caddy event,
 // and the start of active probing when it opens.
 func (e *breakerEntry) transition(tr breaker.Transition) {
-	model := modelLabel(e.model)
-	metrics.breakerState.WithLabelValues(e.upstream, model).Set(float64(tr.To))
+	metrics.breakerState.WithLabelValues(e.upstream, breakerModelLabel(e.model)).Set(float64(tr.To))
 	metrics.breakerTransitions.WithLabelValues(e.upstream, tr.From.String(), tr.To.String()).Inc()
 
 	current.Lock()
@@ -272,7 +271,7 @@ func (e *breakerEntry) transition(tr breaker.Transition) {
 			level = zapcore.WarnLevel
 		}
 		if ce := logger.Check(level, "circuit breaker "+tr.To.String()); ce != nil {
-			ce.Write(
+			fields := []zap.Field{
 				zap.String("breaker", tr.Key),
 				zap.String("upstream", e.upstream),
 				zap.String("from", tr.From.String()),
@@ -280,8 +279,11 @@ func (e *breakerEntry) transition(tr breaker.Transition) {
 				zap.String("reason", tr.Reason),
 				zap.Int("consecutive_failures", tr.ConsecutiveFailures),
 				zap.Int("failures_in_window", tr.FailuresInWindow),
-				zap.Time("open_until", tr.OpenUntil),
-			)
+			}
+			if !tr.OpenUntil.IsZero() {
+				fields = append(fields, zap.Time("open_until", tr.OpenUntil))
+			}
+			ce.Write(fields...)
 		}
 	}
 	if events != nil {
@@ -420,4 +422,13 @@ func (p *prober) send() error {
 		return fmt.Errorf("probe %s %s: status %d", method, path, resp.StatusCode)
 	}
 	return nil
+}
+
+// breakerModelLabel is the "model" label of breaker metrics: empty for
+// per-upstream breakers (scope upstream), the capped model name otherwise.
+func breakerModelLabel(model string) string {
+	if model == "" {
+		return ""
+	}
+	return modelLabel(model)
 }

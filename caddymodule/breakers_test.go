@@ -62,7 +62,7 @@ func TestOpenBreakerRemovesUpstreamBeforeSelection(t *testing.T) {
 	if got := testutil.ToFloat64(metrics.shortCircuited.WithLabelValues("10.1.0.1:8000")) - before; got != 1 {
 		t.Fatalf("short_circuited grew by %v, want 1", got)
 	}
-	if got := testutil.ToFloat64(metrics.breakerState.WithLabelValues("10.1.0.1:8000", "unknown")); got != 2 {
+	if got := testutil.ToFloat64(metrics.breakerState.WithLabelValues("10.1.0.1:8000", "")); got != 2 {
 		t.Fatalf("breaker_state gauge %v, want 2 (open)", got)
 	}
 }
@@ -83,11 +83,11 @@ func TestAllBreakersOpenGivesRetryAfterWithoutUpstream(t *testing.T) {
 	}
 }
 
-func TestNeutralAnd4xxLeaveBreakerClosed(t *testing.T) {
+func TestNeutral4xxAndStreamTimeoutLeaveBreakerClosed(t *testing.T) {
 	h := breakerHandler(t, nil, "10.1.2.1:8000")
 	b := balancer{h: h}
 	for _, o := range []proxy.AttemptOutcome{proxy.AttemptCanceled, proxy.AttemptHTTP4xx, proxy.AttemptInbandError4xx,
-		proxy.AttemptCanceled, proxy.AttemptHTTP4xx, proxy.AttemptCanceled} {
+		proxy.AttemptStreamTimeout, proxy.AttemptCanceled, proxy.AttemptHTTP4xx, proxy.AttemptStreamTimeout} {
 		up, err := pickErr(b, "")
 		if err != nil {
 			t.Fatal(err)

@@ -14,6 +14,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
+
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
 func init() {
@@ -85,6 +87,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return d.Err(err.Error())
 			}
+			for _, u := range h.Upstreams {
+				if u.Dial == dial {
+					return d.Errf("upstream %s is listed twice", dial)
+				}
+			}
 			h.Upstreams = append(h.Upstreams, &reverseproxy.Upstream{Dial: dial})
 			schemes = append(schemes, scheme)
 		}
@@ -95,7 +102,15 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	var transport *reverseproxy.HTTPTransport
 
+	seen := map[string]bool{}
 	for d.NextBlock(0) {
+		switch name := d.Val(); name {
+		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts":
+			if seen[name] {
+				return d.Errf("%s already specified", name)
+			}
+			seen[name] = true
+		}
 		switch d.Val() {
 		case "to":
 			args := d.RemainingArgs()
@@ -244,6 +259,18 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 	if len(h.Upstreams) > 0 && h.DynamicUpstreamsRaw != nil {
 		return d.Err("upstreams and dynamic upstreams cannot be used together")
+	}
+	if len(h.Upstreams) == 0 && h.DynamicUpstreamsRaw == nil {
+		return d.Err("llm_proxy needs upstreams: list them after the directive, with to, or with dynamic")
+	}
+	if h.Hedge != nil {
+		attempts := h.MaxAttempts
+		if attempts == 0 {
+			attempts = proxy.DefaultMaxAttempts
+		}
+		if hedges := max(h.Hedge.MaxHedges, 1); hedges >= attempts {
+			return d.Errf("hedge: %d backup(s) need max_attempts of at least %d (it is %d): every backup is an attempt", hedges, hedges+1, attempts)
+		}
 	}
 	if err := applySchemes(d, schemes, &transport); err != nil {
 		return err

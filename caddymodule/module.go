@@ -360,7 +360,7 @@ func (h *Handler) breakerState(res *proxy.Result) string {
 func (h *Handler) logResult(res *proxy.Result) {
 	level := zapcore.DebugLevel
 	switch res.Outcome {
-	case proxy.OutcomeUpstreamError, proxy.OutcomeTimeout, proxy.OutcomeNoUpstream, proxy.OutcomeTruncated,
+	case proxy.OutcomeUpstreamError, proxy.OutcomeTimeout, proxy.OutcomeNoUpstream, proxy.OutcomeCircuitOpen, proxy.OutcomeTruncated,
 		proxy.OutcomeIdleTimeout, proxy.OutcomeStreamTimeout, proxy.OutcomeInbandError:
 		level = zapcore.WarnLevel
 	}

@@ -248,6 +248,9 @@ func parseUpstreamAddr(s string) (dial, scheme string, err error) {
 	if strings.HasPrefix(s, "unix/") {
 		return s, scheme, nil
 	}
+	if strings.ContainsAny(s, "/?#") {
+		return "", "", fmt.Errorf("upstream %q: an upstream address has no path, query or fragment", s)
+	}
 	if _, _, splitErr := splitHostPort(s); splitErr != nil {
 		port := "80"
 		if scheme == "https" {

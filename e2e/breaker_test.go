@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -77,8 +78,8 @@ func TestOpenBreakerShortCircuitsWith503(t *testing.T) {
 	if v, _ := metricValue(samples, "caddy_llm_proxy_short_circuited_total", map[string]string{"upstream": addr}); v != 1 {
 		t.Errorf("caddy_llm_proxy_short_circuited_total{upstream=%s} = %v, want 1", addr, v)
 	}
-	if v, _ := metricValue(samples, "caddy_llm_proxy_requests_total", map[string]string{"outcome": "no_upstream"}); v != 1 {
-		t.Errorf("caddy_llm_proxy_requests_total{outcome=no_upstream} = %v, want 1", v)
+	if v, _ := metricValue(samples, "caddy_llm_proxy_requests_total", map[string]string{"outcome": "circuit_open"}); v != 1 {
+		t.Errorf("caddy_llm_proxy_requests_total{outcome=circuit_open} = %v, want 1", v)
 	}
 }
 
@@ -354,6 +355,7 @@ func TestAdminAPIListsAndControlsBreakers(t *testing.T) {
 		{http.MethodPost, "/llm_proxy/breakers/" + a0 + "/open?for=soon", http.StatusBadRequest},
 		{http.MethodGet, "/llm_proxy/breakers/" + a0 + "/open", http.StatusMethodNotAllowed},
 		{http.MethodPost, "/llm_proxy/breakers", http.StatusMethodNotAllowed},
+		{http.MethodGet, "/llm_proxy/breakers/127.0.0.1:1", http.StatusNotFound},
 	} {
 		if status, body := gw.admin(tc.method, tc.path); status != tc.want {
 			t.Errorf("%s %s: status %d, want %d: %s", tc.method, tc.path, status, tc.want, body)
@@ -361,6 +363,11 @@ func TestAdminAPIListsAndControlsBreakers(t *testing.T) {
 	}
 	if v := gw.breaker(a0); v.State != "closed" {
 		t.Errorf("a GET or a bad request changed breaker %s to %s", a0, v.State)
+	}
+	// One breaker by key.
+	if status, body := gw.admin(http.MethodGet, "/llm_proxy/breakers/"+a0); status != http.StatusOK ||
+		!strings.Contains(string(body), `"key":"`+a0+`"`) || !strings.Contains(string(body), `"state":"closed"`) {
+		t.Errorf("GET one breaker: status %d: %s", status, body)
 	}
 }
 

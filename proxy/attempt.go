@@ -200,7 +200,10 @@ func (a *attempt) readFirstEvent() {
 			}
 			a.inband = &ie
 			outcome := AttemptInbandError5xx
-			if ie.Status >= 400 && ie.Status < 500 && ie.Status != http.StatusTooManyRequests {
+			switch {
+			case ie.Status == http.StatusTooManyRequests:
+				outcome = AttemptInbandError429
+			case ie.Status >= 400 && ie.Status < 500:
 				outcome = AttemptInbandError4xx
 			}
 			a.fail(outcome, fmt.Errorf("upstream %s: error event before the first token: %s", a.up.Addr, ie.Message))

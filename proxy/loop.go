@@ -300,6 +300,7 @@ func (x *exchange) fail(f *failure) {
 			if ue.CircuitOpen {
 				ge.Header = http.Header{"X-Circuit-Breaker": {"open"}}
 				ge.Code = "circuit_open"
+				res.Outcome = OutcomeCircuitOpen
 			}
 		}
 		x.writeError(ge)
@@ -326,6 +327,10 @@ func (x *exchange) fail(f *failure) {
 		}
 		x.writeError(&GatewayError{Status: a.inband.Status, Type: typ,
 			Code: orDefault(a.inband.Code, strconv.Itoa(a.inband.Status)), Message: a.inband.Message})
+	case AttemptInbandError429:
+		res.Outcome = OutcomeRateLimited
+		x.writeError(&GatewayError{Status: http.StatusTooManyRequests, Type: TypeRateLimit,
+			Code: orDefault(a.inband.Code, "429"), Message: a.inband.Message, RetryAfter: 1})
 	case AttemptFirstByteTimeout, AttemptStreamTimeout:
 		res.Outcome = OutcomeTimeout
 		x.writeError(&GatewayError{Status: http.StatusGatewayTimeout, Type: TypeTimeout, Code: "first_byte_timeout",

@@ -27,11 +27,15 @@ const (
 	AttemptInbandError5xx
 	// AttemptInbandError4xx: an in-band error event with a client-side code.
 	AttemptInbandError4xx
+	// AttemptInbandError429: an in-band error event saying "rate limited".
+	AttemptInbandError429
 	// AttemptTruncated: the stream or body ended early (no finish_reason, no [DONE]).
 	AttemptTruncated
 	// AttemptIdleTimeout: no event within stream_idle_timeout after commit.
 	AttemptIdleTimeout
-	// AttemptStreamTimeout: the response outlived stream_timeout.
+	// AttemptStreamTimeout: the response outlived stream_timeout, the
+	// client's own deadline. Neutral: a long request is not the
+	// upstream's fault.
 	AttemptStreamTimeout
 	// AttemptCanceled: ended by the gateway or the client (client gone, hedge
 	// loser, config unloaded). Neutral: it says nothing about the upstream.
@@ -47,6 +51,7 @@ var attemptOutcomeNames = [...]string{
 	AttemptHTTP4xx:          "http_4xx",
 	AttemptInbandError5xx:   "inband_error_5xx",
 	AttemptInbandError4xx:   "inband_error_4xx",
+	AttemptInbandError429:   "inband_error_429",
 	AttemptTruncated:        "truncated",
 	AttemptIdleTimeout:      "idle_timeout",
 	AttemptStreamTimeout:    "stream_timeout",
@@ -64,7 +69,7 @@ func (o AttemptOutcome) String() string {
 // (its breaker). 4xx responses and canceled attempts do not.
 func (o AttemptOutcome) UpstreamFault() bool {
 	switch o {
-	case AttemptSuccess, AttemptHTTP4xx, AttemptInbandError4xx, AttemptCanceled:
+	case AttemptSuccess, AttemptHTTP4xx, AttemptInbandError4xx, AttemptCanceled, AttemptStreamTimeout:
 		return false
 	}
 	return true
@@ -75,7 +80,7 @@ func (o AttemptOutcome) UpstreamFault() bool {
 func (o AttemptOutcome) Retryable() bool {
 	switch o {
 	case AttemptConnectError, AttemptFirstByteTimeout, AttemptHTTP5xx, AttemptHTTP429,
-		AttemptInbandError5xx, AttemptTruncated:
+		AttemptInbandError5xx, AttemptInbandError429, AttemptTruncated:
 		return true
 	}
 	return false
@@ -100,6 +105,8 @@ const (
 	OutcomeTimeout
 	// OutcomeNoUpstream: no upstream could take the request (503).
 	OutcomeNoUpstream
+	// OutcomeCircuitOpen: every upstream's breaker refused (503).
+	OutcomeCircuitOpen
 	// OutcomeTruncated: a committed stream ended early; a terminal error event was sent.
 	OutcomeTruncated
 	// OutcomeIdleTimeout: a committed stream went idle past stream_idle_timeout.
@@ -120,6 +127,7 @@ var outcomeNames = [...]string{
 	OutcomeRateLimited:    "rate_limited",
 	OutcomeTimeout:        "timeout",
 	OutcomeNoUpstream:     "no_upstream",
+	OutcomeCircuitOpen:    "circuit_open",
 	OutcomeTruncated:      "truncated",
 	OutcomeIdleTimeout:    "idle_timeout",
 	OutcomeStreamTimeout:  "stream_timeout",

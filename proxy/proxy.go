@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"time"
 
@@ -328,12 +329,26 @@ func (x *exchange) run() {
 // read is step 1: the bounded body read and the parse of the few fields the
 // gateway uses. It writes the 400/413 itself and reports whether to go on.
 func (x *exchange) read() bool {
+	if d := x.p.cfg.StreamTimeout; d > 0 {
+		// stream_timeout runs from the request's arrival: a body that
+		// trickles in must not hold the request past it.
+		rc := http.NewResponseController(x.w)
+		if rc.SetReadDeadline(x.start.Add(d)) == nil {
+			defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
+		}
+	}
 	body, err := ReadBody(x.r, x.p.cfg.MaxRequestBody)
 	if err != nil {
 		x.res.Outcome = OutcomeInvalidRequest
 		if errors.Is(err, ErrBodyTooLarge) {
 			x.writeError(&GatewayError{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest,
 				Code: "request_too_large", Message: err.Error()})
+			return false
+		}
+		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+			x.res.Outcome = OutcomeStreamTimeout
+			x.writeError(&GatewayError{Status: http.StatusRequestTimeout, Type: TypeInvalidRequest,
+				Code: "stream_timeout", Message: "request body not received within stream_timeout"})
 			return false
 		}
 		if x.r.Context().Err() != nil {

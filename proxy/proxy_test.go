@@ -523,3 +523,48 @@ func TestUpstreamConnectionReusedAfterDone(t *testing.T) {
 		t.Fatalf("5 streams opened %d upstream connections, want 1 (reused)", n)
 	}
 }
+
+func TestSlowBodyEndsAtStreamTimeoutWithoutUpstream(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, done))
+	p, _, _ := newTestProxy(t, Config{StreamTimeout: 300 * time.Millisecond}, up)
+	gw := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { p.ServeHTTP(w, r) }))
+	defer gw.Close()
+	pr, pw := io.Pipe()
+	go func() {
+		_, _ = pw.Write([]byte(`{"model":`))
+		time.Sleep(2 * time.Second) // the rest never comes in time
+		_ = pw.Close()
+	}()
+	start := time.Now()
+	resp, err := http.Post(gw.URL, "application/json", pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout || time.Since(start) > 1500*time.Millisecond {
+		t.Fatalf("status %d after %v, want 408 at stream_timeout", resp.StatusCode, time.Since(start))
+	}
+	if up.calls.Load() != 0 {
+		t.Fatalf("upstream called %d times", up.calls.Load())
+	}
+}
+
+func TestInbandRateLimitBeforeFirstTokenIs429(t *testing.T) {
+	ev := "data: {\"error\":{\"message\":\"slow down\",\"type\":\"RateLimitError\",\"code\":429}}\n\n"
+	a, b := newUpstream(t, sseUpstream(ev)), newUpstream(t, sseUpstream(ev))
+	p, _, obs := newTestProxy(t, Config{MaxAttempts: 2}, a, b)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	if w.Code != 429 || res.Outcome != OutcomeRateLimited || !strings.Contains(w.Body.String(), `"type":"rate_limit_error"`) {
+		t.Fatalf("code %d outcome %v body %s", w.Code, res.Outcome, w.Body)
+	}
+	if got := obs.outcomes(); len(got) != 2 || !strings.HasSuffix(got[0], "=inband_error_429") {
+		t.Fatalf("attempts %v: an in-band 429 is retried elsewhere first", got)
+	}
+}
+
+func TestStreamTimeoutIsNotTheUpstreamsFault(t *testing.T) {
+	if AttemptStreamTimeout.UpstreamFault() || AttemptStreamTimeout.Retryable() {
+		t.Fatal("stream_timeout is the client's deadline: neither an upstream fault nor retryable")
+	}
+}

@@ -82,7 +82,10 @@ func (x *exchange) relay(a *attempt) {
 			// The upstream's own error event is the terminal event.
 			ie, _ := sse.ParseInbandError(ev.Data)
 			a.outcome, a.err = AttemptInbandError5xx, fmt.Errorf("upstream %s: error event after commit: %s", a.up.Addr, ie.Message)
-			if ie.Status >= 400 && ie.Status < 500 {
+			switch {
+			case ie.Status == http.StatusTooManyRequests:
+				a.outcome = AttemptInbandError429
+			case ie.Status >= 400 && ie.Status < 500:
 				a.outcome = AttemptInbandError4xx
 			}
 			res.Outcome = OutcomeInbandError

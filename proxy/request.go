@@ -120,13 +120,20 @@ func firstNonSpace(b []byte) byte {
 }
 
 // isJSONRequest reports whether the request body should be parsed as JSON:
-// a body without a content type, or with a JSON one. Multipart uploads
-// (audio, files) pass through unparsed.
+// OpenAI's completion endpoints take JSON whatever the client labels it
+// (curl -d sends application/x-www-form-urlencoded), so every body is
+// parsed except uploads: multipart forms (audio transcription, files) and
+// raw binary or media types, which pass through unparsed.
 func isJSONRequest(r *http.Request) bool {
 	ct := r.Header.Get("Content-Type")
 	if ct == "" {
 		return true
 	}
 	ct = strings.ToLower(strings.TrimSpace(strings.SplitN(ct, ";", 2)[0]))
-	return ct == "application/json" || strings.HasSuffix(ct, "+json")
+	switch {
+	case strings.HasPrefix(ct, "multipart/"), ct == "application/octet-stream",
+		strings.HasPrefix(ct, "audio/"), strings.HasPrefix(ct, "image/"), strings.HasPrefix(ct, "video/"):
+		return false
+	}
+	return true
 }

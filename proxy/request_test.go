@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/json"
+	"net/http"
 	"testing"
 )
 
@@ -57,4 +58,25 @@ func FuzzParseRequest(f *testing.F) {
 			t.Fatalf("negative max tokens from %q", body)
 		}
 	})
+}
+
+func TestWhichBodiesAreParsedAsJSON(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"":                                  true,
+		"application/json":                  true,
+		"application/json; charset=utf-8":   true,
+		"application/x-www-form-urlencoded": true, // curl -d
+		"text/plain":                        true,
+		"multipart/form-data; boundary=x":   false,
+		"application/octet-stream":          false,
+		"audio/wav":                         false,
+	} {
+		r, _ := http.NewRequest("POST", "/v1/chat/completions", nil)
+		if ct != "" {
+			r.Header.Set("Content-Type", ct)
+		}
+		if got := isJSONRequest(r); got != want {
+			t.Errorf("Content-Type %q: parsed %v, want %v", ct, got, want)
+		}
+	}
 }
