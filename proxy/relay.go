@@ -121,6 +121,9 @@ func (x *exchange) endStream(rc *http.ResponseController, a *attempt, finished b
 		a.outcome = AttemptTruncated
 		res.Outcome, code = OutcomeTruncated, "upstream_stream_truncated"
 		msg = "upstream stream ended before completion"
+		if errors.Is(err, sse.ErrEventTooLarge) {
+			msg = fmt.Sprintf("upstream sent an SSE event larger than the gateway's %d-byte limit", x.p.cfg.MaxEventSize)
+		}
 	}
 	a.err = fmt.Errorf("upstream %s: %s: %w", a.up.Addr, msg, a.errWithCause(err))
 	ev := sse.AppendErrorEvent(nil, msg, TypeServer, code)
