@@ -194,8 +194,8 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 	if v, ok := h.breakers.Load(key); ok {
 		return v.(*breakerEntry)
 	}
-	h.breakersMu.Lock()
-	defer h.breakersMu.Unlock()
+	h.stateMu.Lock()
+	defer h.stateMu.Unlock()
 	if v, ok := h.breakers.Load(key); ok {
 		return v.(*breakerEntry)
 	}
@@ -218,8 +218,8 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 
 // releaseBreakers drops this handler's references (Cleanup).
 func (h *Handler) releaseBreakers() {
-	h.breakersMu.Lock()
-	defer h.breakersMu.Unlock()
+	h.stateMu.Lock()
+	defer h.stateMu.Unlock()
 	for _, key := range h.breakerKeys {
 		_, _ = breakerPool.Delete(key)
 	}

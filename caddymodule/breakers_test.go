@@ -27,7 +27,7 @@ func breakerHandler(t *testing.T, cfg *BreakerConfig, dials ...string) *Handler 
 	h.Breaker = cfg
 	s := cfg.settings(time.Minute)
 	h.breakerSettings = &s
-	h.breakers, h.breakersMu = new(sync.Map), new(sync.Mutex)
+	h.breakers, h.stateMu = new(sync.Map), new(sync.Mutex)
 	t.Cleanup(h.releaseBreakers)
 	return h
 }

@@ -95,7 +95,7 @@ type Handler struct {
 
 	breakerSettings *breaker.Settings // nil when breakers are off
 	breakers        *sync.Map         // key → *breakerEntry referenced by this handler
-	breakersMu      *sync.Mutex
+	stateMu         *sync.Mutex       // guards breakerKeys and hedgeKeys
 	breakerKeys     []string
 
 	// poolKey identifies the upstream pool across reloads (its sorted dial
@@ -140,7 +140,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	h.dynamicTargets = new(sync.Map)
-	h.breakers, h.breakersMu = new(sync.Map), new(sync.Mutex)
+	h.breakers, h.stateMu = new(sync.Map), new(sync.Mutex)
 	h.trackers = new(sync.Map)
 
 	h.poolKey = poolKeyOf(h.Upstreams, h.DynamicUpstreamsRaw)
@@ -320,12 +320,12 @@ func (h *Handler) Cleanup() error {
 	if h.budgetKey != "" {
 		_, _ = budgetPool.Delete(h.budgetKey)
 	}
-	h.breakersMu.Lock()
+	h.stateMu.Lock()
 	for _, key := range h.hedgeKeys {
 		_, _ = hedgePool.Delete(key)
 	}
 	h.hedgeKeys = nil
-	h.breakersMu.Unlock()
+	h.stateMu.Unlock()
 	return nil
 }
 

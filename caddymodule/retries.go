@@ -355,8 +355,8 @@ func (h *Handler) tracker(info proxy.RequestInfo) *hedge.LatencyTracker {
 	if v, ok := h.trackers.Load(key); ok {
 		return v.(*hedge.LatencyTracker)
 	}
-	h.breakersMu.Lock()
-	defer h.breakersMu.Unlock()
+	h.stateMu.Lock()
+	defer h.stateMu.Unlock()
 	if v, ok := h.trackers.Load(key); ok {
 		return v.(*hedge.LatencyTracker)
 	}

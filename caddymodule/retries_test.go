@@ -54,7 +54,7 @@ func TestRetryBudgetSurvivesReloadOfSamePool(t *testing.T) {
 
 func TestHedgerDelayFallsBackThenFollowsTTFT(t *testing.T) {
 	initMetrics()
-	h := &Handler{poolKey: "test-pool-hedge", trackers: new(sync.Map), breakersMu: new(sync.Mutex),
+	h := &Handler{poolKey: "test-pool-hedge", trackers: new(sync.Map), stateMu: new(sync.Mutex),
 		Hedge: &HedgeConfig{Percentile: 0.95, Min: caddyDur(50 * time.Millisecond), Max: caddyDur(2 * time.Second), Fallback: caddyDur(700 * time.Millisecond)}}
 	if err := h.provisionHedging(); err != nil {
 		t.Fatal(err)
