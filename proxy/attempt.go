@@ -52,6 +52,8 @@ type attempt struct {
 	errBody []byte
 	// inband is the in-band error event that failed the attempt, if any.
 	inband *sse.InbandError
+	// retryAfter is the upstream's Retry-After on a 429 or 5xx, 0 if none.
+	retryAfter time.Duration
 	ended  bool
 	// hedge is true for a backup attempt started by the hedge timer.
 	hedge bool
@@ -166,6 +168,9 @@ func (a *attempt) readErrorResponse() {
 	body, err := io.ReadAll(io.LimitReader(a.resp.Body, a.x.p.cfg.MaxResponseBody))
 	a.errBody = body
 	outcome := classifyStatus(a.resp.StatusCode)
+	if outcome == AttemptHTTP429 || outcome == AttemptHTTP5xx {
+		a.retryAfter, _ = budget.ParseRetryAfter(a.resp.Header.Get("Retry-After"), time.Now())
+	}
 	if err != nil && !a.x.clientGone() {
 		err = fmt.Errorf("upstream %s: status %d: reading body: %w", a.up.Addr, a.resp.StatusCode, a.errWithCause(err))
 	} else {
@@ -308,9 +313,7 @@ func (a *attempt) end(committed bool) {
 	}
 	if a.resp != nil {
 		rep.Status = a.resp.StatusCode
-		if a.outcome == AttemptHTTP429 || a.outcome == AttemptHTTP5xx {
-			rep.RetryAfter, _ = budget.ParseRetryAfter(a.resp.Header.Get("Retry-After"), time.Now())
-		}
+		rep.RetryAfter = a.retryAfter
 	}
 	if a.up.Done != nil {
 		a.up.Done(rep)

@@ -195,3 +195,31 @@ func (w *firstWrite) Write(b []byte) (int, error) {
 	}
 	return w.ResponseRecorder.Write(b)
 }
+
+func TestClientErrorDuringHedgeIsAnsweredAtOnce(t *testing.T) {
+	primary := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(100 * time.Millisecond)
+		http.Error(w, `{"error":{"message":"context too long"}}`, 400)
+	})
+	backupCancelled := make(chan struct{})
+	backup := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-r.Context().Done():
+			close(backupCancelled)
+		case <-time.After(2 * time.Second):
+			http.Error(w, `{"error":{"message":"context too long"}}`, 400)
+		}
+	})
+	p, _ := hedgedProxy(t, Config{Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}}, primary, backup)
+	start := time.Now()
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	if w.Code != 400 || res.Outcome != OutcomeClientError || time.Since(start) > time.Second {
+		t.Fatalf("code %d outcome %v after %v: a 4xx must not wait for the backup", w.Code, res.Outcome, time.Since(start))
+	}
+	select {
+	case <-backupCancelled:
+	case <-time.After(time.Second):
+		t.Fatal("the backup was not cancelled")
+	}
+}

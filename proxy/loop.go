@@ -28,6 +28,17 @@ func (x *exchange) attemptUntilCommit() (*attempt, *failure) {
 		cfg.Hedging.Request()
 		hedgeDelay, rc.hedging = cfg.Hedging.Delay(x.res.Info)
 	}
+	defer func() {
+		// A panic here (a selection policy, an observer) must not leave
+		// attempts running with their permits and in-flight counts held.
+		if v := recover(); v != nil {
+			for _, o := range rc.running {
+				o.cancel(errLostRace)
+			}
+			x.abandon(rc.results, rc.inflight)
+			panic(v)
+		}
+	}()
 	if f := rc.startNext(false); f != nil {
 		return nil, f
 	}
@@ -49,7 +60,16 @@ func (x *exchange) attemptUntilCommit() (*attempt, *failure) {
 			a.end(false)
 			rc.last = a
 			if rc.inflight > 0 {
-				continue // the other attempt of a hedged pair may still commit
+				if a.outcome.Retryable() || a.outcome == AttemptCanceled {
+					continue // the other attempt of a hedged pair may still commit
+				}
+				// A 4xx: the request is at fault, and the other attempt
+				// will hear the same. Answer now.
+				for _, o := range rc.running {
+					o.cancel(errLostRace)
+				}
+				x.abandon(rc.results, rc.inflight)
+				return nil, &failure{last: a}
 			}
 			if f := rc.retry(); f != nil {
 				return nil, f
@@ -157,21 +177,41 @@ func (rc *race) retry() *failure {
 		if up, err = pick(); err != nil {
 			return stop
 		}
-	} else if cfg.Retries != nil && !immediate {
-		if d, ok := cfg.Retries.Backoff(n, 0, x.remaining()); ok && d > 0 {
-			// Give the pick back while backing off: no breaker probe slot
-			// or in-flight count is held through the wait.
-			up.Done(nil)
-			if !x.sleep(d) {
-				return &failure{last: last, ctxErr: context.Cause(x.ctx)}
-			}
-			if up, err = pick(); err != nil {
+	} else if cfg.Retries != nil {
+		// Going back to the upstream that asked for a pause (the only one,
+		// or breakers off): honour its Retry-After if it fits, else stop.
+		var retryAfter time.Duration
+		if up.Addr == last.up.Addr {
+			retryAfter = last.retryAfter
+		}
+		if retryAfter > 0 || !immediate {
+			d, ok := cfg.Retries.Backoff(n, retryAfter, x.remaining())
+			if !ok && retryAfter > 0 {
+				release(up)
 				return stop
+			}
+			if ok && d > 0 {
+				// Give the pick back while backing off: no breaker probe
+				// slot or in-flight count is held through the wait.
+				release(up)
+				if !x.sleep(d) {
+					return &failure{last: last, ctxErr: context.Cause(x.ctx)}
+				}
+				if up, err = pick(); err != nil {
+					return stop
+				}
 			}
 		}
 	}
 	rc.launch(up, false)
 	return nil
+}
+
+// release gives back an upstream that was picked but not used.
+func release(up Upstream) {
+	if up.Done != nil {
+		up.Done(nil)
+	}
 }
 
 // hedge runs when the hedge delay passes without a first event: it starts

@@ -29,6 +29,10 @@ type Upstream struct {
 	// Closed reports that the upstream's circuit breaker was closed when
 	// it was picked (or that it has none): only such a primary is hedged.
 	Closed bool
+	// Committed, when set, is called once when this attempt is committed,
+	// with its TTFT (a breaker settles a half-open probe there: the first
+	// token proves the upstream, however long the stream then runs).
+	Committed func(ttft time.Duration)
 	// Done, when set, is called exactly once when the attempt ends, on
 	// every path, with the attempt's report (the balancer releases its
 	// in-flight count and records the outcome on the upstream's breaker).

@@ -16,6 +16,12 @@ import (
 func (x *exchange) relay(a *attempt) {
 	committed := true
 	defer func() { a.end(committed) }()
+	// Until a path below says otherwise (a panic included), the attempt
+	// ends neutral: only a finished response is a success.
+	a.outcome = AttemptCanceled
+	if a.up.Committed != nil {
+		a.up.Committed(a.ttft)
+	}
 	res := x.res
 	res.Upstream = a.up.Addr
 	res.TTFT = time.Since(x.start)
@@ -59,12 +65,15 @@ func (x *exchange) relay(a *attempt) {
 		if err != nil {
 			break
 		}
-		idleTimer.Reset(idle)
+		// The idle timer measures the upstream only: it is off while the
+		// gateway writes, so a slow client is not blamed on the upstream.
+		idleTimer.Stop()
 		kind := ev.Kind()
 		if !x.send(rc, ev.Raw, 1) {
 			x.endClientGone(a)
 			return
 		}
+		idleTimer.Reset(idle)
 		switch kind {
 		case sse.KindData:
 			if !finished && sse.InspectChunk(ev.Data).FinishReason {

@@ -27,9 +27,11 @@ func ReadBody(r *http.Request, limit int64) ([]byte, error) {
 	if r.ContentLength > limit {
 		return nil, fmt.Errorf("%w: declared %d bytes, limit %d", ErrBodyTooLarge, r.ContentLength, limit)
 	}
+	// Start from the declared length, but not more than 64 KiB: a client
+	// that declares 16 MiB and sends a byte must not cost 16 MiB.
 	size := 512
 	if r.ContentLength > 0 {
-		size = int(r.ContentLength)
+		size = int(min(r.ContentLength, 64<<10))
 	}
 	buf := make([]byte, 0, size+1)
 	for {
