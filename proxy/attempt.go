@@ -54,7 +54,7 @@ type attempt struct {
 	inband *sse.InbandError
 	// retryAfter is the upstream's Retry-After on a 429 or 5xx, 0 if none.
 	retryAfter time.Duration
-	ended  bool
+	ended      bool
 	// hedge is true for a backup attempt started by the hedge timer.
 	hedge bool
 	// drain asks end() to read the rest of a finished response (the
