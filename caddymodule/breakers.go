@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -144,16 +145,20 @@ type breakerEntry struct {
 	upstream string
 	model    string
 
-	mu      sync.Mutex
-	prober  *prober // the latest config's active probe; nil when off
-	probing bool    // a probe loop is running
-	stop    chan struct{}
+	mu        sync.Mutex
+	gen       uint64  // the config generation whose settings apply
+	prober    *prober // the latest config's active probe; nil when off
+	probing   bool    // a probe loop is running
+	destroyed bool    // no config uses the entry any more
+	stop      chan struct{}
 }
 
 // Destruct stops the entry's probe loop when no config uses it any more.
 func (e *breakerEntry) Destruct() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.destroyed = true
+	e.prober = nil
 	if e.stop != nil {
 		close(e.stop)
 		e.stop = nil
@@ -189,6 +194,9 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 	}
 	key := addr
 	if h.Breaker != nil && h.Breaker.Scope == "model" {
+		// The model name comes from clients: key by its capped label so
+		// that junk names cannot grow the breakers without bound.
+		model = modelLabel(model)
 		key = addr + "|" + model
 	}
 	if v, ok := h.breakers.Load(key); ok {
@@ -199,6 +207,13 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 	if v, ok := h.breakers.Load(key); ok {
 		return v.(*breakerEntry)
 	}
+	if h.cleaned {
+		// A request still running on a replaced config: use the current
+		// entry if there is one, but take no reference (nobody would
+		// release it) and impose none of this old config's settings.
+		e, _ := poolPeek(breakerPool, key).(*breakerEntry)
+		return e
+	}
 	v, loaded, _ := breakerPool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		e := &breakerEntry{key: key, upstream: addr, model: model}
 		e.b = breaker.New(key, *h.breakerSettings, breaker.WithListener(e.transition))
@@ -206,24 +221,70 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 		return e, nil
 	})
 	e := v.(*breakerEntry)
+	e.adopt(h, loaded)
+	h.breakers.Store(key, e)
+	h.breakerKeys = append(h.breakerKeys, key)
+	return e
+}
+
+// adopt applies h's settings and prober to the entry, unless a newer
+// config already did: an old config still serving must not revert them.
+func (e *breakerEntry) adopt(h *Handler, loaded bool) {
+	e.mu.Lock()
+	if e.gen > h.gen {
+		e.mu.Unlock()
+		return
+	}
+	e.gen = h.gen
+	e.mu.Unlock()
 	if loaded {
 		// A reload: the new thresholds apply to the existing state.
 		e.b.SetSettings(*h.breakerSettings)
 	}
-	e.setProber(h.newProber(addr))
-	h.breakers.Store(key, e)
-	h.breakerKeys = append(h.breakerKeys, key)
-	return e
+	e.setProber(h.newProber(e.upstream))
+}
+
+// poolPeek returns the value under key in a UsagePool without taking a
+// reference, nil if absent.
+func poolPeek(pool *caddy.UsagePool, key string) any {
+	var found any
+	pool.Range(func(k, v any) bool {
+		if k == key {
+			found = v
+			return false
+		}
+		return true
+	})
+	return found
 }
 
 // releaseBreakers drops this handler's references (Cleanup).
 func (h *Handler) releaseBreakers() {
 	h.stateMu.Lock()
 	defer h.stateMu.Unlock()
+	h.cleaned = true
 	for _, key := range h.breakerKeys {
 		_, _ = breakerPool.Delete(key)
 	}
 	h.breakerKeys = nil
+}
+
+// releaseBreakersOf drops this handler's references to the breakers of
+// the given upstreams (dynamic upstreams that are gone).
+func (h *Handler) releaseBreakersOf(addrs []string) {
+	h.stateMu.Lock()
+	defer h.stateMu.Unlock()
+	keep := h.breakerKeys[:0]
+	for _, key := range h.breakerKeys {
+		up, _, _ := strings.Cut(key, "|")
+		if slices.Contains(addrs, up) {
+			h.breakers.Delete(key)
+			_, _ = breakerPool.Delete(key)
+			continue
+		}
+		keep = append(keep, key)
+	}
+	h.breakerKeys = keep
 }
 
 // record gives the attempt's outcome to the breaker (DESIGN §3 table):
@@ -331,10 +392,20 @@ func (h *Handler) newProber(addr string) *prober {
 	return &prober{addr: addr, transport: h.transport, dial: dial, probe: p, timeout: h.firstByteTimeout()}
 }
 
+// setProber installs a config's prober. A breaker already open when active
+// probing is turned on must start probing now: it will see no transition
+// to open, and users are no longer allowed to probe it.
 func (e *breakerEntry) setProber(p *prober) {
 	e.mu.Lock()
+	if e.destroyed {
+		e.mu.Unlock()
+		return
+	}
 	e.prober = p
 	e.mu.Unlock()
+	if p != nil && e.b.State() != breaker.Closed {
+		e.startProbing()
+	}
 }
 
 // startProbing starts the probe loop if active probing is on and no loop
@@ -343,7 +414,7 @@ func (e *breakerEntry) setProber(p *prober) {
 func (e *breakerEntry) startProbing() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.prober == nil || e.probing {
+	if e.prober == nil || e.probing || e.destroyed {
 		return
 	}
 	if e.stop == nil {
@@ -354,22 +425,24 @@ func (e *breakerEntry) startProbing() {
 }
 
 func (e *breakerEntry) probeLoop(stop <-chan struct{}) {
-	defer func() {
-		e.mu.Lock()
-		e.probing = false
-		e.mu.Unlock()
-	}()
 	for {
+		// Deciding to stop and clearing probing happen under one lock, so
+		// a re-open racing with the exit starts a new loop.
 		e.mu.Lock()
 		p := e.prober
-		e.mu.Unlock()
-		if p == nil || e.b.State() == breaker.Closed {
+		if p == nil || e.destroyed || e.b.State() == breaker.Closed {
+			e.probing = false
+			e.mu.Unlock()
 			return
 		}
+		e.mu.Unlock()
 		t := time.NewTimer(time.Duration(p.probe.Interval))
 		select {
 		case <-stop:
 			t.Stop()
+			e.mu.Lock()
+			e.probing = false
+			e.mu.Unlock()
 			return
 		case <-t.C:
 		}

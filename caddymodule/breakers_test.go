@@ -25,6 +25,7 @@ func breakerHandler(t *testing.T, cfg *BreakerConfig, dials ...string) *Handler 
 	initMetrics()
 	h := staticHandler(t, func(*Handler) reverseproxy.Selector { return new(reverseproxy.FirstSelection) }, dials...)
 	h.Breaker = cfg
+	h.gen = configGen.Add(1)
 	s := cfg.settings(time.Minute)
 	h.breakerSettings = &s
 	h.breakers, h.stateMu = new(sync.Map), new(sync.Mutex)
@@ -118,6 +119,8 @@ func TestRetryAfterOpensBreakerForThatLong(t *testing.T) {
 }
 
 func TestScopeModelKeepsBreakersApart(t *testing.T) {
+	learnModel("llama")
+	learnModel("qwen")
 	h := breakerHandler(t, &BreakerConfig{Scope: "model", ConsecutiveFailures: 1}, "10.1.4.1:8000")
 	b := balancer{h: h}
 	up, _ := pickErr(b, "llama")

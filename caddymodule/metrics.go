@@ -108,9 +108,10 @@ func registerMetrics(reg *prometheus.Registry) error {
 	return nil
 }
 
-// maxModelLabels caps the distinct values of the "model" label: the model
-// name comes from the client, and an unbounded label would let any client
-// grow the metrics without limit. Later names are reported as "other".
+// maxModelLabels caps the distinct values of the "model" label. The model
+// name comes from the client, so a name becomes a label only once an
+// upstream has served it successfully (junk names never do), and at most
+// this many; the rest are reported as "other".
 const maxModelLabels = 64
 
 var modelLabels = struct {
@@ -118,7 +119,8 @@ var modelLabels = struct {
 	n atomic.Int64
 }{}
 
-// modelLabel returns the label value for a model name.
+// modelLabel returns the label value for a model name: the name once
+// learnModel has accepted it, "other" before, "unknown" for none.
 func modelLabel(model string) string {
 	if model == "" {
 		return "unknown"
@@ -126,20 +128,34 @@ func modelLabel(model string) string {
 	if _, ok := modelLabels.Load(model); ok {
 		return model
 	}
+	return "other"
+}
+
+// learnModel accepts a model name that an upstream served successfully as
+// a label value, while fewer than maxModelLabels are known.
+func learnModel(model string) {
+	if model == "" {
+		return
+	}
+	if _, ok := modelLabels.Load(model); ok {
+		return
+	}
 	if modelLabels.n.Add(1) > maxModelLabels {
 		modelLabels.n.Add(-1)
-		return "other"
+		return
 	}
 	if _, loaded := modelLabels.LoadOrStore(model, struct{}{}); loaded {
 		modelLabels.n.Add(-1)
 	}
-	return model
 }
 
 // observer feeds proxy measurements into the collectors.
 type observer struct{}
 
 func (observer) AttemptDone(a *proxy.AttemptReport) {
+	if a.Outcome == proxy.AttemptSuccess {
+		learnModel(a.Model)
+	}
 	metrics.attempts.WithLabelValues(a.Upstream, a.Outcome.String()).Inc()
 	if a.TTFT > 0 {
 		metrics.ttft.WithLabelValues(a.Upstream, modelLabel(a.Model)).Observe(a.TTFT.Seconds())

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -95,8 +96,14 @@ type Handler struct {
 
 	breakerSettings *breaker.Settings // nil when breakers are off
 	breakers        *sync.Map         // key → *breakerEntry referenced by this handler
-	stateMu         *sync.Mutex       // guards breakerKeys and hedgeKeys
+	stateMu         *sync.Mutex       // guards breakerKeys, hedgeKeys and cleaned
 	breakerKeys     []string
+	// cleaned is set by Cleanup: requests still running on this handler
+	// take no new references to shared state after it.
+	cleaned bool
+	// gen orders configs: state shared across reloads takes its settings
+	// from the newest.
+	gen uint64
 
 	// poolKey identifies the upstream pool across reloads (its sorted dial
 	// addresses, or its dynamic source's config): budgets and TTFT
@@ -111,6 +118,7 @@ type Handler struct {
 	static         []*target
 	dynamic        reverseproxy.UpstreamSource
 	dynamicTargets *sync.Map // dial address → *target
+	dynamicSweep   *dynamicSweep
 	selector       reverseproxy.Selector
 	transport      *reverseproxy.HTTPTransport
 	proxy          *proxy.Proxy
@@ -139,7 +147,8 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 // Provision sets up the handler: upstreams, selection, transport, metrics.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
-	h.dynamicTargets = new(sync.Map)
+	h.gen = configGen.Add(1)
+	h.dynamicTargets, h.dynamicSweep = new(sync.Map), new(dynamicSweep)
 	h.breakers, h.stateMu = new(sync.Map), new(sync.Mutex)
 	h.trackers = new(sync.Map)
 
@@ -321,6 +330,7 @@ func (h *Handler) Cleanup() error {
 		_, _ = budgetPool.Delete(h.budgetKey)
 	}
 	h.stateMu.Lock()
+	h.cleaned = true
 	for _, key := range h.hedgeKeys {
 		_, _ = hedgePool.Delete(key)
 	}
@@ -377,6 +387,9 @@ func (h *Handler) logResult(res *proxy.Result) {
 		)
 	}
 }
+
+// configGen numbers provisioned handlers, newest highest.
+var configGen atomic.Uint64
 
 // poolKeyOf names an upstream pool by what it is made of.
 func poolKeyOf(ups reverseproxy.UpstreamPool, dynamic json.RawMessage) string {

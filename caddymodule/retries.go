@@ -360,6 +360,14 @@ func (h *Handler) tracker(info proxy.RequestInfo) *hedge.LatencyTracker {
 	if v, ok := h.trackers.Load(key); ok {
 		return v.(*hedge.LatencyTracker)
 	}
+	if h.cleaned {
+		// A request finishing on a replaced config: share the current
+		// tracker if there is one, without taking a reference.
+		if e, ok := poolPeek(hedgePool, key).(hedgeEntry); ok {
+			return e.v.(*hedge.LatencyTracker)
+		}
+		return hedge.NewLatencyTracker(0, hedge.SystemClock{})
+	}
 	v, _, _ := hedgePool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		return hedgeEntry{hedge.NewLatencyTracker(0, hedge.SystemClock{})}, nil
 	})

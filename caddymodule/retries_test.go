@@ -60,6 +60,7 @@ func TestHedgerDelayFallsBackThenFollowsTTFT(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer h.Cleanup()
+	learnModel("hedge-test-model")
 	info := proxy.RequestInfo{Model: "hedge-test-model", Stream: true}
 	if d, ok := h.hedger.Delay(info); !ok || d != 700*time.Millisecond {
 		t.Fatalf("without samples: %v, want the 700ms fallback", d)

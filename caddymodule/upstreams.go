@@ -43,6 +43,8 @@ type target struct {
 	// addr is the dial address without network ("10.0.0.1:8000"), the
 	// upstream's identity in metrics and logs.
 	addr string
+	// lastSeen is when a dynamic source last returned it (unix ns).
+	lastSeen atomic.Int64
 }
 
 // newTarget parses u's dial address. Placeholders are not supported: an
@@ -106,6 +108,9 @@ func (b balancer) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReq
 	fresh := make([]candidate, 0, len(targets))
 	var retried []candidate
 	for _, t := range targets {
+		if t.up.MaxRequests > 0 && t.state.inflight.Load() >= int64(t.up.MaxRequests) {
+			continue // full: max_requests attempts in flight
+		}
 		c := candidate{t: t, br: h.breakerFor(t.addr, info.Model)}
 		if c.br != nil {
 			if req.Hedge && c.br.b.State() != breaker.Closed {
@@ -171,6 +176,14 @@ func (c candidate) upstream(permit *breaker.Permit) proxy.Upstream {
 		Addr:    t.addr,
 		Closed:  br == nil || br.b.State() == breaker.Closed,
 		Context: func(ctx context.Context) context.Context { return context.WithValue(ctx, dialInfoKey, di) },
+		// A half-open probe is settled by its first token: a healthy
+		// stream longer than the probe timeout must not count as a hung
+		// probe. Later, Done on a settled permit is a no-op.
+		Committed: func(ttft time.Duration) {
+			if permit != nil && permit.Probe() {
+				br.record(permit, &proxy.AttemptReport{Upstream: t.addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
+			}
+		},
 		Done: func(rep *proxy.AttemptReport) {
 			t.state.inflight.Add(-1)
 			if permit != nil {
@@ -190,15 +203,60 @@ func (h *Handler) targets(r *http.Request) ([]*target, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dynamic upstreams: %w", err)
 	}
+	now := time.Now().UnixNano()
 	out := make([]*target, 0, len(ups))
 	for _, u := range ups {
 		t, err := h.dynamicTarget(u)
 		if err != nil {
 			return nil, err
 		}
+		t.lastSeen.Store(now)
 		out = append(out, t)
 	}
+	h.sweepDynamic(now, out)
 	return out, nil
+}
+
+// Bounds on the dynamic upstreams a handler remembers: addresses a source
+// stopped returning (pods that churn) are forgotten after dynamicTTL, or
+// at once when more than maxDynamicTargets are remembered.
+const (
+	dynamicTTL        = time.Minute
+	maxDynamicTargets = 1024
+	dynamicSweepEvery = 10 * time.Second
+)
+
+// dynamicSweep counts a handler's dynamic targets and times their sweeps.
+type dynamicSweep struct {
+	count atomic.Int64
+	last  atomic.Int64 // unix ns of the last sweep
+}
+
+// sweepDynamic forgets dynamic targets (and releases their breakers) that
+// the source no longer returns. current is the latest set returned.
+func (h *Handler) sweepDynamic(now int64, current []*target) {
+	sw := h.dynamicSweep
+	last := sw.last.Load()
+	over := sw.count.Load() > maxDynamicTargets
+	if !over && now-last < int64(dynamicSweepEvery) {
+		return
+	}
+	if !sw.last.CompareAndSwap(last, now) {
+		return // another request sweeps
+	}
+	var gone []string
+	h.dynamicTargets.Range(func(k, v any) bool {
+		t := v.(*target)
+		if now-t.lastSeen.Load() > int64(dynamicTTL) || (over && !slices.Contains(current, t)) {
+			h.dynamicTargets.Delete(k)
+			sw.count.Add(-1)
+			gone = append(gone, t.addr)
+		}
+		return true
+	})
+	if len(gone) > 0 {
+		h.releaseBreakersOf(gone)
+	}
 }
 
 // dynamicTarget returns the target for a dynamic upstream, reusing the
@@ -213,7 +271,10 @@ func (h *Handler) dynamicTarget(u *reverseproxy.Upstream) (*target, error) {
 	if err != nil {
 		return nil, err
 	}
-	v, _ := h.dynamicTargets.LoadOrStore(u.Dial, t)
+	v, loaded := h.dynamicTargets.LoadOrStore(u.Dial, t)
+	if !loaded {
+		h.dynamicSweep.count.Add(1)
+	}
 	return v.(*target), nil
 }
 

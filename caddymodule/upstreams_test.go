@@ -24,7 +24,7 @@ func (f fakeSource) GetUpstreams(*http.Request) ([]*reverseproxy.Upstream, error
 
 func staticHandler(t *testing.T, sel func(*Handler) reverseproxy.Selector, dials ...string) *Handler {
 	t.Helper()
-	h := &Handler{dynamicTargets: new(sync.Map)}
+	h := &Handler{dynamicTargets: new(sync.Map), dynamicSweep: new(dynamicSweep)}
 	for _, d := range dials {
 		tg, err := newTarget(&reverseproxy.Upstream{Dial: d}, new(upstreamState))
 		if err != nil {
@@ -102,7 +102,7 @@ func TestRandomChooseAvoidsTheBusierOfTwo(t *testing.T) {
 }
 
 func TestDynamicSourceTargetsAreReused(t *testing.T) {
-	h := &Handler{dynamicTargets: new(sync.Map), dynamic: fakeSource{dials: []string{"10.0.0.7:8000", "10.0.0.8:8000"}}}
+	h := &Handler{dynamicTargets: new(sync.Map), dynamicSweep: new(dynamicSweep), dynamic: fakeSource{dials: []string{"10.0.0.7:8000", "10.0.0.8:8000"}}}
 	h.selector = leastConn{inflight: h.inflightOf}
 	b := balancer{h: h}
 	a := pick(t, b)
