@@ -81,7 +81,7 @@ func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
 		defer func() {
 			if v := recover(); v != nil {
 				a.ok = false
-				a.fail(AttemptConnectError, fmt.Errorf("upstream %s: panic in attempt: %v", up.Addr, v))
+				a.fail(AttemptInternalError, fmt.Errorf("upstream %s: panic in attempt: %v", up.Addr, v))
 				x.p.log.Error("attempt panicked", zap.String("upstream", up.Addr), zap.Any("panic", v), zap.Stack("stack"))
 			}
 			results <- a

@@ -37,6 +37,9 @@ const (
 	// client's own deadline. Neutral: a long request is not the
 	// upstream's fault.
 	AttemptStreamTimeout
+	// AttemptInternalError: the gateway itself failed (a panic in the
+	// attempt). Retryable, but neutral: it says nothing about the upstream.
+	AttemptInternalError
 	// AttemptCanceled: ended by the gateway or the client (client gone, hedge
 	// loser, config unloaded). Neutral: it says nothing about the upstream.
 	AttemptCanceled
@@ -55,6 +58,7 @@ var attemptOutcomeNames = [...]string{
 	AttemptTruncated:        "truncated",
 	AttemptIdleTimeout:      "idle_timeout",
 	AttemptStreamTimeout:    "stream_timeout",
+	AttemptInternalError:    "internal_error",
 	AttemptCanceled:         "canceled",
 }
 
@@ -69,7 +73,8 @@ func (o AttemptOutcome) String() string {
 // (its breaker). 4xx responses and canceled attempts do not.
 func (o AttemptOutcome) UpstreamFault() bool {
 	switch o {
-	case AttemptSuccess, AttemptHTTP4xx, AttemptInbandError4xx, AttemptCanceled, AttemptStreamTimeout:
+	case AttemptSuccess, AttemptHTTP4xx, AttemptInbandError4xx, AttemptCanceled, AttemptStreamTimeout,
+		AttemptInternalError:
 		return false
 	}
 	return true
@@ -80,7 +85,7 @@ func (o AttemptOutcome) UpstreamFault() bool {
 func (o AttemptOutcome) Retryable() bool {
 	switch o {
 	case AttemptConnectError, AttemptFirstByteTimeout, AttemptHTTP5xx, AttemptHTTP429,
-		AttemptInbandError5xx, AttemptInbandError429, AttemptTruncated:
+		AttemptInbandError5xx, AttemptInbandError429, AttemptTruncated, AttemptInternalError:
 		return true
 	}
 	return false

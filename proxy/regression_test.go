@@ -189,3 +189,23 @@ func TestPanicAfterCommitIsNeutral(t *testing.T) {
 		t.Fatalf("attempt that panicked mid-relay reported %v to the breaker", o)
 	}
 }
+
+// panicTransport panics in RoundTrip, as a bug in the gateway would.
+type panicTransport struct{}
+
+func (panicTransport) RoundTrip(*http.Request) (*http.Response, error) { panic("transport bug") }
+
+// A panic inside an attempt is the gateway's fault: retried, answered with
+// 502, and neutral for the upstream.
+func TestPanicInAttemptIsNeutralForTheUpstream(t *testing.T) {
+	var outcomes []AttemptOutcome
+	bal := balancerFunc(func(req PickRequest) (Upstream, error) {
+		return Upstream{Addr: "u:1", Done: func(r *AttemptReport) { outcomes = append(outcomes, r.Outcome) }}, nil
+	})
+	p, _ := New(Config{Transport: panicTransport{}, Balancer: bal, MaxAttempts: 2})
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{}`))
+	if w.Code != 502 || res.Attempts != 2 || len(outcomes) != 2 || outcomes[0].UpstreamFault() {
+		t.Fatalf("code %d attempts %d outcomes %v", w.Code, res.Attempts, outcomes)
+	}
+}
