@@ -112,9 +112,9 @@ type Snapshot struct {
 	FailuresInWindow int `json:"failures_in_window"`
 	// RequestsInWindow counts successes and failures within RatioWindow;
 	// it is kept only when a ratio rule (FailureRatio, SlowRatio) is on.
-	RequestsInWindow int `json:"requests_in_window"`
+	RequestsInWindow int `json:"requests_in_window,omitempty"`
 	// SlowInWindow counts slow calls within RatioWindow (ratio rules on).
-	SlowInWindow int `json:"slow_in_window"`
+	SlowInWindow int `json:"slow_in_window,omitempty"`
 	// OpenUntil is, in Open, the earliest time it may half-open; zero
 	// otherwise, and zero when forced open until closed.
 	OpenUntil time.Time `json:"open_until,omitzero"`

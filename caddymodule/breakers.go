@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -159,6 +160,8 @@ func (e *breakerEntry) Destruct() error {
 	defer e.mu.Unlock()
 	e.destroyed = true
 	e.prober = nil
+	// The breaker is gone from every config: so is its gauge.
+	metrics.breakerState.DeleteLabelValues(e.upstream, breakerModelLabel(e.model))
 	if e.stop != nil {
 		close(e.stop)
 		e.stop = nil
@@ -194,11 +197,48 @@ func (h *Handler) breakerFor(addr, model string) *breakerEntry {
 	}
 	key := addr
 	if h.Breaker != nil && h.Breaker.Scope == "model" {
-		// The model name comes from clients: key by its capped label so
-		// that junk names cannot grow the breakers without bound.
-		model = modelLabel(model)
+		model = breakerModel(model)
 		key = addr + "|" + model
 	}
+	return h.breakerForKey(key, addr, model)
+}
+
+// maxBreakerModels bounds the model names that get breakers of their own
+// under scope model, beyond those an upstream has served (which always do):
+// the name comes from clients.
+const maxBreakerModels = 256
+
+var breakerModels = struct {
+	sync.Map
+	n atomic.Int64
+}{}
+
+// breakerModel returns the model part of a scope-model breaker key: the
+// name itself while fewer than maxBreakerModels unserved names were seen
+// (and always for served ones), else "other".
+func breakerModel(model string) string {
+	if model == "" {
+		return "unknown"
+	}
+	if modelLabel(model) == model {
+		return model
+	}
+	if _, ok := breakerModels.Load(model); ok {
+		return model
+	}
+	if breakerModels.n.Add(1) > maxBreakerModels {
+		breakerModels.n.Add(-1)
+		return "other"
+	}
+	if _, loaded := breakerModels.LoadOrStore(model, struct{}{}); loaded {
+		breakerModels.n.Add(-1)
+	}
+	return model
+}
+
+// breakerForKey returns the entry for key, taking this handler's reference
+// on first use.
+func (h *Handler) breakerForKey(key, addr, model string) *breakerEntry {
 	if v, ok := h.breakers.Load(key); ok {
 		return v.(*breakerEntry)
 	}

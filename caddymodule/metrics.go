@@ -87,8 +87,8 @@ func initMetrics() {
 		}, []string{"outcome"})
 		metrics.hedgeDelay = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "hedge_delay_seconds",
-			Help: "The hedge delay last computed, by model.",
-		}, []string{"model"})
+			Help: "The hedge delay last computed, by model and mode (stream: TTFT of SSE responses; json: time to a full non-streaming body).",
+		}, []string{"model", "mode"})
 	})
 }
 

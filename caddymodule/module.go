@@ -235,14 +235,33 @@ func (h *Handler) provisionBreakers(ctx caddy.Context) error {
 		return fmt.Errorf("loading events app: %w", err)
 	}
 	setCurrent(ctx, h.logger, eventsApp.(*caddyevents.App))
+	h.holdBreakers()
+	return nil
+}
+
+// holdBreakers takes this handler's references to its static upstreams'
+// breakers now, so their state is held across a reload even for upstreams
+// (and models) that see no traffic meanwhile.
+func (h *Handler) holdBreakers() {
 	if h.Breaker == nil || h.Breaker.Scope != "model" {
-		// Take the references now, so state is held across a reload even
-		// for upstreams that see no traffic meanwhile.
 		for _, t := range h.static {
 			h.breakerFor(t.addr, "")
 		}
+		return
 	}
-	return nil
+	var keys [][3]string
+	breakerPool.Range(func(k, v any) bool {
+		e := v.(*breakerEntry)
+		for _, t := range h.static {
+			if e.upstream == t.addr && e.model != "" {
+				keys = append(keys, [3]string{k.(string), e.upstream, e.model})
+			}
+		}
+		return true
+	})
+	for _, k := range keys {
+		h.breakerForKey(k[0], k[1], k[2])
+	}
 }
 
 // firstByteTimeout returns first_byte_timeout with its default.

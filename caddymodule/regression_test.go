@@ -15,6 +15,9 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -121,6 +124,8 @@ func TestNoProbeLoopAfterEntryDestroyed(t *testing.T) {
 // scope model: one breaker entry (and one reference held until Cleanup) per
 // client-chosen model name, without bound.
 func TestScopeModelBreakersAreBounded(t *testing.T) {
+	resetBreakerModels()
+	defer resetBreakerModels()
 	h := breakerHandler(t, &BreakerConfig{Scope: "model"}, "10.9.3.1:8000")
 	b := balancer{h: h}
 	for i := range 5000 {
@@ -137,7 +142,7 @@ func TestScopeModelBreakersAreBounded(t *testing.T) {
 		}
 		return true
 	})
-	if n > 100 {
+	if n > maxBreakerModels+1 {
 		t.Fatalf("%d breaker entries from client-chosen model names", n)
 	}
 }
@@ -213,4 +218,78 @@ func TestReloadEnablingProbeRecoversOpenBreaker(t *testing.T) {
 	if _, err := pickErr(balancer{h: next}, ""); err != nil {
 		t.Fatalf("healthy upstream still refused long after its cooldown: %v (state %v)", err, next.breakerFor(addr, "").b.State())
 	}
+}
+
+// scope model: a model no upstream has served yet still gets a breaker of
+// its own, so one broken model does not black out another.
+func TestScopeModelUnservedModelsHaveTheirOwnBreakers(t *testing.T) {
+	resetBreakerModels()
+	h := breakerHandler(t, &BreakerConfig{Scope: "model", ConsecutiveFailures: 1}, "10.9.4.1:8000")
+	b := balancer{h: h}
+	up, err := pickErr(b, "fresh-model-b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail(up)
+	if _, err := pickErr(b, "fresh-model-a"); err != nil {
+		t.Fatalf("model a refused after model b's failure: %v", err)
+	}
+}
+
+// scope model: a reload keeps every model's breaker of the pool, not only
+// those the new config happens to see traffic for.
+func TestScopeModelBreakersSurviveReload(t *testing.T) {
+	cfg := &BreakerConfig{Scope: "model", ConsecutiveFailures: 1, OpenFor: caddyDur(time.Minute), MinOpen: caddyDur(time.Minute)}
+	mk := func() *Handler {
+		h := breakerHandler(t, cfg, "10.9.5.1:8000")
+		h.holdBreakers() // as Provision does
+		return h
+	}
+	old := mk()
+	up, err := pickErr(balancer{h: old}, "reload-model")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail(up)
+	next := mk()
+	old.releaseBreakers()
+	if _, err := pickErr(balancer{h: next}, "reload-model"); err == nil {
+		t.Fatal("the model's open breaker was lost in the reload")
+	}
+}
+
+// A breaker no config uses any more takes its gauge series with it.
+func TestDestroyedBreakerLeavesNoGauge(t *testing.T) {
+	h := breakerHandler(t, nil, "10.9.6.1:8000")
+	_ = h.breakerFor("10.9.6.1:8000", "")
+	h.releaseBreakers()
+	if n := testutil.CollectAndCount(metrics.breakerState, "caddy_llm_proxy_breaker_state"); n > 0 {
+		found := false
+		ch := make(chan prometheus.Metric, 1024)
+		metrics.breakerState.Collect(ch)
+		close(ch)
+		for m := range ch {
+			if strings.Contains(m.Desc().String(), "") {
+				var pb dto.Metric
+				_ = m.Write(&pb)
+				for _, l := range pb.Label {
+					if l.GetName() == "upstream" && l.GetValue() == "10.9.6.1:8000" {
+						found = true
+					}
+				}
+			}
+		}
+		if found {
+			t.Fatal("breaker_state still reports a destroyed breaker")
+		}
+	}
+}
+
+// resetBreakerModels forgets the process-wide unserved model names.
+func resetBreakerModels() {
+	breakerModels.Range(func(k, _ any) bool {
+		breakerModels.Delete(k)
+		return true
+	})
+	breakerModels.n.Store(0)
 }

@@ -303,7 +303,11 @@ type hedger struct {
 
 func (g *hedger) Delay(info proxy.RequestInfo) (time.Duration, bool) {
 	d := g.policy.Delay(g.h.tracker(info))
-	metrics.hedgeDelay.WithLabelValues(modelLabel(info.Model)).Set(d.Seconds())
+	mode := "json"
+	if info.Stream {
+		mode = "stream"
+	}
+	metrics.hedgeDelay.WithLabelValues(modelLabel(info.Model), mode).Set(d.Seconds())
 	return d, true
 }
 func (g *hedger) Request()       { g.cap.Request() }

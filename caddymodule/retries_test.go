@@ -72,7 +72,7 @@ func TestHedgerDelayFallsBackThenFollowsTTFT(t *testing.T) {
 	if d < 280*time.Millisecond || d > 320*time.Millisecond {
 		t.Fatalf("p95 of 300ms TTFTs gave %v", d)
 	}
-	if g := testutil.ToFloat64(metrics.hedgeDelay.WithLabelValues("hedge-test-model")); g != d.Seconds() {
+	if g := testutil.ToFloat64(metrics.hedgeDelay.WithLabelValues("hedge-test-model", "stream")); g != d.Seconds() {
 		t.Fatalf("hedge_delay_seconds %v, want %v", g, d.Seconds())
 	}
 }

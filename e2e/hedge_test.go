@@ -232,7 +232,7 @@ func TestHedgeCapExhaustedLeavesSlowRequestsToTheirPrimary(t *testing.T) {
 	if v, _ := metricValue(samples, "caddy_llm_proxy_requests_total", map[string]string{"outcome": "success"}); v != 16 {
 		t.Errorf("caddy_llm_proxy_requests_total{outcome=success} = %v, want 16", v)
 	}
-	if v, _ := metricValue(samples, "caddy_llm_proxy_hedge_delay_seconds", map[string]string{"model": "mock-llama"}); v != 0.1 {
+	if v, _ := metricValue(samples, "caddy_llm_proxy_hedge_delay_seconds", map[string]string{"model": "mock-llama", "mode": "stream"}); v != 0.1 {
 		t.Errorf("caddy_llm_proxy_hedge_delay_seconds{model=mock-llama} = %v, want 0.1", v)
 	}
 }
