@@ -145,6 +145,9 @@ type breakerEntry struct {
 	key      string
 	upstream string
 	model    string
+	// pool is the identity of the upstream pool whose handler created it:
+	// a reloaded dynamic pool holds its breakers by it.
+	pool string
 
 	mu        sync.Mutex
 	gen       uint64  // the config generation whose settings apply
@@ -255,7 +258,7 @@ func (h *Handler) breakerForKey(key, addr, model string) *breakerEntry {
 		return e
 	}
 	v, loaded, _ := breakerPool.LoadOrNew(key, func() (caddy.Destructor, error) {
-		e := &breakerEntry{key: key, upstream: addr, model: model}
+		e := &breakerEntry{key: key, upstream: addr, model: model, pool: h.poolKey}
 		e.b = breaker.New(key, *h.breakerSettings, breaker.WithListener(e.transition))
 		metrics.breakerState.WithLabelValues(addr, breakerModelLabel(model)).Set(0)
 		return e, nil

@@ -243,6 +243,21 @@ func (h *Handler) provisionBreakers(ctx caddy.Context) error {
 // breakers now, so their state is held across a reload even for upstreams
 // (and models) that see no traffic meanwhile.
 func (h *Handler) holdBreakers() {
+	if h.dynamic != nil {
+		// Dynamic upstreams are not known yet: hold the breakers that this
+		// pool (the same source config) created before the reload.
+		var keys [][3]string
+		breakerPool.Range(func(k, v any) bool {
+			if e := v.(*breakerEntry); e.pool == h.poolKey {
+				keys = append(keys, [3]string{k.(string), e.upstream, e.model})
+			}
+			return true
+		})
+		for _, k := range keys {
+			h.breakerForKey(k[0], k[1], k[2])
+		}
+		return
+	}
 	if h.Breaker == nil || h.Breaker.Scope != "model" {
 		for _, t := range h.static {
 			h.breakerFor(t.addr, "")

@@ -258,6 +258,29 @@ func TestScopeModelBreakersSurviveReload(t *testing.T) {
 	}
 }
 
+// Dynamic upstreams: a reload of the same source keeps their breakers.
+func TestDynamicBreakersSurviveReload(t *testing.T) {
+	cfg := &BreakerConfig{ConsecutiveFailures: 1, OpenFor: caddyDur(time.Minute), MinOpen: caddyDur(time.Minute)}
+	mk := func() *Handler {
+		h := breakerHandler(t, cfg)
+		h.poolKey = "dynamic:test-source"
+		h.dynamic = fakeSource{dials: []string{"10.9.7.1:8000"}}
+		h.holdBreakers() // as Provision does
+		return h
+	}
+	old := mk()
+	up, err := pickErr(balancer{h: old}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail(up)
+	next := mk()
+	old.releaseBreakers()
+	if _, err := pickErr(balancer{h: next}, ""); err == nil {
+		t.Fatal("the dynamic upstream's open breaker was lost in the reload")
+	}
+}
+
 // A breaker no config uses any more takes its gauge series with it.
 func TestDestroyedBreakerLeavesNoGauge(t *testing.T) {
 	h := breakerHandler(t, nil, "10.9.6.1:8000")
