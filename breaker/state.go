@@ -128,8 +128,9 @@ type Snapshot struct {
 	// Reopens is the number of consecutive re-opens (failed half-opens)
 	// since the breaker was last closed; the cooldown is OpenFor × 2^Reopens.
 	Reopens int `json:"reopens"`
-	// LastFailure is the reason given with the last failure, and
-	// LastFailureAt its time; empty until a failure is recorded.
-	LastFailure   string    `json:"last_failure,omitempty"`
+	// LastFailure is the reason given with the last failure; empty until
+	// a failure is recorded.
+	LastFailure string `json:"last_failure,omitempty"`
+	// LastFailureAt is the time of the last failure; zero until one.
 	LastFailureAt time.Time `json:"last_failure_at,omitzero"`
 }

@@ -36,13 +36,14 @@ type RetryConfig struct {
 	// Default: none (the ratio budget).
 	Bucket *TokenBucket `json:"bucket,omitempty"`
 
-	// BackoffBase and BackoffCap shape the full-jitter backoff: retry n
-	// waits uniformly in [0, min(cap, base·2^n)]. An upstream's Retry-After
-	// is waited for only when it is at most BackoffCap (and fits
-	// stream_timeout); otherwise the client gets the 429/503 at once.
-	// Defaults: 100ms and 2s.
+	// BackoffBase is the base of the full-jitter backoff: retry n waits
+	// uniformly in [0, min(BackoffCap, BackoffBase·2^n)]. Default: 100ms.
 	BackoffBase caddy.Duration `json:"backoff_base,omitempty"`
-	BackoffCap  caddy.Duration `json:"backoff_cap,omitempty"`
+
+	// BackoffCap caps the backoff, and the longest upstream Retry-After a
+	// retry waits for (within stream_timeout); a longer one reaches the
+	// client with its 429/503 at once. Default: 2s.
+	BackoffCap caddy.Duration `json:"backoff_cap,omitempty"`
 }
 
 // TokenBucket is the token-bucket form of the retry budget.
@@ -69,8 +70,10 @@ type HedgeConfig struct {
 	// Scale", CACM 2013) hedge at p95.
 	Percentile float64 `json:"percentile,omitempty"`
 
-	// Min and Max clamp the percentile delay. Defaults: no bounds.
+	// Min is the shortest percentile delay. Default: no bound.
 	Min caddy.Duration `json:"min,omitempty"`
+
+	// Max is the longest percentile delay. Default: no bound.
 	Max caddy.Duration `json:"max,omitempty"`
 
 	// Fallback is the percentile delay while fewer than 20 TTFTs have been

@@ -62,6 +62,7 @@ var attemptOutcomeNames = [...]string{
 	AttemptCanceled:         "canceled",
 }
 
+// String returns the outcome's metric label, e.g. "first_byte_timeout".
 func (o AttemptOutcome) String() string {
 	if int(o) < len(attemptOutcomeNames) {
 		return attemptOutcomeNames[o]
@@ -140,6 +141,7 @@ var outcomeNames = [...]string{
 	OutcomeClientGone:     "client_gone",
 }
 
+// String returns the outcome's metric label, e.g. "client_gone".
 func (o Outcome) String() string {
 	if int(o) < len(outcomeNames) {
 		return outcomeNames[o]

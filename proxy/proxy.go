@@ -55,7 +55,10 @@ type UnavailableError struct {
 	Reason string
 }
 
+// Error says that no upstream is available, and why.
 func (e *UnavailableError) Error() string { return "no upstream available: " + e.Reason }
+
+// Unwrap returns ErrNoUpstream.
 func (e *UnavailableError) Unwrap() error { return ErrNoUpstream }
 
 // Balancer chooses the upstream for the next attempt of a request.
@@ -141,9 +144,12 @@ type Observer interface {
 
 // AttemptReport describes one finished upstream attempt.
 type AttemptReport struct {
+	// Upstream is the upstream's dial address.
 	Upstream string
-	Model    string
-	Outcome  AttemptOutcome
+	// Model is the request's model, "" when absent.
+	Model string
+	// Outcome classifies how the attempt ended.
+	Outcome AttemptOutcome
 	// TTFT is the time from the attempt's start to its first SSE data
 	// event (or full JSON body); 0 when it never got that far.
 	TTFT time.Duration
@@ -161,6 +167,7 @@ type AttemptReport struct {
 // Result describes a finished request; the Caddy layer turns it into
 // placeholders, metrics and a log line.
 type Result struct {
+	// Info holds the parsed request fields.
 	Info RequestInfo
 	// Upstream is the upstream that served the response, or the last one
 	// tried; "" when none was.
