@@ -243,39 +243,30 @@ func (h *Handler) provisionBreakers(ctx caddy.Context) error {
 // breakers now, so their state is held across a reload even for upstreams
 // (and models) that see no traffic meanwhile.
 func (h *Handler) holdBreakers() {
-	if h.dynamic != nil {
-		// Dynamic upstreams are not known yet: hold the breakers that this
-		// pool (the same source config) created before the reload.
-		var keys [][3]string
-		breakerPool.Range(func(k, v any) bool {
-			if e := v.(*breakerEntry); e.pool == h.poolKey {
-				keys = append(keys, [3]string{k.(string), e.upstream, e.model})
-			}
-			return true
-		})
-		for _, k := range keys {
-			h.breakerForKey(k[0], k[1], k[2])
-		}
-		return
-	}
-	if h.Breaker == nil || h.Breaker.Scope != "model" {
+	if h.dynamic == nil && (h.Breaker == nil || h.Breaker.Scope != "model") {
 		for _, t := range h.static {
 			h.breakerFor(t.addr, "")
 		}
 		return
 	}
-	var keys [][3]string
-	breakerPool.Range(func(k, v any) bool {
-		e := v.(*breakerEntry)
-		for _, t := range h.static {
-			if e.upstream == t.addr && e.model != "" {
-				keys = append(keys, [3]string{k.(string), e.upstream, e.model})
-			}
+	// Per-model breakers, or dynamic upstreams not known yet: hold the
+	// existing entries of this pool's upstreams (dynamic: those the same
+	// source config created before the reload).
+	mine := func(e *breakerEntry) bool {
+		if h.dynamic != nil {
+			return e.pool == h.poolKey
+		}
+		return e.model != "" && slices.ContainsFunc(h.static, func(t *target) bool { return t.addr == e.upstream })
+	}
+	var held []*breakerEntry
+	breakerPool.Range(func(_, v any) bool {
+		if e := v.(*breakerEntry); mine(e) {
+			held = append(held, e)
 		}
 		return true
 	})
-	for _, k := range keys {
-		h.breakerForKey(k[0], k[1], k[2])
+	for _, e := range held {
+		h.breakerForKey(e.key, e.upstream, e.model)
 	}
 }
 
