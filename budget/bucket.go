@@ -6,6 +6,8 @@ import (
 	"math"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/rolling"
 )
 
 // Bucket is the token-bucket form of a retry budget (Caddyfile
@@ -46,8 +48,8 @@ type Bucket struct {
 	_     [56]byte
 	stats struct {
 		ep       clockEpochs
-		requests requestRing
-		retries  requestRing
+		requests rolling.Ring
+		retries  rolling.Ring
 	}
 }
 
@@ -89,7 +91,7 @@ func (b *Bucket) RefillPerSec() float64 { return b.rate }
 func (b *Bucket) now() int64 { return int64(b.clock.Now().Sub(b.base)) }
 
 // Request counts an original request for Stats; it earns no token.
-func (b *Bucket) Request() { b.stats.requests.add(b.stats.ep.now()) }
+func (b *Bucket) Request() { b.stats.requests.Add(b.stats.ep.now()) }
 
 // TryRetry takes one token and returns true, or returns false if the bucket
 // holds less than one token.
@@ -102,7 +104,7 @@ func (b *Bucket) TryRetry() bool {
 			return false
 		}
 		if b.empty.CompareAndSwap(e, from+b.per) {
-			b.stats.retries.add(b.stats.ep.now())
+			b.stats.retries.Add(b.stats.ep.now())
 			return true
 		}
 	}
@@ -115,8 +117,8 @@ func (b *Bucket) Stats() Stats {
 	ep := b.stats.ep.now()
 	return Stats{
 		Window:    DefaultWindow,
-		Requests:  int(b.stats.requests.sum(ep)),
-		Retries:   int(b.stats.retries.sum(ep)),
+		Requests:  int(b.stats.requests.Sum(ep)),
+		Retries:   int(b.stats.retries.Sum(ep)),
 		Available: int(max(0, credit/b.per)),
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"math"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/rolling"
 )
 
 // Defaults of RatioConfig.
@@ -119,9 +121,9 @@ type Ratio struct {
 	// past holds the final retry count of older epochs, as (epoch, count)
 	// words; the caller that moves cur to a newer epoch stores the old
 	// epoch's count here first.
-	past [windowBuckets]atomic.Uint64
+	past [rolling.Buckets]atomic.Uint64
 	_    [64]byte
-	reqs requestRing
+	reqs rolling.Ring
 }
 
 // NewRatio returns a Ratio budget. Zero fields of c take their defaults
@@ -136,7 +138,7 @@ func NewRatio(c RatioConfig, clock Clock) (*Ratio, error) {
 		return nil, err
 	}
 	r := &Ratio{cfg: c, ep: newClockEpochs(clock, c.Window)}
-	r.cfg.Window = r.ep.width * windowBuckets
+	r.cfg.Window = r.ep.Width() * rolling.Buckets
 	r.reserve = c.MinPerSec * r.cfg.Window.Seconds()
 	return r, nil
 }
@@ -147,7 +149,7 @@ func (r *Ratio) Config() RatioConfig { return r.cfg }
 
 // Request records one original request, which earns Ratio retries for the
 // next Window.
-func (r *Ratio) Request() { r.reqs.add(r.ep.now()) }
+func (r *Ratio) Request() { r.reqs.Add(r.ep.now()) }
 
 // TryRetry grants a retry (or hedge) and charges it at once, or refuses it.
 // See Ratio for the rule.
@@ -156,13 +158,13 @@ func (r *Ratio) TryRetry() bool {
 	for {
 		w := r.cur.Load()
 		ep, n := r.state(w, now)
-		if n >= countMax {
+		if n >= rolling.CountMax {
 			return false
 		}
 		if !r.fits(ep, n+1+r.pastRetries(ep)) {
 			return false
 		}
-		if r.cur.CompareAndSwap(w, pack(ep, n+1)) {
+		if r.cur.CompareAndSwap(w, rolling.Pack(ep, n+1)) {
 			return true
 		}
 	}
@@ -173,7 +175,7 @@ func (r *Ratio) TryRetry() bool {
 // and the retries already charged to it. Before moving to a newer epoch it
 // stores the old epoch's count in past, where every later reader sees it.
 func (r *Ratio) state(w, now uint64) (ep, n uint64) {
-	ep, n = unpack(w)
+	ep, n = rolling.Unpack(w)
 	if now <= ep {
 		return ep, n
 	}
@@ -187,14 +189,14 @@ func (r *Ratio) state(w, now uint64) (ep, n uint64) {
 // larger count for ep is already there (a slower caller storing an older
 // reading).
 func (r *Ratio) keep(ep, n uint64) {
-	p := &r.past[ep%windowBuckets]
+	p := &r.past[ep%rolling.Buckets]
 	for {
 		old := p.Load()
-		oe, on := unpack(old)
+		oe, on := rolling.Unpack(old)
 		if oe > ep || (oe == ep && on >= n) {
 			return
 		}
-		if p.CompareAndSwap(old, pack(ep, n)) {
+		if p.CompareAndSwap(old, rolling.Pack(ep, n)) {
 			return
 		}
 	}
@@ -205,7 +207,7 @@ func (r *Ratio) keep(ep, n uint64) {
 func (r *Ratio) pastRetries(ep uint64) uint64 {
 	var s uint64
 	for i := range r.past {
-		if e, n := unpack(r.past[i].Load()); e < ep && inWindow(e, ep) {
+		if e, n := rolling.Unpack(r.past[i].Load()); e < ep && rolling.InWindow(e, ep) {
 			s += n
 		}
 	}
@@ -215,7 +217,7 @@ func (r *Ratio) pastRetries(ep uint64) uint64 {
 // fits reports whether retries charged in the window ending with ep are
 // within the budget.
 func (r *Ratio) fits(ep, retries uint64) bool {
-	return float64(retries) <= r.cfg.Ratio*float64(r.reqs.sum(ep))+r.reserve
+	return float64(retries) <= r.cfg.Ratio*float64(r.reqs.Sum(ep))+r.reserve
 }
 
 // Stats reports the requests and retries in the window and the retries
@@ -223,12 +225,12 @@ func (r *Ratio) fits(ep, retries uint64) bool {
 func (r *Ratio) Stats() Stats {
 	ep, n := r.state(r.cur.Load(), r.ep.now())
 	retries := n + r.pastRetries(ep)
-	reqs := r.reqs.sum(ep)
+	reqs := r.reqs.Sum(ep)
 	avail := math.Floor(r.cfg.Ratio*float64(reqs) + r.reserve - float64(retries))
 	return Stats{
 		Window:    r.cfg.Window,
 		Requests:  int(reqs),
 		Retries:   int(retries),
-		Available: int(max(0, min(avail, countMax))),
+		Available: int(max(0, min(avail, rolling.CountMax))),
 	}
 }
