@@ -103,7 +103,7 @@ func BenchmarkObserveAndDelay(b *testing.B) {
 // BenchmarkRateCapRequest: Request, called for every request, in parallel
 // on one cap with the real clock.
 func BenchmarkRateCapRequest(b *testing.B) {
-	c, err := hedge.NewRateCap(0.1, 10*time.Second, hedge.SystemClock{})
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, Window: 10 * time.Second}, hedge.SystemClock{})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -119,7 +119,7 @@ func BenchmarkRateCapRequest(b *testing.B) {
 // worst case: every request crosses its hedge delay), in parallel on one cap
 // with the real clock; about one call in ten is granted.
 func BenchmarkRateCapTryHedge(b *testing.B) {
-	c, err := hedge.NewRateCap(0.1, 10*time.Second, hedge.SystemClock{})
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, Window: 10 * time.Second}, hedge.SystemClock{})
 	if err != nil {
 		b.Fatal(err)
 	}

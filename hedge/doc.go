@@ -17,8 +17,9 @@
 //     percentile clamped to bounds (`after p95 min 100ms max 2s`), parsed
 //     from the Caddyfile by ParseAfter;
 //   - RateCap bounds the share of requests that may hedge over a rolling
-//     window (10% over 10s by default), so that hedging never more than
-//     adds that fraction of load, whatever the fleet does.
+//     window (10% over 10s by default) plus a floor (1 hedge a second by
+//     default, for pools with little traffic), so that hedging never adds
+//     more load than that, whatever the fleet does.
 //
 // A typical request, in the gateway:
 //

@@ -32,12 +32,18 @@ func ExampleParseAfter() {
 }
 
 func ExampleRateCap() {
-	c, err := hedge.NewRateCap(0.1, 10*time.Second, nil) // max_ratio 0.1
+	// max_ratio 0.1, and the default floor of 1 hedge a second: the 10s
+	// window grants 0.1 × requests + 10.
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1}, nil)
 	if err != nil {
 		panic(err)
 	}
-	granted := 0
-	for range 50 {
+	// A quiet pool: its first request stalls and may hedge at once.
+	c.Request()
+	fmt.Println("first request hedges:", c.TryHedge())
+
+	granted := 1
+	for range 49 {
 		c.Request()
 		if c.TryHedge() { // every request is slow and wants a backup
 			granted++
@@ -45,5 +51,23 @@ func ExampleRateCap() {
 	}
 	req, hedges := c.Stats()
 	fmt.Println(granted, req, hedges)
-	// Output: 5 50 5
+	// Output:
+	// first request hedges: true
+	// 15 50 15
+}
+
+func ExampleRateCapConfig_off() {
+	// Without the floor, hedges are 0.1 × requests: a pool with fewer than
+	// 10 requests in the window does not hedge.
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, MinPerSec: hedge.Off}, nil)
+	if err != nil {
+		panic(err)
+	}
+	for i := 1; i <= 10; i++ {
+		c.Request()
+		if c.TryHedge() {
+			fmt.Println("first hedge at request", i)
+		}
+	}
+	// Output: first hedge at request 10
 }

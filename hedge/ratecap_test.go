@@ -12,14 +12,22 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
 )
 
+// newCap returns a cap without the floor (MinPerSec Off), so that the ratio
+// alone decides, on a fake clock.
 func newCap(t *testing.T, ratio float64, window time.Duration) (*hedge.RateCap, *fakeClock) {
 	t.Helper()
+	return newCapConfig(t, hedge.RateCapConfig{MaxRatio: ratio, MinPerSec: hedge.Off, Window: window})
+}
+
+// newCapConfig returns a cap configured by c on a fake clock.
+func newCapConfig(t *testing.T, c hedge.RateCapConfig) (*hedge.RateCap, *fakeClock) {
+	t.Helper()
 	clk := newClock()
-	c, err := hedge.NewRateCap(ratio, window, clk)
+	rc, err := hedge.NewRateCap(c, clk)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return c, clk
+	return rc, clk
 }
 
 func requests(c *hedge.RateCap, n int) {
@@ -48,34 +56,44 @@ func wantStats(t *testing.T, c *hedge.RateCap, req, hedges float64) {
 
 func TestNewRateCapValidatesAndDefaults(t *testing.T) {
 	for _, c := range []struct {
-		ratio  float64
-		window time.Duration
-		err    string
+		cfg hedge.RateCapConfig
+		err string
 	}{
-		{-0.1, time.Second, "max_ratio -0.1 must be above 0"},
-		{1.5, time.Second, "max_ratio 1.5 must be above 0 and at most 1"},
-		{math.NaN(), time.Second, "max_ratio NaN"},
-		{math.Inf(1), time.Second, "max_ratio +Inf"},
-		{0.1, -time.Second, "window -1s must be at least 10ms"},
-		{0.1, 5 * time.Millisecond, "window 5ms must be at least 10ms"},
+		{hedge.RateCapConfig{MaxRatio: -0.1}, "max_ratio -0.1 must be above 0"},
+		{hedge.RateCapConfig{MaxRatio: 1.5}, "max_ratio 1.5 must be above 0 and at most 1"},
+		{hedge.RateCapConfig{MaxRatio: math.NaN()}, "max_ratio NaN"},
+		{hedge.RateCapConfig{MaxRatio: math.Inf(1)}, "max_ratio +Inf"},
+		{hedge.RateCapConfig{MaxRatio: hedge.Off}, "max_ratio -1 must be above 0"},
+		{hedge.RateCapConfig{MinPerSec: -0.5}, "min_per_sec -0.5 must be above 0 and at most 1e+06, or Off (-1)"},
+		{hedge.RateCapConfig{MinPerSec: 2e6}, "min_per_sec 2e+06"},
+		{hedge.RateCapConfig{MinPerSec: math.NaN()}, "min_per_sec NaN"},
+		{hedge.RateCapConfig{MinPerSec: math.Inf(1)}, "min_per_sec +Inf"},
+		{hedge.RateCapConfig{Window: -time.Second}, "window -1s must be at least 10ms"},
+		{hedge.RateCapConfig{Window: 5 * time.Millisecond}, "window 5ms must be at least 10ms"},
 	} {
-		if _, err := hedge.NewRateCap(c.ratio, c.window, nil); err == nil || !strings.Contains(err.Error(), c.err) {
-			t.Errorf("NewRateCap(%v, %v) error = %v, want %q", c.ratio, c.window, err, c.err)
+		if _, err := hedge.NewRateCap(c.cfg, nil); err == nil || !strings.Contains(err.Error(), c.err) {
+			t.Errorf("NewRateCap(%+v) error = %v, want %q", c.cfg, err, c.err)
 		}
 	}
-	c, err := hedge.NewRateCap(0, 0, nil)
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.MaxRatio() != hedge.DefaultMaxRatio || c.Window() != hedge.DefaultWindow {
-		t.Errorf("defaults: ratio %v, window %v", c.MaxRatio(), c.Window())
+	want := hedge.RateCapConfig{MaxRatio: hedge.DefaultMaxRatio, MinPerSec: hedge.DefaultMinPerSec, Window: hedge.DefaultWindow}
+	if c.Config() != want || c.MaxRatio() != want.MaxRatio || c.MinPerSec() != want.MinPerSec || c.Window() != want.Window {
+		t.Errorf("defaults: %+v", c.Config())
 	}
+	// The default cap (system clock): 0.1 × 10 requests + 1/s × 10s.
 	requests(c, 10)
-	if !c.TryHedge() || c.TryHedge() {
-		t.Error("the default cap (system clock) does not allow exactly 1 hedge in 10 requests")
+	if got := tryHedges(c, 20); got != 11 {
+		t.Errorf("the default cap granted %d hedges for 10 requests, want 11", got)
 	}
-	if c, err := hedge.NewRateCap(1, 10*time.Millisecond, nil); err != nil || c.MaxRatio() != 1 {
-		t.Errorf("NewRateCap(1, 10ms) = %v, %v", c, err)
+	if c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 1, MinPerSec: hedge.Off, Window: 10 * time.Millisecond}, nil); err != nil || c.MaxRatio() != 1 || c.MinPerSec() != 0 {
+		t.Errorf("NewRateCap(1, Off, 10ms) = %v, %v", c, err)
+	}
+	// The window is kept as ten buckets: rounded down to 10ns.
+	if c, err := hedge.NewRateCap(hedge.RateCapConfig{Window: time.Second + 19}, nil); err != nil || c.Window() != time.Second+10 {
+		t.Errorf("window 1s+19ns: %v, %v", c, err)
 	}
 }
 
@@ -244,5 +262,175 @@ func TestRateCapAllocatesNothing(t *testing.T) {
 	}
 	if a := testing.AllocsPerRun(1000, func() { rc.TryHedge() }); a != 0 {
 		t.Errorf("TryHedge: %v allocs", a)
+	}
+}
+
+// TestRateCapFloorHedgesAtLowTraffic is the regression test for hedging
+// that never fired at low traffic: one request a second, every one stalled
+// past its hedge delay. Without the floor, 0.1 × (fewer than 10 requests in
+// the window) allowed no hedge, so the first requests, on a fresh gateway,
+// all waited for the stalled upstream.
+func TestRateCapFloorHedgesAtLowTraffic(t *testing.T) {
+	rc, clk := newCapConfig(t, hedge.RateCapConfig{}) // defaults: 0.1, 1/s, 10s
+	for i := range 20 {
+		rc.Request()
+		if !rc.TryHedge() {
+			t.Fatalf("second %d: the stalled request could not hedge", i)
+		}
+		clk.Advance(time.Second)
+	}
+	// At t = 20s the window holds the 9 requests of t = 11…19s and their
+	// hedges.
+	wantStats(t, rc, 9, 9)
+}
+
+func TestRateCapFloorIsExact(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		ratio     float64
+		minPerSec float64
+		window    time.Duration
+		requests  int
+		want      int
+	}{
+		{"no traffic: the reservoir", 0.1, 1, 10 * time.Second, 0, 10},
+		{"ratio and reservoir add up", 0.1, 1, 10 * time.Second, 10, 11},
+		{"below one hedge from the ratio", 0.1, 1, 10 * time.Second, 19, 11},
+		{"default floor", 0.1, 0, 10 * time.Second, 25, 12},
+		{"fractional reservoir rounds down", 0.1, 0.25, 10 * time.Second, 0, 2},
+		// float64 gives 0.1 × 1 + 0.09 × 10 = 0.9999999999999999.
+		{"decimal floor is exact", 0.1, 0.09, 10 * time.Second, 1, 1},
+		{"decimal ratio and floor are exact", 0.3, 0.03, 10 * time.Second, 9, 3},
+		{"halves make a whole", 0.1, 0.05, 10 * time.Second, 5, 1},
+		{"short window, small reservoir", 0.1, 1, 500 * time.Millisecond, 0, 0},
+		{"short window, reservoir and ratio", 0.1, 2, 500 * time.Millisecond, 0, 1},
+		{"largest floor", 1, hedge.MaxMinPerSec, 10 * time.Millisecond, 0, 10000},
+		{"floor off", 0.1, hedge.Off, 10 * time.Second, 9, 0},
+		{"floor off, ratio only", 0.1, hedge.Off, 10 * time.Second, 10, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rc, _ := newCapConfig(t, hedge.RateCapConfig{MaxRatio: c.ratio, MinPerSec: c.minPerSec, Window: c.window})
+			requests(rc, c.requests)
+			if got := tryHedges(rc, c.want+50); got != c.want {
+				t.Fatalf("%d hedges granted, want %d", got, c.want)
+			}
+			wantStats(t, rc, float64(c.requests), float64(c.want))
+		})
+	}
+}
+
+func TestRateCapFloorRefillsAsHedgesLeaveTheWindow(t *testing.T) {
+	rc, clk := newCapConfig(t, hedge.RateCapConfig{MaxRatio: 0.1, MinPerSec: 1, Window: 10 * time.Second})
+	if got := tryHedges(rc, 20); got != 10 {
+		t.Fatalf("burst: %d hedges, want the reservoir of 10", got)
+	}
+	clk.Advance(10*time.Second - 1)
+	if rc.TryHedge() {
+		t.Fatal("granted a hedge with the reservoir spent")
+	}
+	rc.Request() // 1 request earns 0.1 hedge: not enough
+	if rc.TryHedge() {
+		t.Fatal("granted a hedge for 0.1 of one")
+	}
+	clk.Advance(1) // t = 10s: the burst's bucket leaves the window
+	if got := tryHedges(rc, 20); got != 10 {
+		t.Fatalf("after the window: %d hedges, want 10", got)
+	}
+}
+
+func TestRateCapFloorNeverExceedsTheBound(t *testing.T) {
+	// Requests and hedges race on many goroutines, on one frozen bucket
+	// and then on a clock that crosses buckets and windows. The bound:
+	// 0.1 × requests + 1/s × 10s per window of the run.
+	t.Run("one bucket, exact", func(t *testing.T) {
+		rc, _ := newCapConfig(t, hedge.RateCapConfig{MaxRatio: 0.1, MinPerSec: 1, Window: 10 * time.Second})
+		requests(rc, 1000)
+		var granted atomic.Int64
+		var wg sync.WaitGroup
+		for range 64 {
+			wg.Go(func() { granted.Add(int64(tryHedges(rc, 50))) })
+		}
+		wg.Wait()
+		if g := granted.Load(); g != 110 {
+			t.Fatalf("%d hedges granted for 1,000 requests, want exactly 100 + 10", g)
+		}
+		wantStats(t, rc, 1000, 110)
+	})
+	t.Run("requests racing hedges", func(t *testing.T) {
+		rc, _ := newCapConfig(t, hedge.RateCapConfig{MaxRatio: 0.1, MinPerSec: 1, Window: 10 * time.Second})
+		var granted, reqs atomic.Int64
+		var wg sync.WaitGroup
+		for g := range 16 {
+			wg.Go(func() {
+				for range 500 {
+					if g%2 == 0 {
+						rc.Request()
+						reqs.Add(1)
+					} else if rc.TryHedge() {
+						granted.Add(1)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if g, n := granted.Load(), reqs.Load(); g*10 > n+100 {
+			t.Fatalf("%d hedges for %d requests, above 0.1 × requests + 10", g, n)
+		}
+	})
+	t.Run("clock crossing windows", func(t *testing.T) {
+		rc, clk := newCapConfig(t, hedge.RateCapConfig{MaxRatio: 0.1, MinPerSec: 1, Window: 10 * time.Second})
+		var granted, reqs atomic.Int64
+		var wg sync.WaitGroup
+		for g := range 16 {
+			wg.Go(func() {
+				for i := range 2000 {
+					if i%4 == 0 {
+						rc.Request()
+						reqs.Add(1)
+					}
+					if rc.TryHedge() {
+						granted.Add(1)
+					}
+					if g == 0 && i%50 == 0 {
+						clk.Advance(time.Second)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		// 40 s elapsed: at most ⌊40/10⌋ + 1 = 5 reservoirs.
+		if g, n := granted.Load(), reqs.Load(); g*10 > n+5*100 {
+			t.Fatalf("%d hedges for %d requests over 40s, above 0.1 × requests + 50", g, n)
+		}
+	})
+}
+
+func TestRateCapFloorBoundsHedgesOverTime(t *testing.T) {
+	// 2,000 requests at random times over ~200s (10/s), half of which want
+	// to hedge. At every grant, counting it, hedges ≤ 0.1 × requests + 10
+	// over the window; over the run, at most 0.1 × requests + 10 per
+	// window of the run (⌊T/W⌋ + 1 of them).
+	rc, clk := newCapConfig(t, hedge.RateCapConfig{MaxRatio: 0.1, MinPerSec: 1, Window: 10 * time.Second})
+	r := rand.New(rand.NewPCG(21, 22))
+	granted := 0
+	for i := range 2000 {
+		clk.Advance(time.Duration(r.Int64N(int64(200 * time.Millisecond))))
+		rc.Request()
+		if r.Float64() >= 0.5 {
+			continue
+		}
+		if rc.TryHedge() {
+			granted++
+			if req, h := rc.Stats(); h*10 > req+100 {
+				t.Fatalf("request %d: %v hedges for %v requests in the window", i, h, req)
+			}
+		}
+	}
+	windows := int(clk.Now().Sub(t0)/(10*time.Second)) + 1
+	if bound := 200 + 10*windows; granted > bound {
+		t.Errorf("%d hedges granted for 2,000 requests in %d windows, above %d", granted, windows, bound)
+	}
+	if granted < 200+5*windows {
+		t.Errorf("%d hedges granted: the floor is not being used", granted)
 	}
 }
