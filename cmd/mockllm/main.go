@@ -51,6 +51,12 @@ Flags:
   --replica-ttft I=LATENCY TTFT for replica I only, e.g. 1=lognormal:2s:0.3
                            (repeatable)
   --health-status CODE     status of GET /health (default 200)
+  --idle-timeout DUR       close keep-alive connections idle this long, as
+                           uvicorn does after 5s (default 0 = never)
+  --idle-race DUR          drop unanswered a request that arrives on a
+                           connection idle for over idle-timeout minus DUR, as
+                           when the server's idle close crosses it on the wire
+                           (default 0 = none; needs --idle-timeout)
   --seed N                 seed of the random draws (default random)
   --grace DUR              on SIGINT/SIGTERM, wait this long for requests in
                            progress before closing them (default 5s)
@@ -124,6 +130,8 @@ func run(args []string, stdout, stderr io.Writer) error {
 	capacity := fs.Int("capacity", 0, "")
 	seed := fs.Uint64("seed", 0, "")
 	grace := fs.Duration("grace", 5*time.Second, "")
+	idleTimeout := fs.Duration("idle-timeout", 0, "")
+	idleRace := fs.Duration("idle-race", 0, "")
 	var verbose bool
 	fs.BoolVar(&verbose, "verbose", false, "")
 	fs.BoolVar(&verbose, "v", false, "")
@@ -195,13 +203,15 @@ func run(args []string, stdout, stderr io.Writer) error {
 	defer log.Sync()
 
 	fleet, err := mockllm.StartFleet(mockllm.FleetConfig{
-		Listen:     *listen,
-		Replicas:   *replicas,
-		Behavior:   b,
-		PerReplica: per,
-		Capacity:   *capacity,
-		Seed:       *seed,
-		Logger:     log,
+		Listen:        *listen,
+		Replicas:      *replicas,
+		Behavior:      b,
+		PerReplica:    per,
+		Capacity:      *capacity,
+		IdleTimeout:   *idleTimeout,
+		IdleCloseRace: *idleRace,
+		Seed:          *seed,
+		Logger:        log,
 	})
 	if err != nil {
 		return err

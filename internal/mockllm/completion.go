@@ -103,6 +103,7 @@ func (x *exchange) begin() {
 	r.stats.bodies.add(x.rec.BodySHA256)
 	r.stats.recent.add(x.rec)
 	r.inFlight++
+	r.stats.maxInFlight = max(r.stats.maxInFlight, r.inFlight)
 }
 
 // responseID is "chatcmpl-…" or "cmpl-…", from X-Request-Id when present

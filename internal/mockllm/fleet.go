@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"strconv"
+	"time"
 
 	"go.uber.org/zap"
 )
@@ -34,6 +35,24 @@ type FleetConfig struct {
 	// grows with the queue while the token interval stays flat.
 	Capacity int
 
+	// IdleTimeout is each replica's HTTP keep-alive idle timeout: a
+	// connection left idle this long after a response is closed by the
+	// server, as uvicorn (which serves vLLM) does after 5 s. Zero means
+	// none (Go's default: idle connections stay open).
+	IdleTimeout time.Duration
+
+	// IdleCloseRace widens the race in which the server's idle close and
+	// the client's next request cross on the wire: a request that arrives
+	// on a keep-alive connection idle for longer than IdleTimeout minus
+	// IdleCloseRace is dropped unanswered (the connection is closed once
+	// the request's first bytes are read, before any response byte), as
+	// when the server's keep-alive timer fires while the request is in
+	// flight. Such requests are not completion requests as far as the
+	// statistics go; ReplicaStats.IdleDrops counts them. Zero means no
+	// such drops (only IdleTimeout's own close, which a client usually
+	// sees in time). Needs IdleTimeout; at most IdleTimeout.
+	IdleCloseRace time.Duration
+
 	// Seed seeds the random generators (lognormal TTFT, stragglers, fault
 	// fractions); replica i uses the stream (Seed, i). Zero picks a random
 	// seed.
@@ -57,6 +76,12 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 	}
 	if cfg.Capacity < 0 {
 		return nil, fmt.Errorf("capacity %d: must not be negative", cfg.Capacity)
+	}
+	if cfg.IdleTimeout < 0 || cfg.IdleCloseRace < 0 {
+		return nil, fmt.Errorf("idle timeout %v, idle close race %v: must not be negative", cfg.IdleTimeout, cfg.IdleCloseRace)
+	}
+	if cfg.IdleCloseRace > 0 && cfg.IdleCloseRace > cfg.IdleTimeout {
+		return nil, fmt.Errorf("idle close race %v: needs an idle timeout at least as long (have %v)", cfg.IdleCloseRace, cfg.IdleTimeout)
 	}
 	n := max(cfg.Replicas, 1)
 	if err := cfg.Behavior.Validate(); err != nil {
@@ -98,6 +123,7 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 			b = pb
 		}
 		r := newReplica(f, i, b, cfg.Capacity, seed, log)
+		r.idleTimeout, r.idleRace = cfg.IdleTimeout, cfg.IdleCloseRace
 		bind := net.JoinHostPort(host, "0")
 		if port != 0 {
 			bind = net.JoinHostPort(host, strconv.Itoa(port+i))

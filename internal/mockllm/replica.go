@@ -27,6 +27,9 @@ type Replica struct {
 	metrics *replicaMetrics
 	created int64 // unix time, for /v1/models
 
+	idleTimeout time.Duration // http.Server.IdleTimeout (FleetConfig.IdleTimeout)
+	idleRace    time.Duration // FleetConfig.IdleCloseRace
+
 	mu       sync.Mutex
 	behavior Behavior
 	rng      *rand.Rand
@@ -100,6 +103,7 @@ func (r *Replica) Stats() ReplicaStats {
 func (r *Replica) ResetStats() {
 	r.mu.Lock()
 	r.stats.reset()
+	r.stats.maxInFlight = r.inFlight
 	r.mu.Unlock()
 }
 
@@ -158,7 +162,11 @@ func (r *Replica) serve(ln net.Listener) {
 	srv := &http.Server{
 		Handler:           r.routes(),
 		ReadHeaderTimeout: 30 * time.Second,
+		IdleTimeout:       r.idleTimeout,
 		ErrorLog:          zap.NewStdLog(r.log.Named("http")),
+	}
+	if r.idleTimeout > 0 && r.idleRace > 0 {
+		ln = &idleRaceListener{Listener: ln, r: r, threshold: r.idleTimeout - r.idleRace}
 	}
 	done := make(chan struct{})
 	r.mu.Lock()

@@ -46,12 +46,20 @@ type ReplicaStats struct {
 	// InFlight is the number of requests being handled now (waiting,
 	// generating or hanging).
 	InFlight int `json:"in_flight"`
+	// MaxInFlight is the largest InFlight seen since the replica started
+	// or since its last reset (which starts it at the InFlight of that
+	// moment): the most completion requests it handled at once.
+	MaxInFlight int `json:"max_in_flight"`
 	// Running is the number of requests holding a generation slot.
 	Running int `json:"running"`
 	// Waiting is the number of requests queued for a slot.
 	Waiting int `json:"waiting"`
 	// HealthChecks counts GET /health requests.
 	HealthChecks int64 `json:"health_checks"`
+	// IdleDrops counts requests dropped unanswered because they arrived on
+	// a keep-alive connection the server was closing as idle
+	// (FleetConfig.IdleCloseRace). They are not counted in Requests.
+	IdleDrops int64 `json:"idle_drops"`
 	// BodySHA256 is the hex SHA-256 of each request body, in arrival
 	// order, the last 1000.
 	BodySHA256 []string `json:"body_sha256"`
@@ -120,6 +128,8 @@ type counters struct {
 	completed    int64
 	cancelled    int64
 	healthChecks int64
+	idleDrops    int64
+	maxInFlight  int
 	faults       map[string]int64
 	bodies       ring[string]
 	recent       ring[*RequestRecord]
@@ -135,6 +145,8 @@ func (c *counters) snapshot() ReplicaStats {
 		Completed:    c.completed,
 		Cancelled:    c.cancelled,
 		HealthChecks: c.healthChecks,
+		IdleDrops:    c.idleDrops,
+		MaxInFlight:  c.maxInFlight,
 		Faults:       maps.Clone(c.faults),
 		BodySHA256:   append([]string{}, c.bodies.items...),
 		Recent:       make([]RequestRecord, len(c.recent.items)),
