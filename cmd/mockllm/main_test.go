@@ -16,6 +16,7 @@ func TestRunRejectsBadFlags(t *testing.T) {
 		{"--replica-fault", "5=hang", "--replicas", "2", "--listen", "127.0.0.1:0"},
 		{"--replica-ttft", "0=lognormal:1s"},
 		{"--tps", "0"},
+		{"--idle-race", "1s", "--listen", "127.0.0.1:0"},
 		{"extra"},
 	} {
 		var out, errOut bytes.Buffer
@@ -33,7 +34,7 @@ func TestUsageDocumentsEveryFlagAndHeader(t *testing.T) {
 	for _, want := range []string{
 		"--listen", "--replicas", "--model", "--ttft", "--straggler", "--tokens", "--token-interval", "--tps",
 		"--token-bytes", "--capacity", "--fault", "--replica-fault", "--replica-ttft", "--health-status", "--seed",
-		"--grace", "--verbose", "X-Mock-TTFT", "X-Mock-Straggler", "X-Mock-Tokens", "X-Mock-Token-Interval",
+		"--grace", "--idle-timeout", "--idle-race", "--verbose", "X-Mock-TTFT", "X-Mock-Straggler", "X-Mock-Tokens", "X-Mock-Token-Interval",
 		"X-Mock-TPS", "X-Mock-Token-Bytes", "X-Mock-Fault", "X-Mock-Replica",
 	} {
 		if !strings.Contains(errOut.String(), want) {

@@ -30,6 +30,11 @@
 //	X-Mock-Token-Bytes: 1024                (pad each token's content to about N bytes)
 //	X-Mock-Fault: status=503,every=3        (see ParseFault; "none" clears a replica fault)
 //
+// A fleet's replicas can close idle keep-alive connections as uvicorn does
+// ([FleetConfig.IdleTimeout]) and drop the requests that race such a close
+// ([FleetConfig.IdleCloseRace]), the stale-connection failure a gateway
+// must not blame on the upstream.
+//
 // Generated text is deterministic: token i is a function of i and the
 // request's prompt (the raw JSON of messages or prompt) only, and every
 // other token holds multi-byte UTF-8 ("é", "日本", "🙂", ...), so tests can
