@@ -66,9 +66,16 @@ type ChunkInfo struct {
 	// Usage reports that the top-level "usage" is an object (not null): the
 	// chunk carries token counts.
 	Usage bool
+	// PromptTokens and CompletionTokens are usage.prompt_tokens and
+	// usage.completion_tokens when Usage is true and the value is a JSON
+	// integer without sign, fraction or exponent, of at most 18 digits;
+	// otherwise 0. Servers that repeat cumulative usage on every chunk
+	// (TGI) are read by keeping the last chunk's values, never by summing.
+	PromptTokens, CompletionTokens int
 }
 
-// InspectChunk reports the finish_reason and usage of an OpenAI chunk. It
+// InspectChunk reports the finish_reason and token usage of an OpenAI chunk,
+// or of a whole non-streaming chat completion body (same top-level shape). It
 // scans bytes instead of decoding: it follows the object structure, so the
 // same text inside a string (a model writing "finish_reason":"stop") does not
 // fool it, and it does not allocate. When a key repeats, the last one counts,
@@ -106,8 +113,50 @@ func InspectChunk(data []byte) ChunkInfo {
 		}
 		if keyIs(key, "usage") {
 			info.Usage = val[0] == '{'
+			info.PromptTokens, info.CompletionTokens = 0, 0
+			if info.Usage {
+				info.PromptTokens, info.CompletionTokens = usageCounts(val)
+			}
 		}
 	}
+}
+
+// usageCounts reads prompt_tokens and completion_tokens from the usage
+// object obj (its complete raw text). The last occurrence of a key counts.
+func usageCounts(obj []byte) (prompt, completion int) {
+	it := iter{b: obj, i: 1}
+	for {
+		key, ok := it.nextKey()
+		if !ok {
+			return prompt, completion
+		}
+		val, ok := it.skip()
+		if !ok {
+			return prompt, completion
+		}
+		switch {
+		case keyIs(key, "prompt_tokens"):
+			prompt = parseCount(val)
+		case keyIs(key, "completion_tokens"):
+			completion = parseCount(val)
+		}
+	}
+}
+
+// parseCount returns the value of a JSON number written as 1 to 18 decimal
+// digits, and 0 for anything else (negative, fractional, exponent, string).
+func parseCount(v []byte) int {
+	if len(v) == 0 || len(v) > 18 {
+		return 0
+	}
+	n := 0
+	for _, c := range v {
+		if c < '0' || c > '9' {
+			return 0
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n
 }
 
 // choicesFinished walks the choices array starting at b[i] and reports

@@ -84,7 +84,7 @@ func TestInspectChunk(t *testing.T) {
 		{
 			name: "usage chunk with empty choices",
 			data: `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1718000000,"model":"llama","choices":[],"usage":{"prompt_tokens":12,"total_tokens":40,"completion_tokens":28}}`,
-			want: sse.ChunkInfo{Usage: true},
+			want: sse.ChunkInfo{Usage: true, PromptTokens: 12, CompletionTokens: 28},
 		},
 		{
 			name: "openai include_usage chunk with usage null",
@@ -93,7 +93,7 @@ func TestInspectChunk(t *testing.T) {
 		{
 			name: "finish and usage together",
 			data: `{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}`,
-			want: sse.ChunkInfo{FinishReason: true, Usage: true},
+			want: sse.ChunkInfo{FinishReason: true, Usage: true, PromptTokens: 1, CompletionTokens: 2},
 		},
 		{
 			name: "field names inside content do not count",
@@ -125,6 +125,34 @@ func TestInspectChunk(t *testing.T) {
 		{
 			name: "usage that is not an object does not count",
 			data: `{"usage":0}`,
+		},
+		{
+			name: "non-streaming body with usage and prompt_tokens_details",
+			data: `{"id":"chatcmpl-2","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10,"prompt_tokens_details":{"cached_tokens":0,"prompt_tokens":5}}}`,
+			want: sse.ChunkInfo{FinishReason: true, Usage: true, PromptTokens: 9, CompletionTokens: 1},
+		},
+		{
+			name: "last usage wins, null resets the counts",
+			data: `{"usage":{"prompt_tokens":3,"completion_tokens":4},"usage":null}`,
+		},
+		{
+			name: "last count key wins",
+			data: `{"usage":{"completion_tokens":4,"completion_tokens":7,"prompt_tokens":"5"}}`,
+			want: sse.ChunkInfo{Usage: true, CompletionTokens: 7},
+		},
+		{
+			name: "counts that are not plain integers read as 0",
+			data: `{"usage":{"prompt_tokens":1.5,"completion_tokens":-2}}`,
+			want: sse.ChunkInfo{Usage: true},
+		},
+		{
+			name: "escaped count key",
+			data: `{"usage":{"prompt_\u0074okens":8}}`,
+			want: sse.ChunkInfo{Usage: true, PromptTokens: 8},
+		},
+		{
+			name: "counts in a nested usage do not count",
+			data: `{"choices":[{"usage":{"prompt_tokens":1}}],"x":{"usage":{"completion_tokens":2}}}`,
 		},
 		{
 			name: "unicode content",
@@ -316,6 +344,19 @@ func BenchmarkInspectChunk(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		_ = sse.InspectChunk(benchChunk)
+	}
+}
+
+var benchUsageChunk = []byte(`{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1718000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[],"usage":{"prompt_tokens":1234,"total_tokens":1500,"completion_tokens":266}}`)
+
+// BenchmarkInspectUsageChunk measures the final usage chunk of a stream.
+func BenchmarkInspectUsageChunk(b *testing.B) {
+	b.SetBytes(int64(len(benchUsageChunk)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if sse.InspectChunk(benchUsageChunk).CompletionTokens != 266 {
+			b.Fatal("usage not read")
+		}
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"testing/iotest"
 
@@ -52,6 +53,11 @@ var chunkSeeds = []string{
 	`{"\u0075sage":{},"choices":[1,"a",{"finish_reason":null,"finish_reason":"stop"}],"choices":[]}`,
 	`[DONE]`,
 	`{"choices":[{"finish_reason":"st`,
+	`{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}`,
+	`{"usage":{"prompt_tokens":7,"completion_tokens":3},"usage":{"prompt_tokens":9,"completion_tokens":5}}`,
+	`{"usage":{"prompt_tokens":1.0,"completion_tokens":-1,"prompt_tokens":"2","completion_tokens":1e2}}`,
+	`{"usage":{"prompt_\u0074okens":123456789012345678,"completion_tokens":1234567890123456789}}`,
+	`{"object":"chat.completion","choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"completion_tokens":1,"prompt_tokens_details":{"prompt_tokens":4}}}`,
 }
 
 var errorSeeds = []string{
@@ -246,12 +252,29 @@ func FuzzInspectChunk(f *testing.F) {
 					}
 				}
 			}
-			_, want.Usage = m["usage"].(map[string]any)
+			var usage map[string]any
+			usage, want.Usage = m["usage"].(map[string]any)
+			want.PromptTokens = refCount(usage["prompt_tokens"])
+			want.CompletionTokens = refCount(usage["completion_tokens"])
 		}
 		if got != want {
 			t.Fatalf("InspectChunk(%q) = %+v, encoding/json says %+v", data, got, want)
 		}
 	})
+}
+
+// refCount is the oracle for token counts: a JSON number of 1 to 18 decimal
+// digits, else 0.
+func refCount(v any) int {
+	n, ok := v.(json.Number)
+	if !ok || len(n) == 0 || len(n) > 18 || strings.Trim(string(n), "0123456789") != "" {
+		return 0
+	}
+	i, err := n.Int64()
+	if err != nil {
+		return 0
+	}
+	return int(i)
 }
 
 func FuzzParseInbandError(f *testing.F) {

@@ -1,7 +1,7 @@
 // Package sse splits a Server-Sent Events stream into events and inspects
 // them the way an LLM gateway needs: which events carry data, which end the
 // stream ([DONE]), which are in-band errors, and whether an OpenAI chat
-// completion chunk carries a finish_reason or usage. The hot path (Next,
+// completion chunk carries a finish_reason, and its token usage. The hot path (Next,
 // Event.Kind, InspectChunk) does not allocate in steady state.
 package sse
 
