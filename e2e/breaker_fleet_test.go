@@ -324,8 +324,10 @@ func TestHangingUpstreamTripsAndIsProbedOneAtATimeUntilItRecovers(t *testing.T) 
 				r.Start.Format("15:04:05.000"), r.End.Format("15:04:05.000"))
 		}
 	}
-	if v, _ := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_breaker_state", map[string]string{"upstream": sick.Addr()}); v != 0 {
-		t.Errorf("caddy_llm_proxy_breaker_state{upstream=%s} = %v after recovery, want 0", sick.Addr(), v)
+	// The breaker exists and went through open and half-open: its series
+	// must be there, and read 0 (closed), not be missing.
+	if v, found := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_breaker_state", map[string]string{"upstream": sick.Addr()}); !found || v != 0 {
+		t.Errorf("caddy_llm_proxy_breaker_state{upstream=%s} = %v (found %v) after recovery, want a series reading 0", sick.Addr(), v, found)
 	}
 	for i := 1; i < 3; i++ {
 		if v := gw.breaker(fleet.Replica(i).Addr()); v.State != "closed" || v.ConsecutiveFailures != 0 || v.FailuresInWindow != 0 {

@@ -351,6 +351,131 @@ next:
 	return sum, found
 }
 
+// metricFamilyExposed reports whether the scrape holds any sample of the
+// metric family name (for a histogram, name's _bucket, _sum or _count).
+func metricFamilyExposed(samples []metricSample, name string) bool {
+	for _, s := range samples {
+		switch s.Name {
+		case name, name + "_bucket", name + "_sum", name + "_count":
+			return true
+		}
+	}
+	return false
+}
+
+// mustMetricFamily fails the test unless the scrape exposes the metric
+// family name at all, and reports whether it does: a renamed or
+// unregistered metric must not read as a counter that stayed at 0.
+func mustMetricFamily(t testing.TB, samples []metricSample, name string) bool {
+	t.Helper()
+	if metricFamilyExposed(samples, name) {
+		return true
+	}
+	var names []string
+	seen := map[string]bool{}
+	for _, s := range samples {
+		if strings.HasPrefix(s.Name, "caddy_llm_proxy_") && !seen[s.Name] {
+			seen[s.Name] = true
+			names = append(names, s.Name)
+		}
+	}
+	t.Errorf("the gateway exposes no metric %s at all (renamed or never registered?); its caddy_llm_proxy_* samples: %v", name, names)
+	return false
+}
+
+// metricValueOrZero is metricValue for checks that may want 0: the sum of
+// the samples of name whose labels include labels, 0 when no series
+// matches (a counter series that was never incremented is legitimately
+// absent), but the test fails when the family itself is not exposed.
+//
+// A counter vector with no series at all is not exposed either (client_golang
+// writes no empty family), so use it only where the family must be there:
+// something else was counted in it first. Where nothing may have been
+// counted yet, check again after a control step that counts something,
+// which proves the name.
+func metricValueOrZero(t testing.TB, samples []metricSample, name string, labels map[string]string) float64 {
+	t.Helper()
+	if !mustMetricFamily(t, samples, name) {
+		return 0
+	}
+	v, _ := metricValue(samples, name, labels)
+	return v
+}
+
+// adapt converts a site block body into the JSON config that the gateway
+// would run (POST /adapt with the whole Caddyfile).
+func (g *gateway) adapt(site string) map[string]any {
+	g.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, g.AdminURL+"/adapt", strings.NewReader(g.caddyfile(site)))
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		g.t.Fatalf("adapt: %v", err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		g.t.Fatalf("adapt: status %d: %s", resp.StatusCode, body)
+	}
+	var out struct {
+		Result map[string]any `json:"result"`
+	}
+	if err := json.Unmarshal(body, &out); err != nil || out.Result == nil {
+		g.t.Fatalf("adapt: %v: %s", err, body)
+	}
+	return out.Result
+}
+
+// loadJSON posts a JSON config to the admin API's /load and returns the
+// status and body; unlike reload, a refused config does not fail the test.
+func (g *gateway) loadJSON(cfg map[string]any) (int, []byte) {
+	g.t.Helper()
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	req, err := http.NewRequest(http.MethodPost, g.AdminURL+"/load", bytes.NewReader(b))
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		g.t.Fatalf("load: %v", err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, body
+}
+
+// llmProxyHandlers returns every llm_proxy handler object in a JSON config
+// (at any depth: the Caddyfile adapter nests site routes in subroutes), so
+// a test can set what the Caddyfile cannot express.
+func llmProxyHandlers(cfg any) []map[string]any {
+	var out []map[string]any
+	var walk func(v any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if v["handler"] == "llm_proxy" {
+				out = append(out, v)
+			}
+			for _, c := range v {
+				walk(c)
+			}
+		case []any:
+			for _, c := range v {
+				walk(c)
+			}
+		}
+	}
+	walk(cfg)
+	return out
+}
+
 // startFleet starts an in-process mock fleet on loopback, closed when the
 // test ends (after the gateway, which is started later).
 func startFleet(t *testing.T, cfg mockllm.FleetConfig) *mockllm.Fleet {

@@ -403,8 +403,9 @@ func TestRetryAfterBeyondBackoffCapReturns429AtOnce(t *testing.T) {
 // TestUpstream400sAreNeverRetriedOrHedged: with retries and hedging on
 // (after 50ms, no rate cap to hide behind), requests that upstreams answer
 // with 400 cause exactly one upstream call each, streaming or not, and no
-// hedge fires. A slow request afterwards does hedge, so the configuration
-// did allow it.
+// hedge fires. A slow request afterwards does hedge and a request answered
+// 503 everywhere is retried, so the configuration did allow both, and the
+// hedge and retry counters hold exactly those.
 func TestUpstream400sAreNeverRetriedOrHedged(t *testing.T) {
 	t.Parallel()
 	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
@@ -451,28 +452,52 @@ func TestUpstream400sAreNeverRetriedOrHedged(t *testing.T) {
 		t.Errorf("the fleet got %d requests for %d client requests", n, requests)
 	}
 	samples := gw.scrapeMetrics()
-	for _, m := range []struct {
-		name   string
-		labels map[string]string
-	}{
-		{"caddy_llm_proxy_hedges_total", map[string]string{"outcome": "fired"}},
-		{"caddy_llm_proxy_hedges_total", map[string]string{"outcome": "suppressed"}},
-		{"caddy_llm_proxy_retries_total", nil},
-		{"caddy_llm_proxy_retry_budget_exhausted_total", nil},
-	} {
-		if v, _ := metricValue(samples, m.name, m.labels); v != 0 {
-			t.Errorf("%s%v = %v after only 400s, want 0", m.name, m.labels, v)
-		}
-	}
-	if v, _ := metricValue(samples, "caddy_llm_proxy_upstream_attempts_total", map[string]string{"outcome": "http_4xx"}); v != requests {
+	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_upstream_attempts_total", map[string]string{"outcome": "http_4xx"}); v != requests {
 		t.Errorf("caddy_llm_proxy_upstream_attempts_total{outcome=http_4xx} = %v, want %d", v, requests)
 	}
+	// retry_budget_exhausted_total has no labels: it is exposed from the
+	// start, so its 0 can be checked now.
+	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_retry_budget_exhausted_total", nil); v != 0 {
+		t.Errorf("caddy_llm_proxy_retry_budget_exhausted_total = %v after only 400s, want 0", v)
+	}
+	// hedges_total and retries_total are counter vectors: while nothing
+	// was counted in them they are not exposed at all, which a renamed
+	// metric would look like too. Each is checked after a control request
+	// that counts exactly one known thing in it: the totals must then be
+	// that thing alone, so the 400s counted nothing.
 
-	// Control: a request slower than the hedge delay is hedged.
+	// Control 1: a request slower than the hedge delay is hedged.
 	s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Slowly.", true),
 		"X-Mock-TTFT: 300ms", "X-Mock-Tokens: 2", "X-Mock-Token-Interval: 0")
 	checkCleanStream(t, s)
-	if v := metricSum(gw, "caddy_llm_proxy_hedges_total", map[string]string{"outcome": "fired"}); v != 1 {
-		t.Errorf("caddy_llm_proxy_hedges_total{outcome=fired} = %v after a 300ms TTFT with hedge after 50ms, want 1", v)
+	samples = gw.scrapeMetrics()
+	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_hedges_total", map[string]string{"outcome": "fired"}); v != 1 {
+		t.Errorf("caddy_llm_proxy_hedges_total{outcome=fired} = %v after 400s and one 300ms TTFT with hedge after 50ms, want 1 (the control's)", v)
+	}
+	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_hedges_total", map[string]string{"outcome": "suppressed"}); v != 0 {
+		t.Errorf("caddy_llm_proxy_hedges_total{outcome=suppressed} = %v, want 0", v)
+	}
+
+	// Control 2: a request that every upstream answers 503 is retried;
+	// retries_total must count exactly its retries (its upstream calls
+	// after the first).
+	r, err := doPlain(ctx, c, gw.URL+"/v1/chat/completions", chatBody("Retry me.", false),
+		"X-Request-Id: retry-control", "X-Mock-Fault: status=503")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Status != http.StatusServiceUnavailable {
+		t.Errorf("retry control: status %d, want the upstreams' 503: %s", r.Status, r.Body)
+	}
+	controlRetries := float64(len(attemptsByRequestID(fleet)["retry-control"]) - 1)
+	if controlRetries < 1 {
+		t.Fatalf("retry control: %v retries reached the fleet, want at least 1 (max_attempts 3)", controlRetries)
+	}
+	samples = gw.scrapeMetrics()
+	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_retries_total", nil); v != controlRetries {
+		t.Errorf("caddy_llm_proxy_retries_total = %v after 400s and a control with %v retries, want %v (none for a 400)", v, controlRetries, controlRetries)
+	}
+	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_retries_total", map[string]string{"reason": "http_5xx"}); v != controlRetries {
+		t.Errorf("caddy_llm_proxy_retries_total{reason=http_5xx} = %v, want %v", v, controlRetries)
 	}
 }
