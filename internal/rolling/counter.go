@@ -12,7 +12,7 @@ const Buckets = 10
 // Why 28 bits of count: it is the widest need of the three users. The
 // budgets count requests and retries per bucket for windows of any length; a
 // 10s window (1s buckets) saturates at CountMax, 267 million events a second,
-// and a 1h window (6min buckets) at 745 thousand a second. Breakers and the
+// and a 1h window (6min buckets) at 742 thousand a second. Breakers and the
 // hedge cap used 24 bits; 28 only widens them.
 //
 // Why that leaves enough epoch: the remaining 36 bits number 2^36 ≈ 6.9·10^10
