@@ -1,333 +1,303 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"fmt"
-	"io"
-	"mime"
-	"net/http"
 	"time"
-
-	"go.uber.org/zap"
-
-	"github.com/llmproxy/caddy-llm-proxy/budget"
-	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
-// maxPreCommitComments bounds the SSE comments (": ping") buffered before the
-// first data event; past it, further comments are dropped.
-const maxPreCommitComments = 64 << 10
-
-// attempt is one request to one upstream. It runs its pre-commit phase in
-// its own goroutine with its own context, derived from the request's, so it
-// can be cancelled without touching any other attempt.
-type attempt struct {
-	x       *exchange
-	up      Upstream
-	ctx     context.Context
-	cancel  context.CancelCauseFunc
-	unlink  func() bool // stops the request's cancellation reaching ctx
-	started time.Time
-	fbTimer *time.Timer
-
-	resp *http.Response
-	// isSSE is true when the response is an event stream read through sc.
-	isSSE bool
-	sc    *sse.Scanner
-	// head is what the client receives at commit: the SSE events up to and
-	// including the first data event, or the whole non-streaming body.
-	head       []byte
-	headEvents int
-	// finished is true when head already holds a finish_reason or [DONE].
-	finished bool
-	ttft     time.Duration
-
-	// ok is true when the pre-commit phase produced something to commit.
-	ok      bool
-	outcome AttemptOutcome
-	err     error
-	// errBody is an upstream error response body kept for passing through.
-	errBody []byte
-	// inband is the in-band error event that failed the attempt, if any.
-	inband *sse.InbandError
-	// retryAfter is the upstream's Retry-After on a 429 or 5xx, 0 if none.
-	retryAfter time.Duration
-	ended      bool
-	// hedge is true for a backup attempt started by the hedge timer.
-	hedge bool
-	// drain asks end() to read the rest of a finished response (the
-	// chunked terminator after [DONE]) so the connection can be reused.
-	drain bool
-}
-
-// Bounds on reading the rest of a finished upstream response.
-const (
-	drainTimeout = 2 * time.Second
-	drainLimit   = 64 << 10
-)
-
-// startAttempt launches an attempt on up; its result arrives on results.
-func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
-	// The attempt's context carries the request's values but is cancelled
-	// only through the link below, which end() may cut: a finished
-	// stream's connection can then be drained after the request is over.
-	ctx, cancel := context.WithCancelCause(context.WithoutCancel(x.ctx))
-	unlink := context.AfterFunc(x.ctx, func() { cancel(context.Cause(x.ctx)) })
-	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: time.Now()}
-	a.fbTimer = time.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
-	go func() {
-		defer func() {
-			if v := recover(); v != nil {
-				a.ok = false
-				a.fail(AttemptInternalError, fmt.Errorf("upstream %s: panic in attempt: %v", up.Addr, v))
-				x.p.log.Error("attempt panicked", zap.String("upstream", up.Addr), zap.Any("panic", v), zap.Stack("stack"))
-			}
-			results <- a
-		}()
-		a.preCommit()
-	}()
-	return a
-}
-
-// preCommit runs the attempt up to its commit point: the first SSE data
-// event, the complete non-streaming body, or a classified failure.
-func (a *attempt) preCommit() {
-	resp, err := a.x.p.cfg.Transport.RoundTrip(a.request())
+// attempt is step 5: it runs attempts until one reaches its commit point
+// and returns it, or returns nil with x.failure saying why none did.
+// Attempts run in their own goroutines, with their own contexts, and report
+// on a channel, so the loop can wait at once on them, on the hedge timer
+// and on the client. A retryable failure asks the retry budget, backs off
+// and picks again; when no first event has arrived after the hedge delay, a
+// backup starts.
+//
+// Order of the gates (DESIGN §3): the breaker (inside the Balancer) first,
+// then the retry budget, then hedging.
+func (x *exchange) attempt() *attempt {
+	cfg := &x.p.cfg
+	rc := &race{x: x, results: make(chan *attempt, cfg.MaxAttempts)}
+	x.rc = rc
+	if cfg.Retries != nil {
+		cfg.Retries.Request()
+	}
+	if cfg.Hedging != nil {
+		cfg.Hedging.Request()
+		rc.hedgeDelay, rc.hedging = cfg.Hedging.Delay(x.res.Info)
+	}
+	if rc.hedging {
+		// Armed by each primary when it starts (launch), not here.
+		rc.hedgeTimer = x.p.clock.NewTimer(time.Hour)
+		rc.hedgeTimer.Stop()
+		defer rc.hedgeTimer.Stop()
+	}
+	up, err := rc.pick(false)
 	if err != nil {
-		a.fail(a.causeOr(AttemptConnectError), fmt.Errorf("upstream %s: %w", a.up.Addr, a.errWithCause(err)))
-		return
+		x.failure = &failure{pickErr: err}
+		return nil
 	}
-	a.resp = resp
-	if resp.StatusCode >= 400 {
-		a.readErrorResponse()
-		return
-	}
-	if isEventStream(resp.Header) {
-		a.isSSE = true
-		a.readFirstEvent()
-	} else {
-		a.readFullBody()
-	}
-	if !a.ok {
-		return
-	}
-	if !a.fbTimer.Stop() {
-		// The first-byte timer fired as the first event arrived: the
-		// attempt's context is cancelled, so it cannot be relayed.
-		a.ok = false
-		a.fail(AttemptFirstByteTimeout, fmt.Errorf("upstream %s: %w", a.up.Addr, errFirstByteTimeout))
-		return
-	}
-	a.ttft = time.Since(a.started)
-}
-
-// request builds the outbound request: the client's request with the kept
-// body, its own context, and headers prepared once per exchange.
-func (a *attempt) request() *http.Request {
-	x := a.x
-	ctx := a.ctx
-	if a.up.Context != nil {
-		ctx = a.up.Context(ctx)
-	}
-	out := x.r.WithContext(ctx) // shallow copy; every shared field is replaced below
-	u := *x.r.URL
-	u.Host = a.up.Addr
-	out.URL = &u
-	out.RequestURI = ""
-	out.Header = x.outHeader.Clone()
-	out.Trailer = nil
-	out.Close = false
-	out.ContentLength = int64(len(x.body))
-	if len(x.body) == 0 {
-		out.Body, out.GetBody = http.NoBody, nil
-	} else {
-		body := x.body
-		out.Body = io.NopCloser(bytes.NewReader(body))
-		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
-	}
-	return out
-}
-
-// prepareHeader computes the outbound header once per exchange.
-func (x *exchange) prepareHeader() {
-	h := x.r.Header.Clone()
-	removeHopHeaders(h)
-	// The gateway must read the stream: ask for identity encoding (the
-	// transport may still negotiate gzip itself and decode it).
-	h.Del("Accept-Encoding")
-	out := &http.Request{Header: h}
-	trusted := x.p.cfg.TrustedProxy != nil && x.p.cfg.TrustedProxy(x.r)
-	setForwarded(out, x.r, trusted)
-	x.outHeader = h
-}
-
-// readErrorResponse keeps an upstream error response for passing through.
-func (a *attempt) readErrorResponse() {
-	body, err := io.ReadAll(io.LimitReader(a.resp.Body, a.x.p.cfg.MaxResponseBody))
-	a.errBody = body
-	outcome := classifyStatus(a.resp.StatusCode)
-	if outcome == AttemptHTTP429 || outcome == AttemptHTTP5xx {
-		a.retryAfter, _ = budget.ParseRetryAfter(a.resp.Header.Get("Retry-After"), time.Now())
-	}
-	if err != nil && !a.x.clientGone() {
-		err = fmt.Errorf("upstream %s: status %d: reading body: %w", a.up.Addr, a.resp.StatusCode, a.errWithCause(err))
-	} else {
-		err = fmt.Errorf("upstream %s: status %d", a.up.Addr, a.resp.StatusCode)
-	}
-	if a.x.clientGone() {
-		outcome = AttemptCanceled
-	}
-	a.fail(outcome, err)
-}
-
-// readFirstEvent reads SSE events until the first data event.
-func (a *attempt) readFirstEvent() {
-	a.sc = sse.NewScanner(a.resp.Body, a.x.p.cfg.MaxEventSize)
+	rc.launch(up, false)
 	for {
-		ev, err := a.sc.Next()
-		if err != nil {
-			a.fail(a.causeOr(AttemptTruncated), fmt.Errorf("upstream %s: stream ended before the first event: %w", a.up.Addr, a.errWithCause(err)))
-			return
+		var hedgeC <-chan time.Time
+		if rc.hedgeArmed {
+			hedgeC = rc.hedgeTimer.C()
 		}
-		switch ev.Kind() {
-		case sse.KindComment:
-			if len(a.head) < maxPreCommitComments {
-				a.head = append(a.head, ev.Raw...)
-				a.headEvents++
+		select {
+		case a := <-rc.results:
+			rc.inflight--
+			if a.ok {
+				return a
 			}
-			continue
-		case sse.KindError:
-			ie, ok := sse.ParseInbandError(ev.Data)
-			if !ok {
-				ie = sse.InbandError{Message: "upstream sent an error event", Type: TypeServer, Status: 500}
+			a.end()
+			rc.last = a
+			if rc.inflight > 0 {
+				if a.outcome.Retryable() || a.outcome == AttemptCanceled {
+					continue // the other attempt of a hedged pair may still commit
+				}
+				// A 4xx: the request is at fault, and the other attempt
+				// will hear the same. Answer now.
+				rc.cancelAll(nil)
+				rc.abandon()
+				x.failure = &failure{last: a}
+				return nil
 			}
-			a.inband = &ie
-			outcome := AttemptInbandError5xx
-			switch {
-			case ie.Status == http.StatusTooManyRequests:
-				outcome = AttemptInbandError429
-			case ie.Status >= 400 && ie.Status < 500:
-				outcome = AttemptInbandError4xx
+			// No primary runs any more: its hedge delay goes with it.
+			rc.disarmHedge()
+			if f := rc.retry(); f != nil {
+				x.failure = f
+				return nil
 			}
-			a.fail(outcome, fmt.Errorf("upstream %s: error event before the first token: %s", a.up.Addr, ie.Message))
-			return
-		case sse.KindDone:
-			a.finished = true
-		case sse.KindData:
-			a.finished = sse.InspectChunk(ev.Data).FinishReason
+		case <-hedgeC:
+			rc.hedgeArmed = false
+			if rc.hedge() && rc.hedges < cfg.Hedging.MaxHedges() {
+				rc.armHedge()
+			}
+		case <-x.ctx.Done():
+			rc.abandon()
+			x.failure = &failure{last: rc.last, ctxErr: context.Cause(x.ctx)}
+			return nil
 		}
-		a.head = append(a.head, ev.Raw...)
-		a.headEvents++
-		a.ok = true
-		return
 	}
 }
 
-// readFullBody reads a non-streaming response whole, so that a failure
-// mid-body can still fail over.
-func (a *attempt) readFullBody() {
-	limit := a.x.p.cfg.MaxResponseBody
-	body, err := io.ReadAll(io.LimitReader(a.resp.Body, limit+1))
+// race is the state of one request's attempts.
+type race struct {
+	x        *exchange
+	results  chan *attempt
+	tried    []string
+	inflight int
+	running  []*attempt // every attempt launched, for cancelling losers
+	last     *attempt
+	retries  int
+	hedges   int
+	hedging  bool
+	// hedgeTimer runs the hedge delay of the current primary: armed when
+	// a primary starts, stopped while none runs (a backoff).
+	hedgeTimer Timer
+	hedgeDelay time.Duration
+	hedgeArmed bool
+	// primaryClosed is whether the latest non-hedge attempt's upstream had
+	// a closed breaker; a sick primary is never hedged.
+	primaryClosed bool
+}
+
+// launch starts an attempt on up. A primary gets its own hedge delay,
+// counted from its start.
+func (rc *race) launch(up Upstream, hedge bool) {
+	x := rc.x
+	rc.tried = append(rc.tried, up.Addr)
+	x.res.Attempts++
+	x.res.Upstream = up.Addr
+	a := x.startAttempt(up, rc.results)
+	a.hedge = hedge
+	rc.running = append(rc.running, a)
+	rc.inflight++
+	if !hedge {
+		rc.primaryClosed = up.Closed
+		if rc.hedging && rc.hedges < x.p.cfg.Hedging.MaxHedges() {
+			rc.armHedge()
+		}
+	}
+}
+
+func (rc *race) armHedge() {
+	rc.hedgeTimer.Reset(rc.hedgeDelay)
+	rc.hedgeArmed = true
+}
+
+func (rc *race) disarmHedge() {
+	if rc.hedgeArmed {
+		rc.hedgeTimer.Stop()
+		rc.hedgeArmed = false
+	}
+}
+
+// startNext picks an upstream and starts an attempt on it. It returns the
+// failure to report when no upstream can be had.
+func (rc *race) startNext(hedge bool) *failure {
+	up, err := rc.pick(hedge)
 	if err != nil {
-		a.fail(a.causeOr(AttemptTruncated), fmt.Errorf("upstream %s: reading body: %w", a.up.Addr, a.errWithCause(err)))
-		return
+		return &failure{last: rc.last, pickErr: err}
 	}
-	if int64(len(body)) > limit {
-		a.fail(AttemptTruncated, fmt.Errorf("upstream %s: response body over %d bytes", a.up.Addr, limit))
-		return
-	}
-	a.head = body
-	a.ok = true
+	rc.launch(up, hedge)
+	return nil
 }
 
-// fail records a pre-commit failure.
-func (a *attempt) fail(o AttemptOutcome, err error) {
-	a.outcome, a.err = o, err
-}
-
-// causeOr returns the outcome that the attempt context's cancellation cause
-// implies, or def when the context is live (a genuine transport failure).
-func (a *attempt) causeOr(def AttemptOutcome) AttemptOutcome {
-	if a.ctx.Err() == nil {
-		return def
+// retry decides, after every attempt has failed, whether another one runs:
+// only for a retryable failure, within max_attempts, when the retry budget
+// grants it, after a full-jitter backoff. It starts the attempt, or
+// returns the failure to report at once.
+func (rc *race) retry() *failure {
+	x, cfg, last := rc.x, &rc.x.p.cfg, rc.last
+	stop := &failure{last: last}
+	if !last.outcome.Retryable() || x.res.Attempts >= cfg.MaxAttempts || x.ctx.Err() != nil {
+		return stop
 	}
-	switch context.Cause(a.ctx) {
-	case errFirstByteTimeout:
-		return AttemptFirstByteTimeout
-	case errIdleTimeout:
-		return AttemptIdleTimeout
-	case errStreamTimeout:
-		return AttemptStreamTimeout
+	if cfg.Retries != nil && !cfg.Retries.TryRetry() {
+		x.p.obs.RetryBudgetExhausted()
+		return stop
 	}
-	return AttemptCanceled
-}
-
-// errWithCause prefers the gateway's cancellation cause over the transport's
-// generic "context canceled".
-func (a *attempt) errWithCause(err error) error {
-	if a.ctx.Err() != nil {
-		if c := context.Cause(a.ctx); c != nil && !errors.Is(err, c) {
-			return fmt.Errorf("%w (%v)", c, err)
+	x.p.obs.Retry(last.up.Addr, last.outcome)
+	n := rc.retries
+	rc.retries++
+	x.res.Retries = rc.retries
+	// With hedging on, a primary that fails before the hedge fires is
+	// replaced at once: the failover is the backup.
+	immediate := rc.hedging && rc.hedges == 0
+	// Find out first whether any upstream can take the retry: a client
+	// whose upstreams all asked for a long pause gets its 429/503 now, not
+	// after a backoff.
+	up, err := rc.pick(false)
+	if err != nil {
+		var ue *UnavailableError
+		if !errors.As(err, &ue) || ue.RetryAfter <= 0 || cfg.Retries == nil {
+			return stop
+		}
+		// Wait for the earliest upstream only if that fits.
+		d, ok := cfg.Retries.Backoff(n, ue.RetryAfter, x.remaining())
+		if !ok {
+			return stop
+		}
+		if !x.sleep(d) {
+			return &failure{last: last, ctxErr: context.Cause(x.ctx)}
+		}
+		if up, err = rc.pick(false); err != nil {
+			return stop
+		}
+	} else if cfg.Retries != nil {
+		// Going back to the upstream that asked for a pause (the only one,
+		// or breakers off): honour its Retry-After if it fits, else stop.
+		var retryAfter time.Duration
+		if up.Addr == last.up.Addr {
+			retryAfter = last.retryAfter
+		}
+		if retryAfter > 0 || !immediate {
+			d, ok := cfg.Retries.Backoff(n, retryAfter, x.remaining())
+			if !ok && retryAfter > 0 {
+				release(up)
+				return stop
+			}
+			if ok && d > 0 {
+				release(up)
+				if !x.sleep(d) {
+					return &failure{last: last, ctxErr: context.Cause(x.ctx)}
+				}
+				if up, err = rc.pick(false); err != nil {
+					return stop
+				}
+			}
 		}
 	}
-	return err
+	rc.launch(up, false)
+	return nil
 }
 
-// end releases the attempt's resources and reports it. Every attempt ends
-// exactly once, on every path.
-func (a *attempt) end(committed bool) {
-	if a.ended {
-		return
+// hedge runs when the hedge delay passes without a first event: it starts
+// a backup on another upstream when the primary's breaker is closed, the
+// hedge-rate cap and the retry budget allow, and attempts remain. It
+// reports whether a backup started.
+func (rc *race) hedge() bool {
+	x, cfg := rc.x, &rc.x.p.cfg
+	if rc.inflight == 0 || rc.hedges >= cfg.Hedging.MaxHedges() || x.res.Attempts >= cfg.MaxAttempts {
+		return false
 	}
-	a.ended = true
-	a.fbTimer.Stop()
-	switch {
-	case a.resp != nil && a.drain:
-		// Closing a body before EOF closes its connection; a stream that
-		// sent [DONE] is about to end, so read its end off the wire,
-		// past the end of the request.
-		a.unlink()
-		body, cancel := a.resp.Body, a.cancel
-		go func() {
-			t := time.AfterFunc(drainTimeout, func() { cancel(errLostRace) })
-			_, _ = io.Copy(io.Discard, io.LimitReader(body, drainLimit))
-			t.Stop()
-			cancel(errLostRace)
-			_ = body.Close()
-		}()
-	case a.resp != nil:
-		a.cancel(errLostRace)
-		_ = a.resp.Body.Close()
-	default:
-		a.cancel(errLostRace)
+	// The hedge-rate cap is asked before the budget: when the budget then
+	// refuses (a failing pool, where hedging is unwanted anyway) a cap slot
+	// is spent, which only makes hedging more conservative; the other order
+	// would spend retry budget on hedges the cap refuses.
+	if !rc.primaryClosed || !cfg.Hedging.TryHedge() || (cfg.Retries != nil && !cfg.Retries.TryRetry()) {
+		x.p.obs.Hedge(HedgeSuppressed)
+		return false
 	}
-	rep := &AttemptReport{
-		Upstream:  a.up.Addr,
-		Model:     a.x.res.Info.Model,
-		Outcome:   a.outcome,
-		TTFT:      a.ttft,
-		Committed: committed,
-		Err:       a.err,
+	if f := rc.startNext(true); f != nil {
+		x.p.obs.Hedge(HedgeSuppressed)
+		return false
 	}
-	if a.resp != nil {
-		rep.Status = a.resp.StatusCode
-		rep.RetryAfter = a.retryAfter
-	}
-	if a.up.Done != nil {
-		a.up.Done(rep)
-	}
-	a.x.p.obs.AttemptDone(rep)
-	if a.err != nil {
-		if ce := a.x.p.checkDebug("upstream attempt failed"); ce != nil {
-			ce.Write(zap.String("upstream", a.up.Addr), zap.String("outcome", a.outcome.String()), zap.Error(a.err))
+	rc.hedges++
+	x.res.Hedged = true
+	x.p.obs.Hedge(HedgeFired)
+	return true
+}
+
+// cancelAll cancels every attempt launched except keep, through its own
+// context (neutral for its breaker).
+func (rc *race) cancelAll(keep *attempt) {
+	for _, o := range rc.running {
+		if o != keep {
+			o.cancel(errLostRace)
 		}
 	}
 }
 
-// isEventStream reports whether a response is text/event-stream.
-func isEventStream(h http.Header) bool {
-	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
-	return err == nil && mt == "text/event-stream"
+// abandon ends the attempts still running as they report, without waiting
+// for them; each is cancelled (it may have reached its commit point since).
+func (rc *race) abandon() {
+	n := rc.inflight
+	rc.inflight = 0
+	if n == 0 {
+		return
+	}
+	results := rc.results
+	go func() {
+		for range n {
+			a := <-results
+			a.cancel(errLostRace)
+			a.end()
+		}
+	}()
+}
+
+// remaining is the time left before stream_timeout, 0 without one.
+func (x *exchange) remaining() time.Duration {
+	if x.p.cfg.StreamTimeout <= 0 {
+		return 0
+	}
+	return max(x.p.cfg.StreamTimeout-x.since(x.start), time.Nanosecond)
+}
+
+// sleep waits d, or until the request ends; it reports whether d passed.
+func (x *exchange) sleep(d time.Duration) bool {
+	if d <= 0 {
+		return x.ctx.Err() == nil
+	}
+	t := x.p.clock.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C():
+		return true
+	case <-x.ctx.Done():
+		return false
+	}
+}
+
+// failure is why a request got no committed attempt.
+type failure struct {
+	// last is the last failed attempt, if any ran.
+	last *attempt
+	// pickErr is the Balancer's error when no attempt could start.
+	pickErr error
+	// ctxErr is the request context's cause when it ended the loop.
+	ctxErr error
 }

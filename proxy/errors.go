@@ -26,7 +26,8 @@ type errorDetail struct {
 	Code    string `json:"code"`
 }
 
-// GatewayError is a response the gateway writes itself, before commit.
+// GatewayError is a response the gateway writes itself, before commit. It
+// is also an error, so that an Identifier or Admitter can refuse with it.
 type GatewayError struct {
 	// Status is the HTTP status code.
 	Status int
@@ -36,6 +37,11 @@ type GatewayError struct {
 	RetryAfter int
 	// Header holds extra response headers (e.g. X-Circuit-Breaker).
 	Header http.Header
+}
+
+// Error returns the status, code and message.
+func (e *GatewayError) Error() string {
+	return strconv.Itoa(e.Status) + " " + e.Code + ": " + e.Message
 }
 
 // Write sends e as an application/json response in OpenAI's error shape.

@@ -123,6 +123,12 @@ const (
 	OutcomeInbandError
 	// OutcomeClientGone: the client disconnected.
 	OutcomeClientGone
+	// OutcomeRefused: the Identifier or Admitter refused the request
+	// (e.g. 401 unknown key, 429 tenant limit, 503 shed).
+	OutcomeRefused
+	// OutcomeInternalError: the gateway itself failed (a panic in a step,
+	// an Identifier or Admitter error that is not a *GatewayError).
+	OutcomeInternalError
 )
 
 var outcomeNames = [...]string{
@@ -139,6 +145,8 @@ var outcomeNames = [...]string{
 	OutcomeStreamTimeout:  "stream_timeout",
 	OutcomeInbandError:    "inband_error",
 	OutcomeClientGone:     "client_gone",
+	OutcomeRefused:        "refused",
+	OutcomeInternalError:  "internal_error",
 }
 
 // String returns the outcome's metric label, e.g. "client_gone".

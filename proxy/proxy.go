@@ -9,7 +9,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"time"
 
@@ -49,8 +48,13 @@ type UnavailableError struct {
 	// in whole seconds, at least 1.
 	RetryAfter time.Duration
 	// CircuitOpen is true when open circuit breakers are the cause; the
-	// response then carries X-Circuit-Breaker: open.
+	// response then carries X-Circuit-Breaker: open and code circuit_open.
+	// It takes precedence over Busy.
 	CircuitOpen bool
+	// Busy is true when every upstream is at its max_requests: the 503
+	// has code upstreams_busy, Retry-After: 1 (a slot frees as soon as any
+	// stream ends) and no X-Circuit-Breaker header. RetryAfter is ignored.
+	Busy bool
 	// Reason says why, for the error message.
 	Reason string
 }
@@ -138,8 +142,15 @@ type Observer interface {
 	RetryBudgetExhausted()
 	// Hedge is called with HedgeFired, HedgeWon, HedgeLost or HedgeSuppressed.
 	Hedge(outcome string)
-	// RequestDone reports the finished request.
+	// RequestDone reports the finished request, once, on every path
+	// (client gone and panics included).
 	RequestDone(r *Result)
+	// StaleConnection is called when a round trip to upstream failed on a
+	// reused keep-alive connection before any response byte (the upstream
+	// closed it as the request went out) and is retried at once on a fresh
+	// connection within the same attempt: neutral for the breaker, free
+	// for the retry budget and max_attempts.
+	StaleConnection(upstream string)
 }
 
 // AttemptReport describes one finished upstream attempt.
@@ -185,6 +196,15 @@ type Result struct {
 	Duration time.Duration
 	// Events is the number of SSE events relayed to the client.
 	Events int
+	// ContentEvents is the number of SSE data events (chunks) relayed,
+	// comments, [DONE] and error events excluded: vLLM sends about one
+	// token per chunk, so it estimates completion tokens when Usage is
+	// not Reported.
+	ContentEvents int
+	// Usage is the token usage the upstream reported, if it did.
+	Usage Usage
+	// Identity is who sent the request, as the Identifier found out.
+	Identity Identity
 	// Streamed is true when the response was an SSE stream.
 	Streamed bool
 	// Retries is the number of retries scheduled.
@@ -193,10 +213,36 @@ type Result struct {
 	Hedged bool
 }
 
+// Usage is the token usage of a response, from the upstream's "usage"
+// object: the streamed usage chunk (stream_options.include_usage), or the
+// non-streaming body's. When the upstream repeats cumulative usage on
+// every chunk (TGI), the last value counts.
+type Usage struct {
+	// PromptTokens and CompletionTokens are the reported counts; 0 when
+	// absent or not plain integers.
+	PromptTokens, CompletionTokens int
+	// Reported is true when the upstream sent a usage object.
+	Reported bool
+}
+
 // Config configures a Proxy. Zero durations take the documented defaults.
 type Config struct {
 	// Transport performs the round trips (Caddy's http transport). Required.
 	Transport http.RoundTripper
+	// FreshTransport, when set, is a transport that never reuses a
+	// connection (a clone of Transport with keep-alives off). A round trip
+	// that fails on a reused connection before any response byte is
+	// retried on it, at most twice per attempt; nil retries on Transport.
+	FreshTransport http.RoundTripper
+	// Clock is the source of time and timers for every timeout, the hedge
+	// delay and backoff sleeps; nil is the real clock.
+	Clock Clock
+	// Identifier finds out who sent a request (step 2); nil identifies
+	// everyone as the zero Identity.
+	Identifier Identifier
+	// Admitter admits or refuses a request before any upstream is picked
+	// (step 3); nil admits everything.
+	Admitter Admitter
 	// Balancer picks upstreams. Required.
 	Balancer Balancer
 	// Observer receives measurements; nil discards them.
@@ -244,9 +290,10 @@ const (
 
 // Proxy runs requests through the lifecycle. It is safe for concurrent use.
 type Proxy struct {
-	cfg Config
-	obs Observer
-	log *zap.Logger
+	cfg   Config
+	clock Clock
+	obs   Observer
+	log   *zap.Logger
 }
 
 // New validates cfg, fills defaults and returns a Proxy.
@@ -278,7 +325,16 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.MaxAttempts <= 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
-	p := &Proxy{cfg: cfg, obs: cfg.Observer, log: cfg.Logger}
+	if cfg.Clock == nil {
+		cfg.Clock = realClock{}
+	}
+	if cfg.Identifier == nil {
+		cfg.Identifier = nopIdentifier{}
+	}
+	if cfg.Admitter == nil {
+		cfg.Admitter = nopAdmitter{}
+	}
+	p := &Proxy{cfg: cfg, clock: cfg.Clock, obs: cfg.Observer, log: cfg.Logger}
 	if p.obs == nil {
 		p.obs = nopObserver{}
 	}
@@ -290,16 +346,17 @@ func New(cfg Config) (*Proxy, error) {
 
 // ServeHTTP runs r through the lifecycle and writes the response to w. It
 // always writes a response (unless the client is gone) and never returns
-// an error: failures are classified into the returned Result.
+// an error: failures are classified into the returned Result, which is
+// also reported to Observer.RequestDone. A panic in a step is re-raised
+// after the request is finished and reported.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) *Result {
-	x := &exchange{p: p, w: w, r: r, start: time.Now(), res: &Result{}}
+	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), res: &Result{}}
 	x.run()
-	x.res.Duration = time.Since(x.start)
-	p.obs.RequestDone(x.res)
 	return x.res
 }
 
-// exchange is the state of one request through the lifecycle steps.
+// exchange is the state of one request through the lifecycle steps. The
+// steps record facts here (what happened); finish classifies them once.
 type exchange struct {
 	p     *Proxy
 	w     http.ResponseWriter
@@ -314,82 +371,50 @@ type exchange struct {
 	// ctx is the request's context, bounded by stream_timeout when set.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+
+	// admission is what admit reserved, released by finish.
+	admission Admission
+	// out flushes the client's response once a stream is committed.
+	out *http.ResponseController
+
+	// Facts for finish, each set by the step that saw it.
+	readErr  error    // read: the body could not be read
+	readGone bool     // read: the client was gone when reading failed
+	jsonErr  error    // read: the body is not a JSON object
+	refusal  error    // identify or admit said no
+	rc       *race    // attempt: the attempts, once one was started
+	failure  *failure // attempt: why no attempt reached its commit point
+	won      *attempt // commit: the attempt whose response reached the client
+	panicked any      // finish: the value of a panic in a step
 }
 
-// run is the lifecycle: read, attempt until commit, relay, finish.
+// run is the lifecycle (DESIGN §3), one step per call: read, identify,
+// admit, pick and attempt until one reaches its commit point, commit,
+// relay, and finish, which runs on every path.
 func (x *exchange) run() {
-	if !x.read() {
-		return
-	}
 	ctx, cancel := context.WithCancelCause(x.r.Context())
 	defer cancel(nil)
 	x.ctx, x.cancel = ctx, cancel
 	if d := x.p.cfg.StreamTimeout; d > 0 {
-		t := time.AfterFunc(d-time.Since(x.start), func() { cancel(errStreamTimeout) })
+		t := x.p.clock.AfterFunc(d, func() { cancel(errStreamTimeout) })
 		defer t.Stop()
 	}
+	defer x.finish()
 
-	a, fail := x.attemptUntilCommit()
-	if a == nil {
-		x.fail(fail)
+	if !x.read() || !x.identify() || !x.admit() {
 		return
 	}
-	x.relay(a)
+	a := x.attempt()
+	if a == nil {
+		return
+	}
+	if x.commit(a) {
+		x.relay(a)
+	}
 }
 
-// read is step 1: the bounded body read and the parse of the few fields the
-// gateway uses. It writes the 400/413 itself and reports whether to go on.
-func (x *exchange) read() bool {
-	if d := x.p.cfg.StreamTimeout; d > 0 {
-		// stream_timeout runs from the request's arrival: a body that
-		// trickles in must not hold the request past it.
-		rc := http.NewResponseController(x.w)
-		if rc.SetReadDeadline(x.start.Add(d)) == nil {
-			defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
-		}
-	}
-	body, err := ReadBody(x.r, x.p.cfg.MaxRequestBody)
-	if err != nil {
-		x.res.Outcome = OutcomeInvalidRequest
-		if errors.Is(err, ErrBodyTooLarge) {
-			x.writeError(&GatewayError{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest,
-				Code: "request_too_large", Message: err.Error()})
-			return false
-		}
-		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
-			x.res.Outcome = OutcomeStreamTimeout
-			x.writeError(&GatewayError{Status: http.StatusRequestTimeout, Type: TypeInvalidRequest,
-				Code: "stream_timeout", Message: "request body not received within stream_timeout"})
-			return false
-		}
-		if x.r.Context().Err() != nil {
-			x.res.Outcome = OutcomeClientGone
-			return false
-		}
-		x.writeError(&GatewayError{Status: http.StatusBadRequest, Type: TypeInvalidRequest,
-			Code: "invalid_body", Message: err.Error()})
-		return false
-	}
-	x.body = body
-	if isJSONRequest(x.r) {
-		info, err := ParseRequest(body)
-		if err != nil {
-			x.res.Outcome = OutcomeInvalidRequest
-			x.writeError(&GatewayError{Status: http.StatusBadRequest, Type: TypeInvalidRequest,
-				Code: "invalid_json", Message: err.Error()})
-			return false
-		}
-		x.res.Info = info
-	}
-	x.prepareHeader()
-	return true
-}
-
-// writeError writes a gateway error and records its status.
-func (x *exchange) writeError(e *GatewayError) {
-	x.res.Status = e.Status
-	e.Write(x.w)
-}
+// since is the time elapsed since t on the proxy's clock.
+func (x *exchange) since(t time.Time) time.Duration { return x.p.clock.Now().Sub(t) }
 
 // checkDebug returns a debug log entry when debug logging is on.
 func (p *Proxy) checkDebug(msg string) *zapcore.CheckedEntry {
@@ -404,3 +429,4 @@ func (nopObserver) RequestDone(*Result)          {}
 func (nopObserver) Retry(string, AttemptOutcome) {}
 func (nopObserver) RetryBudgetExhausted()        {}
 func (nopObserver) Hedge(string)                 {}
+func (nopObserver) StaleConnection(string)       {}

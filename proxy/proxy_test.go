@@ -56,6 +56,7 @@ type recordingObserver struct {
 	retries   int
 	exhausted int
 	hedges    map[string]int
+	stale     int
 }
 
 func (o *recordingObserver) AttemptDone(a *AttemptReport) {
@@ -77,6 +78,11 @@ func (o *recordingObserver) Hedge(outcome string) {
 		o.hedges = map[string]int{}
 	}
 	o.hedges[outcome]++
+}
+func (o *recordingObserver) StaleConnection(string) {
+	o.mu.Lock()
+	o.stale++
+	o.mu.Unlock()
 }
 func (o *recordingObserver) RequestDone(r *Result) {
 	o.mu.Lock()

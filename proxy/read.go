@@ -7,7 +7,38 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"time"
 )
+
+// read is step 1: the body into memory, bounded by max_request_body, and
+// the parse of the few fields the gateway acts on. It records why it could
+// not go on (finish answers 400, 408 or 413) and reports whether to go on.
+func (x *exchange) read() bool {
+	if d := x.p.cfg.StreamTimeout; d > 0 {
+		// stream_timeout runs from the request's arrival: a body that
+		// trickles in must not hold the request past it. A connection
+		// deadline is wall-clock time, whatever the proxy's Clock.
+		rc := http.NewResponseController(x.w)
+		if rc.SetReadDeadline(time.Now().Add(d-x.since(x.start))) == nil {
+			defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
+		}
+	}
+	body, err := ReadBody(x.r, x.p.cfg.MaxRequestBody)
+	if err != nil {
+		x.readErr, x.readGone = err, x.clientGone()
+		return false
+	}
+	x.body = body
+	if isJSONRequest(x.r) {
+		info, err := ParseRequest(body)
+		if err != nil {
+			x.jsonErr = err
+			return false
+		}
+		x.res.Info = info
+	}
+	return true
+}
 
 // DefaultMaxRequestBody is the request body limit when none is configured:
 // 16 MiB holds a 128K-token prompt with room to spare.

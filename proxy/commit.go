@@ -1,0 +1,63 @@
+package proxy
+
+import (
+	"net/http"
+	"strconv"
+)
+
+// commit is step 6: a, the first attempt to reach its commit point, becomes
+// the request's answer. Every other attempt is cancelled at once through its
+// own context (neutral for its breaker), the hedge statistics learn, and the
+// status, headers and head (the first event, or the whole body) go to the
+// client, flushed. It reports whether there is a stream left to relay.
+func (x *exchange) commit(a *attempt) bool {
+	// Held from here, so that finish ends a even if an observer panics.
+	x.won = a
+	rc := x.rc
+	rc.cancelAll(a)
+	losers := rc.inflight
+	rc.abandon()
+	if rc.hedges > 0 {
+		if a.hedge {
+			x.p.obs.Hedge(HedgeWon)
+		} else if losers > 0 {
+			x.p.obs.Hedge(HedgeLost)
+		}
+	}
+	if h := x.p.cfg.Hedging; h != nil && a.ttft > 0 {
+		h.Observe(x.res.Info, a.ttft)
+	}
+
+	a.committed = true
+	if a.up.Committed != nil {
+		a.up.Committed(a.ttft)
+	}
+	res := x.res
+	res.Upstream = a.up.Addr
+	res.TTFT = x.since(x.start)
+	res.Status = a.resp.StatusCode
+	res.Usage = a.usage
+
+	h := x.w.Header()
+	copyResponseHeader(h, a.resp.Header)
+	if !a.isSSE {
+		h.Set("Content-Length", strconv.Itoa(len(a.head)))
+		x.w.WriteHeader(a.resp.StatusCode)
+		if _, err := x.w.Write(a.head); err != nil {
+			a.writeFailed, a.writeErr = true, err
+		}
+		return false
+	}
+	res.Streamed = true
+	h.Del("Content-Length")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no")
+	x.w.WriteHeader(a.resp.StatusCode)
+	x.out = http.NewResponseController(x.w)
+	if !x.send(a.head, a.headEvents) {
+		a.clientLeft()
+		return false
+	}
+	res.ContentEvents += a.headContent
+	return true
+}

@@ -1,0 +1,402 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/llmproxy/caddy-llm-proxy/sse"
+)
+
+// finish is step 8. run defers it, so it runs on every path, client gone
+// and panics included: it ends every attempt still running, classifies the
+// request's outcome (the only place that does), writes the gateway's own
+// last word (an error response, or a stream's terminal error event), ends
+// the committed attempt (its Done reports to the breaker), settles the
+// admission and reports the Result. A panic is re-raised afterwards.
+func (x *exchange) finish() {
+	x.panicked = recover()
+	if rc := x.rc; rc != nil && rc.inflight > 0 {
+		// Only a panic leaves attempts unaccounted for: the loop and the
+		// commit abandon theirs.
+		rc.cancelAll(x.won)
+		rc.abandon()
+	}
+	res := x.res
+	res.Outcome = x.answer()
+	if x.won != nil {
+		x.won.end()
+	}
+	res.Duration = x.since(x.start)
+	if x.admission != nil {
+		x.admission.Release(res)
+	}
+	x.p.obs.RequestDone(res)
+	if x.panicked != nil {
+		panic(x.panicked)
+	}
+}
+
+// answer classifies the request from the facts the steps recorded and
+// writes what the gateway owes the client for it.
+func (x *exchange) answer() Outcome {
+	switch {
+	case x.panicked != nil:
+		if x.won == nil {
+			x.res.Status = http.StatusInternalServerError // what Caddy answers a handler panic with
+		}
+		return OutcomeInternalError
+	case x.readErr != nil:
+		return x.answerRead()
+	case x.jsonErr != nil:
+		x.writeError(&GatewayError{Status: http.StatusBadRequest, Type: TypeInvalidRequest,
+			Code: "invalid_json", Message: x.jsonErr.Error()})
+		return OutcomeInvalidRequest
+	case x.refusal != nil:
+		return x.answerRefusal()
+	case x.won == nil:
+		return x.answerFailure(x.failure)
+	}
+	return x.answerCommitted(x.won)
+}
+
+func (x *exchange) answerRead() Outcome {
+	err := x.readErr
+	if errors.Is(err, ErrBodyTooLarge) {
+		x.writeError(&GatewayError{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest,
+			Code: "request_too_large", Message: err.Error()})
+		return OutcomeInvalidRequest
+	}
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+		x.writeError(&GatewayError{Status: http.StatusRequestTimeout, Type: TypeInvalidRequest,
+			Code: "stream_timeout", Message: "request body not received within stream_timeout"})
+		return OutcomeStreamTimeout
+	}
+	if x.readGone {
+		return OutcomeClientGone
+	}
+	x.writeError(&GatewayError{Status: http.StatusBadRequest, Type: TypeInvalidRequest,
+		Code: "invalid_body", Message: err.Error()})
+	return OutcomeInvalidRequest
+}
+
+// answerRefusal answers an Identifier's or Admitter's no.
+func (x *exchange) answerRefusal() Outcome {
+	if ge, ok := errors.AsType[*GatewayError](x.refusal); ok {
+		x.writeError(ge)
+		return OutcomeRefused
+	}
+	switch {
+	case x.clientGone():
+		x.res.Status = 499
+		return OutcomeClientGone
+	case errors.Is(context.Cause(x.ctx), errStreamTimeout):
+		x.writeError(&GatewayError{Status: http.StatusGatewayTimeout, Type: TypeTimeout, Code: "stream_timeout",
+			Message: "request not admitted within stream_timeout"})
+		return OutcomeStreamTimeout
+	}
+	x.p.log.Error("admission failed", zap.Error(x.refusal))
+	x.writeError(&GatewayError{Status: http.StatusInternalServerError, Type: TypeServer, Code: "internal_error",
+		Message: "the gateway could not admit the request"})
+	return OutcomeInternalError
+}
+
+// answerFailure answers a request that no attempt committed.
+func (x *exchange) answerFailure(f *failure) Outcome {
+	res := x.res
+	switch {
+	case f.ctxErr != nil && errors.Is(f.ctxErr, errStreamTimeout):
+		x.writeError(&GatewayError{Status: http.StatusGatewayTimeout, Type: TypeTimeout, Code: "stream_timeout",
+			Message: "no upstream answered within stream_timeout"})
+		return OutcomeStreamTimeout
+	case f.ctxErr != nil || x.clientGone():
+		res.Status = 499 // nginx's "client closed request"; nothing is written
+		return OutcomeClientGone
+	case f.last == nil:
+		return x.answerUnavailable(f.pickErr)
+	}
+	a := f.last
+	switch a.outcome {
+	case AttemptHTTP4xx:
+		x.passThrough(a)
+		return OutcomeClientError
+	case AttemptHTTP429:
+		x.passThrough(a)
+		return OutcomeRateLimited
+	case AttemptHTTP5xx:
+		x.passThrough(a)
+		return OutcomeUpstreamError
+	case AttemptInbandError4xx:
+		// OpenAI's type for the status (SDKs map on both); the upstream's
+		// own type stays visible in the code when it sent none.
+		typ := TypeInvalidRequest
+		if a.inband.Status == http.StatusTooManyRequests {
+			typ = TypeRateLimit
+		}
+		x.writeError(&GatewayError{Status: a.inband.Status, Type: typ,
+			Code: orDefault(a.inband.Code, strconv.Itoa(a.inband.Status)), Message: a.inband.Message})
+		return OutcomeClientError
+	case AttemptInbandError429:
+		x.writeError(&GatewayError{Status: http.StatusTooManyRequests, Type: TypeRateLimit,
+			Code: orDefault(a.inband.Code, "429"), Message: a.inband.Message, RetryAfter: 1})
+		return OutcomeRateLimited
+	case AttemptFirstByteTimeout, AttemptStreamTimeout:
+		x.writeError(&GatewayError{Status: http.StatusGatewayTimeout, Type: TypeTimeout, Code: "first_byte_timeout",
+			Message: fmt.Sprintf("upstream did not answer in time after %d attempt(s)", res.Attempts)})
+		return OutcomeTimeout
+	case AttemptCanceled:
+		res.Status = 499
+		return OutcomeClientGone
+	}
+	x.writeError(&GatewayError{Status: http.StatusBadGateway, Type: TypeServer, Code: "upstream_error",
+		Message: fmt.Sprintf("upstream failed after %d attempt(s): %s", res.Attempts, a.outcome)})
+	return OutcomeUpstreamError
+}
+
+// answerUnavailable answers a request for which the Balancer had no
+// upstream at all: 503, with the cause in the code and headers.
+func (x *exchange) answerUnavailable(err error) Outcome {
+	ge := &GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer, Code: "no_upstream",
+		Message: err.Error(), RetryAfter: 1}
+	outcome := OutcomeNoUpstream
+	if ue, ok := errors.AsType[*UnavailableError](err); ok {
+		switch {
+		case ue.CircuitOpen:
+			ge.RetryAfter = max(1, int((ue.RetryAfter+time.Second-1)/time.Second))
+			ge.Header = http.Header{"X-Circuit-Breaker": {"open"}}
+			ge.Code = "circuit_open"
+			outcome = OutcomeCircuitOpen
+		case ue.Busy:
+			// A slot frees as soon as any stream ends.
+			ge.Code = "upstreams_busy"
+		default:
+			ge.RetryAfter = max(1, int((ue.RetryAfter+time.Second-1)/time.Second))
+		}
+	}
+	x.writeError(ge)
+	return outcome
+}
+
+// answerCommitted classifies a committed response and ends a failed stream
+// with a terminal error event.
+func (x *exchange) answerCommitted(a *attempt) Outcome {
+	a.classify()
+	switch a.outcome {
+	case AttemptSuccess:
+		return OutcomeSuccess
+	case AttemptCanceled:
+		return OutcomeClientGone
+	case AttemptInbandError5xx, AttemptInbandError4xx, AttemptInbandError429:
+		return OutcomeInbandError
+	}
+	msg, code := a.streamFailure()
+	x.send(sse.AppendErrorEvent(nil, msg, TypeServer, code), 0)
+	switch a.outcome {
+	case AttemptIdleTimeout:
+		return OutcomeIdleTimeout
+	case AttemptStreamTimeout:
+		return OutcomeStreamTimeout
+	}
+	return OutcomeTruncated
+}
+
+// classify decides the attempt's outcome from its facts, once: at the end
+// of its pre-commit phase for one that failed or lost, in finish for the
+// committed one.
+func (a *attempt) classify() {
+	if a.classified {
+		return
+	}
+	a.classified = true
+	if a.committed {
+		a.classifyCommitted()
+		return
+	}
+	switch a.failed {
+	case failNone:
+		// It reached its commit point, but another attempt committed
+		// first or the request ended.
+		a.outcome, a.err = AttemptCanceled, errLostRace
+	case failPanic:
+		a.outcome = AttemptInternalError
+	case failRoundTrip:
+		a.outcome = causeOutcome(a.cause, AttemptConnectError)
+	case failStatus:
+		a.outcome = classifyStatus(a.resp.StatusCode)
+		if a.gone {
+			a.outcome = AttemptCanceled
+		}
+	case failInband:
+		a.outcome = inbandOutcome(a.inband)
+	case failRead:
+		a.outcome = causeOutcome(a.cause, AttemptTruncated)
+	case failTooLarge:
+		a.outcome = AttemptTruncated
+	case failLate:
+		a.outcome = AttemptFirstByteTimeout
+	}
+}
+
+// classifyCommitted classifies an attempt whose response reached the
+// client. Only a finished response is a success; a panic in the gateway
+// leaves it neutral.
+func (a *attempt) classifyCommitted() {
+	switch {
+	case a.x.panicked != nil:
+		a.outcome, a.err = AttemptCanceled, nil
+	case a.writeFailed:
+		a.outcome, a.err = AttemptCanceled, a.writeErr
+	case !a.isSSE:
+		a.outcome = AttemptSuccess
+	case a.postInband != nil:
+		a.outcome = inbandOutcome(a.postInband)
+		a.err = fmt.Errorf("upstream %s: error event after commit: %s", a.up.Addr, a.postInband.Message)
+	case a.sawDone:
+		a.outcome = AttemptSuccess
+	case a.goneAtEnd:
+		a.outcome, a.err = AttemptCanceled, nil
+	case a.finished:
+		// finish_reason arrived: the answer is whole, whatever came after.
+		a.outcome = AttemptSuccess
+	default:
+		switch o := causeOutcome(context.Cause(a.ctx), AttemptTruncated); o {
+		case AttemptIdleTimeout, AttemptStreamTimeout:
+			a.outcome = o
+		default:
+			a.outcome = AttemptTruncated
+		}
+		msg, _ := a.streamFailure()
+		a.err = fmt.Errorf("upstream %s: %s: %w", a.up.Addr, msg, a.errWithCause(a.streamErr))
+	}
+}
+
+// streamFailure is the message and code of the terminal error event of a
+// committed stream classified as failed.
+func (a *attempt) streamFailure() (msg, code string) {
+	cfg := &a.x.p.cfg
+	switch a.outcome {
+	case AttemptIdleTimeout:
+		return fmt.Sprintf("upstream sent no event for %v", cfg.StreamIdleTimeout), "stream_idle_timeout"
+	case AttemptStreamTimeout:
+		return fmt.Sprintf("response exceeded %v", cfg.StreamTimeout), "stream_timeout"
+	}
+	if errors.Is(a.streamErr, sse.ErrEventTooLarge) {
+		return fmt.Sprintf("upstream sent an SSE event larger than the gateway's %d-byte limit", cfg.MaxEventSize), "upstream_stream_truncated"
+	}
+	return "upstream stream ended before completion", "upstream_stream_truncated"
+}
+
+// causeOutcome is the outcome that a cancellation cause implies, or def
+// when there is none (a genuine transport failure).
+func causeOutcome(cause error, def AttemptOutcome) AttemptOutcome {
+	switch cause {
+	case nil:
+		return def
+	case errFirstByteTimeout:
+		return AttemptFirstByteTimeout
+	case errIdleTimeout:
+		return AttemptIdleTimeout
+	case errStreamTimeout:
+		return AttemptStreamTimeout
+	}
+	return AttemptCanceled
+}
+
+// inbandOutcome classifies an in-band error event by the status it maps to.
+func inbandOutcome(ie *sse.InbandError) AttemptOutcome {
+	switch {
+	case ie.Status == http.StatusTooManyRequests:
+		return AttemptInbandError429
+	case ie.Status >= 400 && ie.Status < 500:
+		return AttemptInbandError4xx
+	}
+	return AttemptInbandError5xx
+}
+
+// end classifies the attempt, releases its resources and reports it to its
+// Upstream's Done and the Observer. Every attempt ends exactly once, on
+// every path: a failed or losing one as soon as it reports (its permit goes
+// back at once), the committed one in finish.
+func (a *attempt) end() {
+	if a.ended {
+		return
+	}
+	a.ended = true
+	a.classify()
+	a.fbTimer.Stop()
+	switch {
+	case a.resp != nil && a.drain:
+		// Closing a body before EOF closes its connection; a stream that
+		// sent [DONE] is about to end, so read its end off the wire,
+		// past the end of the request.
+		a.unlink()
+		body, cancel := a.resp.Body, a.cancel
+		go func() {
+			t := a.x.p.clock.AfterFunc(drainTimeout, func() { cancel(errLostRace) })
+			_, _ = io.Copy(io.Discard, io.LimitReader(body, drainLimit))
+			t.Stop()
+			cancel(errLostRace)
+			_ = body.Close()
+		}()
+	case a.resp != nil:
+		a.cancel(errLostRace)
+		_ = a.resp.Body.Close()
+	default:
+		a.cancel(errLostRace)
+	}
+	rep := &AttemptReport{
+		Upstream:  a.up.Addr,
+		Model:     a.x.res.Info.Model,
+		Outcome:   a.outcome,
+		TTFT:      a.ttft,
+		Committed: a.committed,
+		Err:       a.err,
+	}
+	if a.resp != nil {
+		rep.Status = a.resp.StatusCode
+		rep.RetryAfter = a.retryAfter
+	}
+	if a.up.Done != nil {
+		a.up.Done(rep)
+	}
+	a.x.p.obs.AttemptDone(rep)
+	if a.err != nil {
+		if ce := a.x.p.checkDebug("upstream attempt failed"); ce != nil {
+			ce.Write(zap.String("upstream", a.up.Addr), zap.String("outcome", a.outcome.String()), zap.Error(a.err))
+		}
+	}
+}
+
+// passThrough sends an upstream's error response to the client unchanged
+// (status, headers, body).
+func (x *exchange) passThrough(a *attempt) {
+	h := x.w.Header()
+	copyResponseHeader(h, a.resp.Header)
+	h.Set("Content-Length", strconv.Itoa(len(a.errBody)))
+	x.res.Status = a.resp.StatusCode
+	x.w.WriteHeader(a.resp.StatusCode)
+	_, _ = x.w.Write(a.errBody)
+}
+
+// writeError writes a gateway error and records its status.
+func (x *exchange) writeError(e *GatewayError) {
+	x.res.Status = e.Status
+	e.Write(x.w)
+}
+
+// clientGone reports whether the client's own context has ended.
+func (x *exchange) clientGone() bool { return x.r.Context().Err() != nil }
+
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
+}

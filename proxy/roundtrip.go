@@ -1,0 +1,335 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"net/http/httptrace"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/sse"
+)
+
+// maxPreCommitComments bounds the SSE comments (": ping") buffered before the
+// first data event; past it, further comments are dropped.
+const maxPreCommitComments = 64 << 10
+
+// maxStaleRetries bounds the round trips retried within one attempt because
+// a reused connection turned out to be closed.
+const maxStaleRetries = 2
+
+// attempt is one request to one upstream. It runs its pre-commit phase in
+// its own goroutine with its own context, derived from the request's, so it
+// can be cancelled without touching any other attempt. It records what
+// happened; classify (finish.go) turns that into its outcome, once.
+type attempt struct {
+	x       *exchange
+	up      Upstream
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
+	unlink  func() bool // stops the request's cancellation reaching ctx
+	started time.Time
+	fbTimer Timer
+
+	resp *http.Response
+	// isSSE is true when the response is an event stream read through sc.
+	isSSE bool
+	sc    *sse.Scanner
+	// head is what the client receives at commit: the SSE events up to and
+	// including the first data event, or the whole non-streaming body.
+	head       []byte
+	headEvents int
+	// headContent is 1 when head ends with a data event (a chunk).
+	headContent int
+	// usage is what head reported of token usage.
+	usage Usage
+	ttft  time.Duration
+	// hedge is true for a backup attempt started by the hedge timer.
+	hedge bool
+
+	// Facts of the pre-commit phase.
+	//
+	// ok is true when the phase produced something to commit.
+	ok bool
+	// failed says where the phase failed; err what went wrong.
+	failed failKind
+	err    error
+	// cause is the attempt context's cancellation cause when it failed
+	// (nil while live: a genuine transport failure); gone is whether the
+	// client was gone then.
+	cause error
+	gone  bool
+	// errBody is an upstream error response body kept for passing through.
+	errBody []byte
+	// inband is the in-band error event that failed the attempt, if any.
+	inband *sse.InbandError
+	// retryAfter is the upstream's Retry-After on a 429 or 5xx, 0 if none.
+	retryAfter time.Duration
+
+	// Facts after commit (commit.go, relay.go).
+	committed bool
+	// writeFailed: writing to the client failed (writeErr for a body).
+	writeFailed bool
+	writeErr    error
+	// finished: a finish_reason was relayed; sawDone: [DONE] was.
+	finished, sawDone bool
+	// postInband is an upstream error event relayed after commit.
+	postInband *sse.InbandError
+	// streamErr is why reading the stream stopped, with goneAtEnd
+	// whether the client was gone by then.
+	streamErr error
+	goneAtEnd bool
+
+	// classified and ended make classify and end run once.
+	classified, ended bool
+	outcome           AttemptOutcome
+	// drain asks end() to read the rest of a finished response (the
+	// chunked terminator after [DONE]) so the connection can be reused.
+	drain bool
+}
+
+// failKind is where an attempt's pre-commit phase failed.
+type failKind uint8
+
+const (
+	failNone      failKind = iota // reached the commit point (or still running)
+	failPanic                     // the attempt's goroutine panicked
+	failRoundTrip                 // no response: dial, reset, canceled
+	failStatus                    // an error status (4xx, 5xx)
+	failInband                    // an error event before the first token
+	failRead                      // the stream or body ended before the commit point
+	failTooLarge                  // the body is over max_response_body
+	failLate                      // the first event raced the first-byte timer and lost
+)
+
+// Bounds on reading the rest of a finished upstream response.
+const (
+	drainTimeout = 2 * time.Second
+	drainLimit   = 64 << 10
+)
+
+// startAttempt launches an attempt on up; its result arrives on results.
+func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
+	// The attempt's context carries the request's values but is cancelled
+	// only through the link below, which end() may cut: a finished
+	// stream's connection can then be drained after the request is over.
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(x.ctx))
+	unlink := context.AfterFunc(x.ctx, func() { cancel(context.Cause(x.ctx)) })
+	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: x.p.clock.Now()}
+	a.fbTimer = x.p.clock.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
+	go func() {
+		defer func() {
+			if v := recover(); v != nil {
+				a.ok = false
+				a.failAt(failPanic, fmt.Errorf("upstream %s: panic in attempt: %v", up.Addr, v))
+				x.p.log.Error("attempt panicked", zap.String("upstream", up.Addr), zap.Any("panic", v), zap.Stack("stack"))
+			}
+			results <- a
+		}()
+		a.preCommit()
+	}()
+	return a
+}
+
+// preCommit runs the attempt up to its commit point: the first SSE data
+// event, the complete non-streaming body, or a failure.
+func (a *attempt) preCommit() {
+	resp, err := a.roundTrip()
+	if err != nil {
+		a.failAt(failRoundTrip, fmt.Errorf("upstream %s: %w", a.up.Addr, a.errWithCause(err)))
+		return
+	}
+	a.resp = resp
+	if resp.StatusCode >= 400 {
+		a.readErrorResponse()
+		return
+	}
+	if isEventStream(resp.Header) {
+		a.isSSE = true
+		a.readFirstEvent()
+	} else {
+		a.readFullBody()
+	}
+	if !a.ok {
+		return
+	}
+	if !a.fbTimer.Stop() {
+		// The first-byte timer fired as the first event arrived: the
+		// attempt's context is cancelled, so it cannot be relayed.
+		a.ok = false
+		a.failAt(failLate, fmt.Errorf("upstream %s: %w", a.up.Addr, errFirstByteTimeout))
+		return
+	}
+	a.ttft = a.x.since(a.started)
+}
+
+// roundTrip sends the request. Inference servers close idle keep-alive
+// connections early (uvicorn under vLLM after 5 s): a request written onto
+// a pooled connection as the upstream closes it fails before any response
+// byte. That says nothing about the upstream, so it is retried at once, on
+// FreshTransport when set, within this attempt, at most maxStaleRetries
+// times.
+func (a *attempt) roundTrip() (*http.Response, error) {
+	rt := a.x.p.cfg.Transport
+	for n := 0; ; n++ {
+		var reused, gotByte atomic.Bool
+		trace := &httptrace.ClientTrace{
+			GotConn:              func(i httptrace.GotConnInfo) { reused.Store(i.Reused) },
+			GotFirstResponseByte: func() { gotByte.Store(true) },
+		}
+		resp, err := rt.RoundTrip(a.request(trace))
+		if err == nil || !reused.Load() || gotByte.Load() || a.ctx.Err() != nil || n == maxStaleRetries {
+			return resp, err
+		}
+		a.x.p.obs.StaleConnection(a.up.Addr)
+		if ce := a.x.p.checkDebug("retrying on a fresh connection"); ce != nil {
+			ce.Write(zap.String("upstream", a.up.Addr), zap.Error(err))
+		}
+		if f := a.x.p.cfg.FreshTransport; f != nil {
+			rt = f
+		}
+	}
+}
+
+// request builds the outbound request: the client's request with the kept
+// body, its own context, and headers prepared once per exchange.
+func (a *attempt) request(trace *httptrace.ClientTrace) *http.Request {
+	x := a.x
+	ctx := a.ctx
+	if a.up.Context != nil {
+		ctx = a.up.Context(ctx)
+	}
+	ctx = httptrace.WithClientTrace(ctx, trace)
+	out := x.r.WithContext(ctx) // shallow copy; every shared field is replaced below
+	u := *x.r.URL
+	u.Host = a.up.Addr
+	out.URL = &u
+	out.RequestURI = ""
+	out.Header = x.outHeader.Clone()
+	out.Trailer = nil
+	out.Close = false
+	out.ContentLength = int64(len(x.body))
+	if len(x.body) == 0 {
+		out.Body, out.GetBody = http.NoBody, nil
+	} else {
+		body := x.body
+		out.Body = io.NopCloser(bytes.NewReader(body))
+		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	}
+	return out
+}
+
+// readErrorResponse keeps an upstream error response for passing through.
+func (a *attempt) readErrorResponse() {
+	code := a.resp.StatusCode
+	body, err := io.ReadAll(io.LimitReader(a.resp.Body, a.x.p.cfg.MaxResponseBody))
+	a.errBody = body
+	if code == http.StatusTooManyRequests || code >= 500 {
+		a.retryAfter, _ = budget.ParseRetryAfter(a.resp.Header.Get("Retry-After"), a.x.p.clock.Now())
+	}
+	if err != nil && !a.x.clientGone() {
+		err = fmt.Errorf("upstream %s: status %d: reading body: %w", a.up.Addr, code, a.errWithCause(err))
+	} else {
+		err = fmt.Errorf("upstream %s: status %d", a.up.Addr, code)
+	}
+	a.failAt(failStatus, err)
+}
+
+// readFirstEvent reads SSE events until the first data event.
+func (a *attempt) readFirstEvent() {
+	a.sc = sse.NewScanner(a.resp.Body, a.x.p.cfg.MaxEventSize)
+	for {
+		ev, err := a.sc.Next()
+		if err != nil {
+			a.failAt(failRead, fmt.Errorf("upstream %s: stream ended before the first event: %w", a.up.Addr, a.errWithCause(err)))
+			return
+		}
+		switch ev.Kind() {
+		case sse.KindComment:
+			if len(a.head) < maxPreCommitComments {
+				a.head = append(a.head, ev.Raw...)
+				a.headEvents++
+			}
+			continue
+		case sse.KindError:
+			ie, ok := sse.ParseInbandError(ev.Data)
+			if !ok {
+				ie = sse.InbandError{Message: "upstream sent an error event", Type: TypeServer, Status: 500}
+			}
+			a.inband = &ie
+			a.failAt(failInband, fmt.Errorf("upstream %s: error event before the first token: %s", a.up.Addr, ie.Message))
+			return
+		case sse.KindDone:
+			a.finished = true
+		case sse.KindData:
+			ci := sse.InspectChunk(ev.Data)
+			a.finished = ci.FinishReason
+			a.usage = chunkUsage(ci, a.usage)
+			a.headContent = 1
+		}
+		a.head = append(a.head, ev.Raw...)
+		a.headEvents++
+		a.ok = true
+		return
+	}
+}
+
+// readFullBody reads a non-streaming response whole, so that a failure
+// mid-body can still fail over.
+func (a *attempt) readFullBody() {
+	limit := a.x.p.cfg.MaxResponseBody
+	body, err := io.ReadAll(io.LimitReader(a.resp.Body, limit+1))
+	if err != nil {
+		a.failAt(failRead, fmt.Errorf("upstream %s: reading body: %w", a.up.Addr, a.errWithCause(err)))
+		return
+	}
+	if int64(len(body)) > limit {
+		a.failAt(failTooLarge, fmt.Errorf("upstream %s: response body over %d bytes", a.up.Addr, limit))
+		return
+	}
+	a.head = body
+	a.usage = chunkUsage(sse.InspectChunk(body), a.usage)
+	a.ok = true
+}
+
+// chunkUsage returns the usage a chunk reports, or prev when it reports
+// none: the last usage seen counts.
+func chunkUsage(ci sse.ChunkInfo, prev Usage) Usage {
+	if !ci.Usage {
+		return prev
+	}
+	return Usage{PromptTokens: ci.PromptTokens, CompletionTokens: ci.CompletionTokens, Reported: true}
+}
+
+// failAt records where the pre-commit phase failed and what its
+// classification depends on at that moment.
+func (a *attempt) failAt(k failKind, err error) {
+	a.failed, a.err = k, err
+	a.cause = context.Cause(a.ctx)
+	a.gone = a.x.clientGone()
+}
+
+// errWithCause prefers the gateway's cancellation cause over the transport's
+// generic "context canceled".
+func (a *attempt) errWithCause(err error) error {
+	if a.ctx.Err() != nil {
+		if c := context.Cause(a.ctx); c != nil && !errors.Is(err, c) {
+			return fmt.Errorf("%w (%v)", c, err)
+		}
+	}
+	return err
+}
+
+// isEventStream reports whether a response is text/event-stream.
+func isEventStream(h http.Header) bool {
+	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
+	return err == nil && mt == "text/event-stream"
+}
