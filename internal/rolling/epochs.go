@@ -7,7 +7,8 @@ import (
 
 // MinWidth is the narrowest bucket: NewEpochs stretches a window shorter
 // than Buckets × MinWidth (10ms) to that. Narrower buckets are of no use to
-// any caller and would run the epochs out (MaxEpoch) within months.
+// any caller and would run the epochs out (MaxEpoch) sooner: 2^36 buckets of
+// 1µs last 19 hours.
 const MinWidth = time.Millisecond
 
 // Epochs maps times to bucket epochs: the bucket of width Width that holds
