@@ -4,13 +4,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"sort"
 	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 func init() {
@@ -45,24 +45,14 @@ func (a adminAPI) Routes() []caddy.AdminRoute {
 	}
 }
 
-// breakerView is one breaker in the admin API's listing.
-type breakerView struct {
-	breaker.Snapshot
-	Upstream string `json:"upstream"`
-	Model    string `json:"model,omitempty"`
-}
-
 func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
-	views := []breakerView{}
-	breakerPool.Range(func(_, v any) bool {
-		e := v.(*breakerEntry)
-		views = append(views, breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
-		return true
-	})
-	sort.Slice(views, func(i, j int) bool { return views[i].Key < views[j].Key })
+	views := reg.Breakers()
+	if views == nil {
+		views = []upstream.BreakerView{}
+	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
 }
@@ -70,15 +60,15 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
 	if r.Method == http.MethodGet {
-		e := lookupBreaker(rest)
-		if e == nil {
-			if i := strings.LastIndex(rest, "/"); i > 0 && lookupBreaker(rest[:i]) != nil {
+		b, e := reg.Breaker(rest)
+		if b == nil {
+			if i := strings.LastIndex(rest, "/"); i > 0 && breakerExists(rest[:i]) {
 				return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("use POST for %s", rest[i+1:])}
 			}
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", rest)}
 		}
 		w.Header().Set("Content-Type", "application/json")
-		return json.NewEncoder(w).Encode(breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
+		return json.NewEncoder(w).Encode(view(b, e))
 	}
 	if r.Method != http.MethodPost {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
@@ -88,8 +78,8 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_proxy/breakers/<key>/open|close|reset")}
 	}
 	key, action := rest[:i], rest[i+1:]
-	e := lookupBreaker(key)
-	if e == nil {
+	b, e := reg.Breaker(key)
+	if b == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
 	}
 	reason := "by operator via admin API"
@@ -102,29 +92,27 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("bad duration %q", s)}
 			}
 		}
-		e.b.ForceOpen(d, reason)
+		b.ForceOpen(d, reason)
 	case "close":
-		e.b.ForceClose(reason)
+		b.ForceClose(reason)
 	case "reset":
-		e.b.Reset()
+		b.Reset()
 	default:
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("unknown action %q: want open, close or reset", action)}
 	}
 	w.Header().Set("Content-Type", "application/json")
-	return json.NewEncoder(w).Encode(breakerView{Snapshot: e.b.Snapshot(), Upstream: e.upstream, Model: e.model})
+	return json.NewEncoder(w).Encode(view(b, e))
 }
 
-// lookupBreaker returns the breaker entry for key, nil if none.
-func lookupBreaker(key string) *breakerEntry {
-	var e *breakerEntry
-	breakerPool.Range(func(k, val any) bool {
-		if k == key {
-			e = val.(*breakerEntry)
-			return false
-		}
-		return true
-	})
-	return e
+func breakerExists(key string) bool {
+	b, _ := reg.Breaker(key)
+	return b != nil
+}
+
+// view is one breaker as the admin API shows it.
+func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
+	key := strings.TrimPrefix(strings.TrimPrefix(b.Key(), e.Addr()), "|")
+	return upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: key, Inflight: e.Inflight()}
 }
 
 var _ caddy.AdminRouter = adminAPI{}

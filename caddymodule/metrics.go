@@ -3,11 +3,15 @@ package caddymodule
 import (
 	"errors"
 	"sync"
-	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 // metrics holds the collectors. They are created once per process and
@@ -28,6 +32,7 @@ var metrics = struct {
 	budgetExhausted prometheus.Counter
 	hedges          *prometheus.CounterVec
 	hedgeDelay      *prometheus.GaugeVec
+	staleConns      *prometheus.CounterVec
 }{}
 
 // ttftBuckets span a warm GPU's 25 ms to a saturated queue's minute.
@@ -89,6 +94,10 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "hedge_delay_seconds",
 			Help: "The hedge delay last computed, by model and mode (stream: TTFT of SSE responses; json: time to a full non-streaming body).",
 		}, []string{"model", "mode"})
+		metrics.staleConns = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "stale_connection_retries_total",
+			Help: "Attempts resent at once on a fresh connection because the reused keep-alive connection failed before any response byte (the upstream had closed it); neutral for the breaker and free for the budget.",
+		}, []string{"upstream"})
 	})
 }
 
@@ -97,7 +106,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
 	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
 		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
-		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay} {
+		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -108,76 +117,110 @@ func registerMetrics(reg *prometheus.Registry) error {
 	return nil
 }
 
-// maxModelLabels caps the distinct values of the "model" label. The model
-// name comes from the client, so a name becomes a label only once an
-// upstream has served it successfully (junk names never do), and at most
-// this many; the rest are reported as "other".
-const maxModelLabels = 64
+// requestObserver feeds the lifecycle's measurements into the collectors.
+type requestObserver struct{ models *upstream.ModelNames }
 
-var modelLabels = struct {
-	sync.Map
-	n atomic.Int64
-}{}
-
-// modelLabel returns the label value for a model name: the name once
-// learnModel has accepted it, "other" before, "unknown" for none.
-func modelLabel(model string) string {
-	if model == "" {
-		return "unknown"
-	}
-	if _, ok := modelLabels.Load(model); ok {
-		return model
-	}
-	return "other"
-}
-
-// learnModel accepts a model name that an upstream served successfully as
-// a label value, while fewer than maxModelLabels are known.
-func learnModel(model string) {
-	if model == "" {
-		return
-	}
-	if _, ok := modelLabels.Load(model); ok {
-		return
-	}
-	if modelLabels.n.Add(1) > maxModelLabels {
-		modelLabels.n.Add(-1)
-		return
-	}
-	if _, loaded := modelLabels.LoadOrStore(model, struct{}{}); loaded {
-		modelLabels.n.Add(-1)
-	}
-}
-
-// observer feeds proxy measurements into the collectors.
-type observer struct{}
-
-func (observer) AttemptDone(a *proxy.AttemptReport) {
+func (o requestObserver) AttemptDone(a *proxy.AttemptReport) {
 	if a.Outcome == proxy.AttemptSuccess {
-		learnModel(a.Model)
+		o.models.Learn(a.Model)
 	}
 	metrics.attempts.WithLabelValues(a.Upstream, a.Outcome.String()).Inc()
 	if a.TTFT > 0 {
-		metrics.ttft.WithLabelValues(a.Upstream, modelLabel(a.Model)).Observe(a.TTFT.Seconds())
+		metrics.ttft.WithLabelValues(a.Upstream, o.models.Label(a.Model)).Observe(a.TTFT.Seconds())
 	}
 }
 
-func (observer) EventRelayed() { metrics.eventsRelayed.Inc() }
+func (requestObserver) EventRelayed() { metrics.eventsRelayed.Inc() }
 
-func (observer) Retry(upstream string, reason proxy.AttemptOutcome) {
+func (requestObserver) Retry(upstream string, reason proxy.AttemptOutcome) {
 	metrics.retries.WithLabelValues(upstream, reason.String()).Inc()
 }
 
-func (observer) RetryBudgetExhausted() { metrics.budgetExhausted.Inc() }
+func (requestObserver) RetryBudgetExhausted() { metrics.budgetExhausted.Inc() }
 
-func (observer) Hedge(outcome string) { metrics.hedges.WithLabelValues(outcome).Inc() }
+func (requestObserver) Hedge(outcome string) { metrics.hedges.WithLabelValues(outcome).Inc() }
 
-func (observer) RequestDone(r *proxy.Result) {
-	model := modelLabel(r.Info.Model)
+func (requestObserver) StaleConnection(upstream string) {
+	metrics.staleConns.WithLabelValues(upstream).Inc()
+}
+
+func (o requestObserver) RequestDone(r *proxy.Result) {
+	model := o.models.Label(r.Info.Model)
 	metrics.requests.WithLabelValues(r.Upstream, model, r.Outcome.String()).Inc()
 	if r.Streamed {
 		metrics.streamDuration.WithLabelValues(r.Upstream, model).Observe(r.Duration.Seconds())
 	}
 }
 
-var _ proxy.Observer = observer{}
+// upstreamObserver turns the pool's events into metrics, one log line per
+// breaker transition and a Caddy event (llm_proxy_breaker_open, ...), through
+// the newest running config's logger and events app.
+type upstreamObserver struct{}
+
+// breakerModelLabel is the "model" label of breaker metrics: empty for
+// per-upstream breakers, the model key under scope model.
+func breakerModelLabel(key string) string { return key }
+
+func (upstreamObserver) BreakerCreated(addr, key string) {
+	initMetrics()
+	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(0)
+}
+
+func (upstreamObserver) BreakerGone(addr, key string) {
+	initMetrics()
+	metrics.breakerState.DeleteLabelValues(addr, breakerModelLabel(key))
+}
+
+func (upstreamObserver) ShortCircuited(addr string) { metrics.shortCircuited.WithLabelValues(addr).Inc() }
+
+func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
+	mode := "json"
+	if stream {
+		mode = "stream"
+	}
+	metrics.hedgeDelay.WithLabelValues(model, mode).Set(d.Seconds())
+}
+
+func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transition) {
+	initMetrics()
+	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(float64(tr.To))
+	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
+	app := newestApp()
+	if app == nil {
+		return
+	}
+	level := zapcore.InfoLevel
+	if tr.To == breaker.Open {
+		level = zapcore.WarnLevel
+	}
+	if ce := app.logger.Check(level, "circuit breaker "+tr.To.String()); ce != nil {
+		fields := []zap.Field{
+			zap.String("breaker", tr.Key),
+			zap.String("upstream", addr),
+			zap.String("from", tr.From.String()),
+			zap.String("to", tr.To.String()),
+			zap.String("reason", tr.Reason),
+			zap.Int("consecutive_failures", tr.ConsecutiveFailures),
+			zap.Int("failures_in_window", tr.FailuresInWindow),
+		}
+		if !tr.OpenUntil.IsZero() {
+			fields = append(fields, zap.Time("open_until", tr.OpenUntil))
+		}
+		ce.Write(fields...)
+	}
+	if app.events != nil {
+		app.events.Emit(app.ctx, "llm_proxy_breaker_"+tr.To.String(), map[string]any{
+			"breaker":  tr.Key,
+			"upstream": addr,
+			"model":    key,
+			"from":     tr.From.String(),
+			"to":       tr.To.String(),
+			"reason":   tr.Reason,
+		})
+	}
+}
+
+var (
+	_ proxy.Observer    = requestObserver{}
+	_ upstream.Observer = upstreamObserver{}
+)

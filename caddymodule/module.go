@@ -1,6 +1,9 @@
-// Package caddymodule is the Caddy glue of llm_proxy: module registration,
-// JSON config, Caddyfile parsing, upstream pool and selection, metrics and
-// placeholders. It translates config into a proxy.Proxy and calls it.
+// Package caddymodule is the Caddy glue of llm_proxy: the handler module
+// http.handlers.llm_proxy, the app module llm_proxy (global option), the
+// admin API, JSON config, Caddyfile parsing, and the adapters from Caddy's
+// selection policies, upstream sources and transport to the upstream pool.
+// It translates config into an upstream.Pool and a proxy.Proxy and calls
+// them; it holds no runtime policy.
 package caddymodule
 
 import (
@@ -10,19 +13,16 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
-	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 func init() {
@@ -94,36 +94,11 @@ type Handler struct {
 	// defaults documented on BreakerConfig; {"disabled": true} turns them off.
 	Breaker *BreakerConfig `json:"breaker,omitempty"`
 
-	breakerSettings *breaker.Settings // nil when breakers are off
-	breakers        *sync.Map         // key → *breakerEntry referenced by this handler
-	stateMu         *sync.Mutex       // guards breakerKeys, hedgeKeys and cleaned
-	breakerKeys     []string
-	// cleaned is set by Cleanup: requests still running on this handler
-	// take no new references to shared state after it.
-	cleaned bool
-	// gen orders configs: state shared across reloads takes its settings
-	// from the newest.
-	gen uint64
-
-	// poolKey identifies the upstream pool across reloads (its sorted dial
-	// addresses, or its dynamic source's config): budgets and TTFT
-	// statistics are kept per pool.
-	poolKey   string
-	budgetKey string
-	retryGate *retryGate
-	hedger    *hedger
-	trackers  *sync.Map // key → *hedge.LatencyTracker referenced by this handler
-	hedgeKeys []string
-
-	static         []*target
-	dynamic        reverseproxy.UpstreamSource
-	dynamicTargets *sync.Map // dial address → *target
-	dynamicSweep   *dynamicSweep
-	selector       reverseproxy.Selector
-	transport      *reverseproxy.HTTPTransport
-	proxy          *proxy.Proxy
-	logger         *zap.Logger
-	stateKeys      []string
+	pool         *upstream.Pool
+	proxy        *proxy.Proxy
+	transport    *transport
+	ownTransport bool // the default transport, cleaned up by the handler
+	logger       *zap.Logger
 }
 
 // LoadBalancing selects upstreams.
@@ -144,63 +119,85 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets up the handler: upstreams, selection, transport, metrics.
+// Provision builds the handler's upstream pool and lifecycle engine. It
+// takes references to shared state (upstream entries, budgets, hedge caps)
+// but changes nothing live: the pool's settings apply to shared entries
+// when the llm_proxy app starts this config.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
-	h.gen = configGen.Add(1)
-	h.dynamicTargets, h.dynamicSweep = new(sync.Map), new(dynamicSweep)
-	h.breakers, h.stateMu = new(sync.Map), new(sync.Mutex)
-	h.trackers = new(sync.Map)
-
-	h.poolKey = poolKeyOf(h.Upstreams, h.DynamicUpstreamsRaw)
+	appMod, err := ctx.App("llm_proxy")
+	if err != nil {
+		return err
+	}
+	app := appMod.(*App)
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
+	if err := h.check(); err != nil {
+		return err
+	}
+	// The pool's identity, before loading the source clears its raw config.
+	key := poolKeyOf(h.Upstreams, h.DynamicUpstreamsRaw)
+	var source upstream.Source
 	if h.DynamicUpstreamsRaw != nil {
 		mod, err := ctx.LoadModule(h, "DynamicUpstreamsRaw")
 		if err != nil {
 			return fmt.Errorf("loading dynamic upstream source: %w", err)
 		}
-		h.dynamic = mod.(reverseproxy.UpstreamSource)
+		source = (&dynamicSource{src: mod.(reverseproxy.UpstreamSource)}).upstreams
 	}
+	var static []upstream.Target
 	for _, u := range h.Upstreams {
-		key := u.Dial
-		v, _, err := upstreamStates.LoadOrNew(key, func() (caddy.Destructor, error) { return new(upstreamState), nil })
+		t, err := newTarget(u)
 		if err != nil {
 			return err
 		}
-		h.stateKeys = append(h.stateKeys, key)
-		t, err := newTarget(u, v.(*upstreamState))
-		if err != nil {
-			return err
+		static = append(static, t)
+	}
+	var policy any
+	if h.LoadBalancing != nil && h.LoadBalancing.SelectionPolicyRaw != nil {
+		if policy, err = ctx.LoadModule(h.LoadBalancing, "SelectionPolicyRaw"); err != nil {
+			return fmt.Errorf("loading selection policy: %w", err)
 		}
-		h.static = append(h.static, t)
 	}
+	if h.transport, err = newTransport(ctx, h); err != nil {
+		return err
+	}
+	retry, err := h.Retries.upstreamConfig()
+	if err != nil {
+		return err
+	}
+	hc, err := h.Hedge.upstreamConfig(h.maxAttempts())
+	if err != nil {
+		return err
+	}
+	cfg := upstream.Config{
+		Key:      key,
+		Static:   static,
+		Source:   source,
+		Selector: selector(policy),
+		Retry:    retry,
+		Hedge:    hc,
+	}
+	if h.Breaker == nil || !h.Breaker.Disabled {
+		s := h.Breaker.settings(h.firstByteTimeout())
+		cfg.Breaker = &s
+		cfg.ScopeModel = h.Breaker != nil && h.Breaker.Scope == "model"
+		if p := h.Breaker.prober(h.transport, h.firstByteTimeout()); p != nil {
+			p.Dial = dialFor
+			cfg.Prober = p
+		}
+	}
+	if h.pool, err = app.registry().NewPool(cfg); err != nil {
+		return err
+	}
+	app.adopt(h.pool)
 
-	if err := h.provisionSelector(ctx); err != nil {
-		return err
-	}
-	if err := h.provisionTransport(ctx); err != nil {
-		return err
-	}
-	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
-		return fmt.Errorf("registering metrics: %w", err)
-	}
-	if err := h.provisionBreakers(ctx); err != nil {
-		return err
-	}
-	if err := h.provisionRetries(); err != nil {
-		return err
-	}
-	if err := h.provisionHedging(); err != nil {
-		return err
-	}
-
-	var hedging proxy.Hedging // a nil *hedger must stay a nil interface
-	if h.hedger != nil {
-		hedging = h.hedger
-	}
 	p, err := proxy.New(proxy.Config{
 		Transport:         h.transport,
-		Balancer:          balancer{h: h},
-		Observer:          observer{},
+		FreshTransport:    freshRoundTripper{h.transport},
+		Balancer:          h.pool,
+		Observer:          requestObserver{models: app.registry().Models},
 		Logger:            h.logger,
 		TrustedProxy:      trustedProxy,
 		MaxRequestBody:    h.MaxRequestBody,
@@ -208,8 +205,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		StreamIdleTimeout: time.Duration(h.StreamIdleTimeout),
 		StreamTimeout:     time.Duration(h.StreamTimeout),
 		MaxAttempts:       h.MaxAttempts,
-		Retries:           h.retryGate,
-		Hedging:           hedging,
+		Retries:           h.pool.Retries(),
+		Hedging:           h.pool.Hedging(),
 	})
 	if err != nil {
 		return err
@@ -218,56 +215,46 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-func (h *Handler) provisionBreakers(ctx caddy.Context) error {
-	if h.Breaker != nil && h.Breaker.Disabled {
-		return nil
+// check refuses what the Caddyfile refuses, so that JSON configs get the
+// same errors; Provision calls it before building anything.
+func (h *Handler) check() error {
+	if len(h.Upstreams) == 0 && h.DynamicUpstreamsRaw == nil {
+		return errors.New("llm_proxy: no upstreams: set upstreams or dynamic_upstreams")
 	}
-	if h.Breaker != nil && h.Breaker.Scope != "" && h.Breaker.Scope != "upstream" && h.Breaker.Scope != "model" {
-		return fmt.Errorf("breaker: unknown scope %q: want upstream or model", h.Breaker.Scope)
+	if len(h.Upstreams) > 0 && h.DynamicUpstreamsRaw != nil {
+		return errors.New("llm_proxy: upstreams and dynamic_upstreams are mutually exclusive")
 	}
-	s := h.Breaker.settings(h.firstByteTimeout())
-	if err := s.Validate(); err != nil {
-		return fmt.Errorf("breaker: %w", err)
+	if h.MaxRequestBody < 0 {
+		return fmt.Errorf("llm_proxy: negative max_request_body %d", h.MaxRequestBody)
 	}
-	h.breakerSettings = &s
-	eventsApp, err := ctx.App("events")
-	if err != nil {
-		return fmt.Errorf("loading events app: %w", err)
+	if h.MaxAttempts < 0 || h.MaxAttempts > 10 {
+		return fmt.Errorf("llm_proxy: max_attempts %d: want a whole number from 1 to 10", h.MaxAttempts)
 	}
-	setCurrent(ctx, h.logger, eventsApp.(*caddyevents.App))
-	h.holdBreakers()
+	for _, d := range []struct {
+		name string
+		v    caddy.Duration
+	}{{"first_byte_timeout", h.FirstByteTimeout}, {"stream_idle_timeout", h.StreamIdleTimeout}, {"stream_timeout", h.StreamTimeout}} {
+		if d.v < 0 {
+			return fmt.Errorf("llm_proxy: negative %s %v", d.name, time.Duration(d.v))
+		}
+	}
+	return h.Breaker.validate()
+}
+
+// Validate checks the configuration (Provision has checked it already).
+func (h *Handler) Validate() error {
+	if h.pool == nil {
+		return errors.New("llm_proxy: not provisioned")
+	}
 	return nil
 }
 
-// holdBreakers takes this handler's references to its static upstreams'
-// breakers now, so their state is held across a reload even for upstreams
-// (and models) that see no traffic meanwhile.
-func (h *Handler) holdBreakers() {
-	if h.dynamic == nil && (h.Breaker == nil || h.Breaker.Scope != "model") {
-		for _, t := range h.static {
-			h.breakerFor(t.addr, "")
-		}
-		return
+// maxAttempts returns max_attempts with its default.
+func (h *Handler) maxAttempts() int {
+	if h.MaxAttempts > 0 {
+		return h.MaxAttempts
 	}
-	// Per-model breakers, or dynamic upstreams not known yet: hold the
-	// existing entries of this pool's upstreams (dynamic: those the same
-	// source config created before the reload).
-	mine := func(e *breakerEntry) bool {
-		if h.dynamic != nil {
-			return e.pool == h.poolKey
-		}
-		return e.model != "" && slices.ContainsFunc(h.static, func(t *target) bool { return t.addr == e.upstream })
-	}
-	var held []*breakerEntry
-	breakerPool.Range(func(_, v any) bool {
-		if e := v.(*breakerEntry); mine(e) {
-			held = append(held, e)
-		}
-		return true
-	})
-	for _, e := range held {
-		h.breakerForKey(e.key, e.upstream, e.model)
-	}
+	return proxy.DefaultMaxAttempts
 }
 
 // firstByteTimeout returns first_byte_timeout with its default.
@@ -278,89 +265,16 @@ func (h *Handler) firstByteTimeout() time.Duration {
 	return proxy.DefaultFirstByteTimeout
 }
 
-func (h *Handler) provisionSelector(ctx caddy.Context) error {
-	if h.LoadBalancing == nil || h.LoadBalancing.SelectionPolicyRaw == nil {
-		h.selector = leastConn{inflight: h.inflightOf}
-		return nil
-	}
-	mod, err := ctx.LoadModule(h.LoadBalancing, "SelectionPolicyRaw")
-	if err != nil {
-		return fmt.Errorf("loading selection policy: %w", err)
-	}
-	switch sel := mod.(type) {
-	case *reverseproxy.LeastConnSelection:
-		h.selector = leastConn{inflight: h.inflightOf}
-	case *reverseproxy.RandomChoiceSelection:
-		h.selector = randomChoose{choose: sel.Choose, inflight: h.inflightOf}
-	default:
-		h.selector = mod.(reverseproxy.Selector)
-	}
-	return nil
-}
-
-func (h *Handler) provisionTransport(ctx caddy.Context) error {
-	if h.TransportRaw == nil {
-		t := new(reverseproxy.HTTPTransport)
-		if err := t.Provision(ctx); err != nil {
-			return fmt.Errorf("provisioning default http transport: %w", err)
-		}
-		h.transport = t
-		return nil
-	}
-	mod, err := ctx.LoadModule(h, "TransportRaw")
-	if err != nil {
-		return fmt.Errorf("loading transport: %w", err)
-	}
-	t, ok := mod.(*reverseproxy.HTTPTransport)
-	if !ok {
-		return fmt.Errorf("transport %T: llm_proxy supports only the http transport", mod)
-	}
-	h.transport = t
-	return nil
-}
-
-// Validate checks the configuration.
-func (h *Handler) Validate() error {
-	// Provision has loaded (and cleared) DynamicUpstreamsRaw into h.dynamic.
-	if len(h.Upstreams) == 0 && h.dynamic == nil {
-		return errors.New("llm_proxy: no upstreams: set upstreams or dynamic_upstreams")
-	}
-	if len(h.Upstreams) > 0 && h.dynamic != nil {
-		return errors.New("llm_proxy: upstreams and dynamic_upstreams are mutually exclusive")
-	}
-	if h.MaxRequestBody < 0 {
-		return fmt.Errorf("llm_proxy: negative max_request_body %d", h.MaxRequestBody)
-	}
-	if h.MaxAttempts < 0 {
-		return fmt.Errorf("llm_proxy: negative max_attempts %d", h.MaxAttempts)
-	}
-	for name, d := range map[string]caddy.Duration{"first_byte_timeout": h.FirstByteTimeout,
-		"stream_idle_timeout": h.StreamIdleTimeout, "stream_timeout": h.StreamTimeout} {
-		if d < 0 {
-			return fmt.Errorf("llm_proxy: negative %s %v", name, time.Duration(d))
-		}
-	}
-	return nil
-}
-
-// Cleanup releases the handler's references to shared upstream state.
-// Streams still running on this handler keep working: they hold their own
-// references and their contexts come from their requests.
+// Cleanup releases the handler's references to shared state. Streams still
+// running on this handler keep working: they hold what they picked, and
+// their contexts come from their requests.
 func (h *Handler) Cleanup() error {
-	for _, key := range h.stateKeys {
-		_, _ = upstreamStates.Delete(key)
+	if h.pool != nil {
+		h.pool.Release()
 	}
-	h.releaseBreakers()
-	if h.budgetKey != "" {
-		_, _ = budgetPool.Delete(h.budgetKey)
+	if h.ownTransport && h.transport != nil {
+		return h.transport.Cleanup()
 	}
-	h.stateMu.Lock()
-	h.cleaned = true
-	for _, key := range h.hedgeKeys {
-		_, _ = hedgePool.Delete(key)
-	}
-	h.hedgeKeys = nil
-	h.stateMu.Unlock()
 	return nil
 }
 
@@ -375,19 +289,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.hedged", res.Hedged)
 		repl.Set("http.llm_proxy.outcome", res.Outcome.String())
 		repl.Set("http.llm_proxy.model", res.Info.Model)
-		repl.Set("http.llm_proxy.breaker_state", h.breakerState(res))
+		repl.Set("http.llm_proxy.breaker_state", h.pool.BreakerState(res.Upstream, res.Info.Model))
 	}
 	h.logResult(res)
 	return nil
-}
-
-// breakerState is the state of the breaker of the upstream that served (or
-// was tried last by) the request, "" without one.
-func (h *Handler) breakerState(res *proxy.Result) string {
-	if h.breakerSettings == nil || res.Upstream == "" {
-		return ""
-	}
-	return h.breakerFor(res.Upstream, res.Info.Model).b.State().String()
 }
 
 // logResult logs requests that failed upstream; successes are the access
@@ -412,9 +317,6 @@ func (h *Handler) logResult(res *proxy.Result) {
 		)
 	}
 }
-
-// configGen numbers provisioned handlers, newest highest.
-var configGen atomic.Uint64
 
 // poolKeyOf names an upstream pool by what it is made of.
 func poolKeyOf(ups reverseproxy.UpstreamPool, dynamic json.RawMessage) string {

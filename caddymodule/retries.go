@@ -1,16 +1,15 @@
 package caddymodule
 
 import (
+	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
-	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 // RetryConfig configures the retry budget and backoff. Retries happen only
@@ -54,6 +53,31 @@ type TokenBucket struct {
 	RefillPerSec float64 `json:"refill_per_sec"`
 }
 
+// upstreamConfig converts the config (nil: defaults) for the pool; it
+// refuses what the Caddyfile refuses, so JSON configs get the same errors.
+func (rc *RetryConfig) upstreamConfig() (upstream.RetryConfig, error) {
+	if rc == nil {
+		rc = new(RetryConfig)
+	}
+	if rc.Bucket != nil && (rc.Ratio != 0 || rc.Window != 0 || rc.MinPerSec != 0) {
+		return upstream.RetryConfig{}, errors.New("retries: bucket replaces ratio, window and min_per_sec; use one form")
+	}
+	if rc.Bucket != nil && (rc.Bucket.MaxTokens < 1 || rc.Bucket.RefillPerSec <= 0) {
+		return upstream.RetryConfig{}, fmt.Errorf("retries: bucket %g %g: want max_tokens ≥ 1 and a positive refill_per_sec", rc.Bucket.MaxTokens, rc.Bucket.RefillPerSec)
+	}
+	if rc.BackoffBase < 0 || rc.BackoffCap < 0 {
+		return upstream.RetryConfig{}, errors.New("retries: negative backoff")
+	}
+	out := upstream.RetryConfig{
+		Ratio: rc.Ratio, Window: time.Duration(rc.Window), MinPerSec: rc.MinPerSec,
+		Backoff: budget.Backoff{Base: time.Duration(rc.BackoffBase), Cap: time.Duration(rc.BackoffCap)},
+	}
+	if rc.Bucket != nil {
+		out.BucketMax, out.BucketRefill = rc.Bucket.MaxTokens, rc.Bucket.RefillPerSec
+	}
+	return out, nil
+}
+
 // HedgeConfig turns on hedged requests: when no first event has arrived
 // after the hedge delay, a backup attempt goes to another upstream and the
 // first to produce an event wins; the other is cancelled at once. Off
@@ -84,302 +108,43 @@ type HedgeConfig struct {
 	// 10s window. Default: 0.1.
 	MaxRatio float64 `json:"max_ratio,omitempty"`
 
+	// MinPerSec is a floor of hedges per second that the cap always
+	// allows (a reservoir of MinPerSec × 10s), so that a pool with little
+	// traffic, where stragglers hurt most, still hedges: without it a pool
+	// under 10 requests per 10s could never hedge at max_ratio 0.1.
+	// Default: 1; -1 turns the floor off.
+	MinPerSec float64 `json:"min_per_sec,omitempty"`
+
 	// MaxHedges is the most backups per request (each also counts against
 	// max_attempts). Default: 1.
 	MaxHedges int `json:"max_hedges,omitempty"`
 }
 
-func (c *HedgeConfig) policy() hedge.DelayPolicy {
-	return hedge.DelayPolicy{Fixed: time.Duration(c.After), Percentile: c.Percentile,
+// upstreamConfig converts the config for the pool, with the checks the
+// Caddyfile makes: every backup is an attempt, so max_hedges must leave
+// room within maxAttempts.
+func (c *HedgeConfig) upstreamConfig(maxAttempts int) (*upstream.HedgeConfig, error) {
+	if c == nil {
+		return nil, nil
+	}
+	p := hedge.DelayPolicy{Fixed: time.Duration(c.After), Percentile: c.Percentile,
 		Min: time.Duration(c.Min), Max: time.Duration(c.Max), Fallback: time.Duration(c.Fallback)}
-}
-
-// Defaults of RetryConfig and HedgeConfig.
-const (
-	defaultRetryRatio     = 0.1
-	defaultRetryWindow    = 10 * time.Second
-	defaultRetryMinPerSec = 3
-	defaultBackoffBase    = 100 * time.Millisecond
-	defaultBackoffCap     = 2 * time.Second
-)
-
-// parseRetries parses a retries block; d is at "retries".
-func parseRetries(d *caddyfile.Dispenser) (*RetryConfig, error) {
-	rc := new(RetryConfig)
-	if d.NextArg() {
-		return nil, d.ArgErr()
-	}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		name := d.Val()
-		args := d.RemainingArgs()
-		switch name {
-		case "ratio":
-			if len(args) != 1 {
-				return nil, d.ArgErr()
-			}
-			r, err := parseRatio(d, name, args[0])
-			if err != nil {
-				return nil, err
-			}
-			rc.Ratio = r
-		case "window":
-			if len(args) != 1 {
-				return nil, d.ArgErr()
-			}
-			dur, err := parsePositiveDuration(d, "retries window", args[0])
-			if err != nil {
-				return nil, err
-			}
-			rc.Window = caddy.Duration(dur)
-		case "min_per_sec":
-			if len(args) != 1 {
-				return nil, d.ArgErr()
-			}
-			f, err := parseNonNegative(d, name, args[0])
-			if err != nil {
-				return nil, err
-			}
-			rc.MinPerSec = f
-		case "bucket":
-			if len(args) != 2 {
-				return nil, d.Errf("want: bucket <max_tokens> <refill_per_sec>")
-			}
-			maxTokens, err := parseNonNegative(d, "bucket max_tokens", args[0])
-			if err != nil || maxTokens < 1 {
-				return nil, d.Errf("bad bucket max_tokens %q: want a number ≥ 1", args[0])
-			}
-			refill, err := parseNonNegative(d, "bucket refill_per_sec", args[1])
-			if err != nil || refill <= 0 {
-				return nil, d.Errf("bad bucket refill_per_sec %q: want a positive number such as 0.5", args[1])
-			}
-			rc.Bucket = &TokenBucket{MaxTokens: maxTokens, RefillPerSec: refill}
-		case "backoff":
-			if len(args) != 2 {
-				return nil, d.Errf("want: backoff <base> <cap>")
-			}
-			base, err := parsePositiveDuration(d, "backoff base", args[0])
-			if err != nil {
-				return nil, err
-			}
-			capD, err := parsePositiveDuration(d, "backoff cap", args[1])
-			if err != nil {
-				return nil, err
-			}
-			if capD < base {
-				return nil, d.Errf("backoff cap %v is below its base %v", capD, base)
-			}
-			rc.BackoffBase, rc.BackoffCap = caddy.Duration(base), caddy.Duration(capD)
-		default:
-			return nil, d.Errf("unrecognized retries option %q", name)
-		}
-	}
-	if rc.Bucket != nil && (rc.Ratio != 0 || rc.Window != 0 || rc.MinPerSec != 0) {
-		return nil, d.Err("retries: bucket replaces ratio, window and min_per_sec; use one form")
-	}
-	return rc, nil
-}
-
-// retryGate adapts the pool's budget and the backoff to proxy.Retries.
-type retryGate struct {
-	budget  budget.Budget
-	backoff budget.Backoff
-}
-
-func (g *retryGate) Request()       { g.budget.Request() }
-func (g *retryGate) TryRetry() bool { return g.budget.TryRetry() }
-
-// Backoff never waits past the backoff cap: a longer Retry-After is the
-// client's to honour, and it gets the 429/503 with it at once.
-func (g *retryGate) Backoff(n int, retryAfter, remaining time.Duration) (time.Duration, bool) {
-	if remaining <= 0 || remaining > g.backoff.Cap {
-		remaining = g.backoff.Cap
-	}
-	return g.backoff.Delay(n, retryAfter, remaining)
-}
-
-// budgetEntry holds a pool's retry budget in budgetPool, so it survives
-// reloads (DESIGN §5).
-type budgetEntry struct{ budget.Budget }
-
-func (budgetEntry) Destruct() error { return nil }
-
-// budgetPool holds budgets by pool identity and settings: a reload with the
-// same upstreams and settings keeps the budget's window.
-var budgetPool = caddy.NewUsagePool()
-
-// provisionRetries builds the retry gate from the config.
-func (h *Handler) provisionRetries() error {
-	rc := h.Retries
-	if rc == nil {
-		rc = new(RetryConfig)
-	}
-	bo := budget.Backoff{Base: time.Duration(rc.BackoffBase), Cap: time.Duration(rc.BackoffCap)}
-	if bo.Base <= 0 {
-		bo.Base = defaultBackoffBase
-	}
-	if bo.Cap <= 0 {
-		bo.Cap = defaultBackoffCap
-	}
-	if bo.Cap < bo.Base {
-		return fmt.Errorf("retries: backoff cap %v is below its base %v", bo.Cap, bo.Base)
-	}
-	var key string
-	var construct func() (caddy.Destructor, error)
-	if rc.Bucket != nil {
-		key = fmt.Sprintf("budget|%s|bucket|%g|%g", h.poolKey, rc.Bucket.MaxTokens, rc.Bucket.RefillPerSec)
-		construct = func() (caddy.Destructor, error) {
-			b, err := budget.NewBucket(rc.Bucket.MaxTokens, rc.Bucket.RefillPerSec, budget.SystemClock{})
-			return budgetEntry{b}, err
-		}
-	} else {
-		cfg := budget.RatioConfig{Ratio: rc.Ratio, Window: time.Duration(rc.Window), MinPerSec: rc.MinPerSec}
-		key = fmt.Sprintf("budget|%s|ratio|%g|%v|%g", h.poolKey, cfg.Ratio, cfg.Window, cfg.MinPerSec)
-		construct = func() (caddy.Destructor, error) {
-			b, err := budget.NewRatio(cfg, budget.SystemClock{})
-			return budgetEntry{b}, err
-		}
-	}
-	v, _, err := budgetPool.LoadOrNew(key, construct)
-	if err != nil {
-		return fmt.Errorf("retries: %w", err)
-	}
-	h.budgetKey = key
-	h.retryGate = &retryGate{budget: v.(budgetEntry).Budget, backoff: bo}
-	return nil
-}
-
-// parseHedge parses a hedge block; d is at "hedge".
-func parseHedge(d *caddyfile.Dispenser) (*HedgeConfig, error) {
-	hc := new(HedgeConfig)
-	if d.NextArg() {
-		return nil, d.ArgErr()
-	}
-	sawAfter := false
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		name := d.Val()
-		args := d.RemainingArgs()
-		switch name {
-		case "after":
-			p, err := hedge.ParseAfter(args)
-			if err != nil {
-				return nil, d.Err(err.Error())
-			}
-			hc.After, hc.Percentile = caddy.Duration(p.Fixed), p.Percentile
-			hc.Min, hc.Max, hc.Fallback = caddy.Duration(p.Min), caddy.Duration(p.Max), caddy.Duration(p.Fallback)
-			sawAfter = true
-		case "max_ratio":
-			if len(args) != 1 {
-				return nil, d.ArgErr()
-			}
-			r, err := parseRatio(d, name, args[0])
-			if err != nil {
-				return nil, err
-			}
-			hc.MaxRatio = r
-		case "max_hedges":
-			if len(args) != 1 {
-				return nil, d.ArgErr()
-			}
-			n, err := strconv.Atoi(args[0])
-			if err != nil || n < 1 || n > 9 {
-				return nil, d.Errf("bad max_hedges %q: want a whole number from 1 to 9", args[0])
-			}
-			hc.MaxHedges = n
-		default:
-			return nil, d.Errf("unrecognized hedge option %q", name)
-		}
-	}
-	if !sawAfter {
-		return nil, d.Err("hedge: after is required (after <duration> or after p<NN>)")
-	}
-	return hc, nil
-}
-
-// hedger implements proxy.Hedging for one handler: the delay policy, the
-// pool's hedge-rate cap and its TTFT trackers (both kept across reloads).
-type hedger struct {
-	policy    hedge.DelayPolicy
-	cap       *hedge.RateCap
-	maxHedges int
-	h         *Handler
-}
-
-func (g *hedger) Delay(info proxy.RequestInfo) (time.Duration, bool) {
-	d := g.policy.Delay(g.h.tracker(info))
-	mode := "json"
-	if info.Stream {
-		mode = "stream"
-	}
-	metrics.hedgeDelay.WithLabelValues(modelLabel(info.Model), mode).Set(d.Seconds())
-	return d, true
-}
-func (g *hedger) Request()       { g.cap.Request() }
-func (g *hedger) TryHedge() bool { return g.cap.TryHedge() }
-func (g *hedger) MaxHedges() int { return g.maxHedges }
-func (g *hedger) Observe(info proxy.RequestInfo, ttft time.Duration) {
-	g.h.tracker(info).Observe(ttft)
-}
-
-// hedgeEntry holds a rate cap or a TTFT tracker in hedgePool.
-type hedgeEntry struct{ v any }
-
-func (hedgeEntry) Destruct() error { return nil }
-
-// hedgePool holds hedge-rate caps ("cap|pool|ratio") and TTFT trackers
-// ("ttft|pool|model|stream") across reloads.
-var hedgePool = caddy.NewUsagePool()
-
-// provisionHedging builds the hedger; nil config leaves hedging off.
-func (h *Handler) provisionHedging() error {
-	hc := h.Hedge
-	if hc == nil {
-		return nil
-	}
-	p := hc.policy()
 	if err := p.Validate(); err != nil {
-		return fmt.Errorf("hedge: %w", err)
+		return nil, fmt.Errorf("hedge: %w", err)
 	}
-	if hc.MaxHedges < 0 || hc.MaxRatio < 0 || hc.MaxRatio > 1 {
-		return fmt.Errorf("hedge: max_hedges %d or max_ratio %g out of range", hc.MaxHedges, hc.MaxRatio)
+	if c.MaxHedges < 0 || c.MaxHedges > 9 {
+		return nil, fmt.Errorf("hedge: max_hedges %d: want a whole number from 1 to 9", c.MaxHedges)
 	}
-	capKey := fmt.Sprintf("cap|%s|%g", h.poolKey, hc.MaxRatio)
-	v, _, err := hedgePool.LoadOrNew(capKey, func() (caddy.Destructor, error) {
-		c, err := hedge.NewRateCap(hc.MaxRatio, 0, hedge.SystemClock{})
-		return hedgeEntry{c}, err
-	})
-	if err != nil {
-		return fmt.Errorf("hedge: %w", err)
+	if c.MaxRatio < 0 || c.MaxRatio > 1 {
+		return nil, fmt.Errorf("hedge: max_ratio %g: want a ratio in (0, 1]", c.MaxRatio)
 	}
-	h.hedgeKeys = append(h.hedgeKeys, capKey)
-	h.hedger = &hedger{policy: p, cap: v.(hedgeEntry).v.(*hedge.RateCap), maxHedges: max(hc.MaxHedges, 1), h: h}
-	return nil
+	if hedges := max(c.MaxHedges, 1); hedges >= maxAttempts {
+		return nil, fmt.Errorf("hedge: %d backup(s) need max_attempts of at least %d (it is %d): every backup is an attempt", hedges, hedges+1, maxAttempts)
+	}
+	return &upstream.HedgeConfig{
+		Policy:    p,
+		Cap:       hedge.RateCapConfig{MaxRatio: c.MaxRatio, MinPerSec: c.MinPerSec},
+		MaxHedges: c.MaxHedges,
+	}, nil
 }
 
-// tracker returns the TTFT tracker of the pool for the request's model and
-// mode (streamed TTFT and a full JSON body are different quantities).
-func (h *Handler) tracker(info proxy.RequestInfo) *hedge.LatencyTracker {
-	key := fmt.Sprintf("ttft|%s|%s|%t", h.poolKey, modelLabel(info.Model), info.Stream)
-	if v, ok := h.trackers.Load(key); ok {
-		return v.(*hedge.LatencyTracker)
-	}
-	h.stateMu.Lock()
-	defer h.stateMu.Unlock()
-	if v, ok := h.trackers.Load(key); ok {
-		return v.(*hedge.LatencyTracker)
-	}
-	if h.cleaned {
-		// A request finishing on a replaced config: share the current
-		// tracker if there is one, without taking a reference.
-		if e, ok := poolPeek(hedgePool, key).(hedgeEntry); ok {
-			return e.v.(*hedge.LatencyTracker)
-		}
-		return hedge.NewLatencyTracker(0, hedge.SystemClock{})
-	}
-	v, _, _ := hedgePool.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return hedgeEntry{hedge.NewLatencyTracker(0, hedge.SystemClock{})}, nil
-	})
-	t := v.(hedgeEntry).v.(*hedge.LatencyTracker)
-	h.trackers.Store(key, t)
-	h.hedgeKeys = append(h.hedgeKeys, key)
-	return t
-}

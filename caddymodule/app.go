@@ -1,0 +1,130 @@
+package caddymodule
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+	"go.uber.org/zap"
+
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
+)
+
+func init() {
+	caddy.RegisterModule(App{})
+}
+
+// App is the llm_proxy app: the settings shared by every llm_proxy handler
+// of a config (global option `llm_proxy { … }`), and the owner of the
+// background work. Tenants, tiers and the fleet connection join it in later
+// versions; today it has no settings of its own.
+//
+// Every handler provisions its upstream pool against the process-wide
+// registry and hands it to its config's App. Starting the App applies the
+// config's settings to shared upstream entries (breaker thresholds, active
+// probing); stopping it hands them back to the newest config still running.
+// So a config that fails to load never changes live state, and background
+// loops (active probes now; metric scrapers and fleet refresh next) run once
+// per upstream however many handlers use it, survive reloads handed over to
+// the newest config, and stop when their upstream is released.
+type App struct {
+	pools  []*upstream.Pool
+	logger *zap.Logger
+	events *caddyevents.App
+	ctx    caddy.Context
+}
+
+// CaddyModule returns the Caddy module information.
+func (App) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "llm_proxy",
+		New: func() caddy.Module { return new(App) },
+	}
+}
+
+// reg is the process-wide registry of upstream entries and pool state: it
+// outlives every config, which is what keeps state across reloads.
+var reg = upstream.NewRegistry(upstreamObserver{})
+
+// Provision loads the events app, to which breaker transitions are emitted.
+func (a *App) Provision(ctx caddy.Context) error {
+	a.ctx, a.logger = ctx, ctx.Logger()
+	ev, err := ctx.App("events")
+	if err != nil {
+		return fmt.Errorf("loading events app: %w", err)
+	}
+	a.events = ev.(*caddyevents.App)
+	return nil
+}
+
+func (a *App) registry() *upstream.Registry { return reg }
+
+// adopt records a pool provisioned in this config, to be activated when the
+// config starts. Caddy provisions, starts and stops a config from one
+// goroutine, so pools needs no lock.
+func (a *App) adopt(p *upstream.Pool) { a.pools = append(a.pools, p) }
+
+// Start makes this config's settings the live ones: its pools' breaker
+// settings and probers apply to the shared entries, and breaker transitions
+// are logged and emitted through this config's logger and events app.
+func (a *App) Start() error {
+	current.push(a)
+	for _, p := range a.pools {
+		p.Activate()
+	}
+	return nil
+}
+
+// Stop hands the shared entries back to the newest config still running
+// (a reload's new config has started already; after a failed start, the old
+// one). The pools' references are released by the handlers' Cleanup.
+func (a *App) Stop() error {
+	for _, p := range a.pools {
+		p.Deactivate()
+	}
+	current.pop(a)
+	return nil
+}
+
+// appStack holds the running apps, newest last: breaker listeners outlive
+// the config that created their breaker and log through the newest.
+type appStack struct {
+	sync.Mutex
+	apps []*App
+}
+
+var current appStack
+
+func (c *appStack) push(a *App) {
+	c.Lock()
+	defer c.Unlock()
+	c.apps = append(c.apps, a)
+}
+
+func (c *appStack) pop(a *App) {
+	c.Lock()
+	defer c.Unlock()
+	for i, x := range c.apps {
+		if x == a {
+			c.apps = append(c.apps[:i], c.apps[i+1:]...)
+			return
+		}
+	}
+}
+
+// newestApp returns the newest running app, nil before any started.
+func newestApp() *App {
+	current.Lock()
+	defer current.Unlock()
+	if len(current.apps) == 0 {
+		return nil
+	}
+	return current.apps[len(current.apps)-1]
+}
+
+// Interface guards
+var (
+	_ caddy.App         = (*App)(nil)
+	_ caddy.Provisioner = (*App)(nil)
+)

@@ -1,0 +1,144 @@
+package upstream
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// Candidate is an upstream that may take the next attempt, as a Selector
+// sees it.
+type Candidate struct {
+	// Target is the upstream as the glue described it.
+	Target *Target
+	// Entry is its shared state (Inflight for count-aware policies).
+	Entry *Entry
+
+	br *breaker.Breaker // nil when breakers are off
+}
+
+// Pick implements proxy.Balancer (DESIGN §3 step 4): candidates are the
+// pool's upstreams minus those whose breaker refuses, minus those at their
+// max_requests, preferring those the request has not tried; the selection
+// policy chooses; an in-flight slot and the breaker's permit are taken, and
+// given back by the returned Upstream's Done.
+//
+// When none qualifies it returns a *proxy.UnavailableError: Busy when some
+// upstream was only full (it frees as soon as an attempt ends),
+// CircuitOpen when open breakers alone are the cause, with RetryAfter the
+// earliest time a breaker may let a request in.
+func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickRequest) (proxy.Upstream, error) {
+	members, err := p.members(r)
+	if err != nil {
+		return proxy.Upstream{}, fmt.Errorf("%w: %v", proxy.ErrNoUpstream, err)
+	}
+	if len(members) == 0 {
+		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
+	}
+	now := time.Now()
+	var earliest time.Time
+	open, busy := 0, 0
+	noteOpen := func(addr string, b *breaker.Breaker) {
+		open++
+		p.reg.obs.ShortCircuited(addr)
+		if at := b.RetryAt(); !at.IsZero() && (earliest.IsZero() || at.Before(earliest)) {
+			earliest = at
+		}
+	}
+	key := p.breakerKey(req.Info.Model)
+	fresh := make([]Candidate, 0, len(members))
+	var retried []Candidate
+	for _, m := range members {
+		if m.e.full(m.t.MaxRequests) {
+			busy++
+			continue
+		}
+		c := Candidate{Target: &m.t, Entry: m.e}
+		if p.cfg.Breaker != nil {
+			c.br = m.e.breakerFor(key)
+		}
+		if c.br != nil {
+			if req.Hedge && c.br.State() != breaker.Closed {
+				continue // never hedge onto a recovering upstream
+			}
+			if at := c.br.RetryAt(); !at.IsZero() && at.After(now) {
+				noteOpen(m.t.Addr, c.br)
+				continue
+			}
+		}
+		if slices.Contains(req.Tried, m.t.Addr) {
+			retried = append(retried, c)
+		} else {
+			fresh = append(fresh, c)
+		}
+	}
+	if len(fresh) == 0 && !req.Hedge {
+		// Every upstream that accepts was tried: allow them again. A
+		// hedge only ever goes to another upstream.
+		fresh = retried
+	}
+	for len(fresh) > 0 {
+		i := p.sel.Select(fresh, r, w)
+		if i < 0 || i >= len(fresh) {
+			return proxy.Upstream{}, fmt.Errorf("%w: none of %d upstream(s) is available", proxy.ErrNoUpstream, len(fresh))
+		}
+		c := fresh[i]
+		fresh = slices.Delete(fresh, i, i+1)
+		if !c.Entry.acquire(c.Target.MaxRequests) {
+			busy++ // filled up since the scan
+			continue
+		}
+		if c.br == nil {
+			return p.upstream(c, nil), nil
+		}
+		if permit, ok := c.br.Allow(); ok {
+			return p.upstream(c, &permit), nil
+		}
+		// Lost the race for a half-open probe slot: try the others.
+		c.Entry.releaseSlot()
+		noteOpen(c.Target.Addr, c.br)
+	}
+	ue := &proxy.UnavailableError{RetryAfter: max(earliest.Sub(now), 0)}
+	switch {
+	case busy > 0:
+		ue.Busy, ue.RetryAfter = true, time.Second
+		ue.Reason = fmt.Sprintf("%d of %d upstream(s) are at max_requests and the rest are unavailable", busy, len(members))
+	case open > 0:
+		ue.CircuitOpen = true
+		ue.Reason = fmt.Sprintf("the circuit breakers of all %d upstream(s) are open", len(members))
+	default:
+		ue.Reason = fmt.Sprintf("none of %d upstream(s) can take the attempt", len(members))
+	}
+	return proxy.Upstream{}, ue
+}
+
+// upstream hands c to the proxy for one attempt: its slot and permit are
+// given back exactly once, by Done.
+func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
+	e, br, t := c.Entry, c.br, c.Target
+	return proxy.Upstream{
+		Addr:    t.Addr,
+		Closed:  br == nil || br.State() == breaker.Closed,
+		Context: t.Dial,
+		// A half-open probe is settled by its first token: a healthy
+		// stream longer than the probe timeout must not count as a hung
+		// probe. Later, Done on a settled permit does nothing.
+		Committed: func(ttft time.Duration) {
+			if permit != nil && permit.Probe() {
+				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
+			}
+		},
+		Done: func(rep *proxy.AttemptReport) {
+			e.releaseSlot()
+			if permit != nil {
+				record(br, permit, rep)
+			}
+		},
+	}
+}
+
+var _ proxy.Balancer = (*Pool)(nil)

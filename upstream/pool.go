@@ -1,0 +1,320 @@
+package upstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+)
+
+// Target is one upstream server as the glue hands it to a Pool.
+type Target struct {
+	// Addr is the dial address without network ("10.0.0.2:8000", or a
+	// socket path): the upstream's identity in the registry, metrics and
+	// logs, and the URL host of its requests.
+	Addr string
+	// MaxRequests caps this gateway's attempts in flight to it; 0 is no cap.
+	MaxRequests int
+	// Dial decorates an attempt's context with what the transport needs
+	// to reach the upstream (Caddy's dial info). Optional.
+	Dial func(context.Context) context.Context
+	// Ref is the glue's own handle on the upstream (Caddy's
+	// *reverseproxy.Upstream), for Selector adapters.
+	Ref any
+}
+
+// Source returns the upstreams for a request (Caddy's dynamic upstream
+// sources: a, srv, multi, ...). It is asked on every pick.
+type Source func(r *http.Request) ([]Target, error)
+
+// Config describes a Pool.
+type Config struct {
+	// Key identifies the pool across reloads: its sorted dial addresses,
+	// or its dynamic source's configuration. Retry budgets, hedge caps
+	// and TTFT trackers are kept per pool (and settings) under it.
+	Key string
+	// Static lists the upstreams; exclusive with Source.
+	Static []Target
+	// Source returns the upstreams per request; exclusive with Static.
+	Source Source
+	// Selector chooses among the candidates. Default LeastConn.
+	Selector Selector
+	// Breaker holds the breaker settings; nil turns breakers off.
+	Breaker *breaker.Settings
+	// ScopeModel keys breakers by upstream and requested model.
+	ScopeModel bool
+	// Prober, when set, probes upstreams whose breaker is not closed.
+	Prober *Prober
+	// Retry configures the retry budget and backoff.
+	Retry RetryConfig
+	// Hedge configures hedging; nil turns it off.
+	Hedge *HedgeConfig
+}
+
+// Bounds on the dynamic upstreams a pool remembers: addresses a source
+// stopped returning (pods that churn) are forgotten after dynamicTTL, or at
+// once when more than maxDynamic are remembered.
+const (
+	dynamicTTL        = time.Minute
+	maxDynamic        = 1024
+	dynamicSweepEvery = 10 * time.Second
+)
+
+// Pool is one handler's view of the registry: its upstreams' entries, its
+// selection policy, and its pool state. It implements proxy.Balancer (and,
+// through Retries and Hedging, proxy.Retries and proxy.Hedging). It holds
+// references from NewPool until Release; it applies its settings to shared
+// entries only once Activate is called (the config has started).
+type Pool struct {
+	reg    *Registry
+	cfg    Config
+	claims registry.Claims
+	claim  *claim
+	sel    Selector
+
+	static []*member
+	// dynamic holds the members a Source returned, by address.
+	dynamic   sync.Map // string → *member
+	nDynamic  atomic.Int64
+	lastSweep atomic.Int64
+	// mem remembers a dynamic pool's addresses across reloads.
+	mem *poolState
+
+	retries *retryGate
+	hedger  *hedger
+}
+
+// member is one upstream of a pool with its shared entry.
+type member struct {
+	t        Target
+	e        *Entry
+	lastSeen atomic.Int64 // unix ns, dynamic members
+}
+
+// NewPool builds a pool and takes its references: the entries of its static
+// upstreams (and, for a dynamic pool, of the upstreams the same source
+// returned before a reload), its retry budget and hedge cap. Nothing live
+// changes until Activate. On error every reference taken is released.
+func (r *Registry) NewPool(cfg Config) (*Pool, error) {
+	if (len(cfg.Static) == 0) == (cfg.Source == nil) {
+		return nil, errors.New("upstream pool: want static upstreams or a source, not both or neither")
+	}
+	p := &Pool{reg: r, cfg: cfg, sel: cfg.Selector}
+	if p.sel == nil {
+		p.sel = LeastConn{}
+	}
+	p.claim = &claim{gen: r.gen.Add(1), settings: cfg.Breaker, prober: cfg.Prober}
+	if cfg.Breaker == nil {
+		p.claim.prober = nil
+	}
+	if err := p.build(); err != nil {
+		p.Release()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *Pool) build() error {
+	for _, t := range p.cfg.Static {
+		if slices.ContainsFunc(p.static, func(m *member) bool { return m.t.Addr == t.Addr }) {
+			return fmt.Errorf("upstream %s is listed twice", t.Addr)
+		}
+		e, err := p.hold(t.Addr)
+		if err != nil {
+			return err
+		}
+		p.static = append(p.static, &member{t: t, e: e})
+	}
+	if p.cfg.Source != nil {
+		mem, err := p.reg.state.Acquire(&p.claims, "dynamic|"+p.cfg.Key, newPoolState, nil)
+		if err != nil {
+			return err
+		}
+		p.mem = mem
+		// Hold what the same source returned before a reload, so that
+		// its breakers survive until the source is asked again.
+		for _, addr := range mem.addrs() {
+			if _, err := p.hold(addr); err != nil {
+				return err
+			}
+		}
+	}
+	var err error
+	if p.retries, err = p.newRetryGate(); err != nil {
+		return err
+	}
+	if p.cfg.Hedge != nil {
+		if p.hedger, err = p.newHedger(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// hold takes the pool's reference to the entry for addr.
+func (p *Pool) hold(addr string) (*Entry, error) {
+	e, err := p.reg.entries.Acquire(&p.claims, addr,
+		func() (*Entry, error) { return newEntry(p.reg, addr), nil },
+		func(e *Entry) { e.dropClaim(p.claim) })
+	if err == nil {
+		e.addClaim(p.claim)
+	}
+	return e, err
+}
+
+// Activate applies the pool's settings to its entries: its config has
+// started, so it is the newest running one. Entries the pool takes later
+// (dynamic upstreams) get them at once.
+func (p *Pool) Activate() { p.setActive(true) }
+
+// Deactivate hands the entries back to the newest other running config
+// (this config stopped, or another app of it failed to start).
+func (p *Pool) Deactivate() { p.setActive(false) }
+
+func (p *Pool) setActive(on bool) {
+	p.claim.active.Store(on)
+	for _, e := range p.entries() {
+		e.reconcile()
+	}
+}
+
+// Release drops every reference the pool holds (Cleanup). Requests still
+// running on it keep working; it takes no new references.
+func (p *Pool) Release() { p.claims.Release() }
+
+// entries returns the entries the pool holds now.
+func (p *Pool) entries() []*Entry {
+	var out []*Entry
+	for _, m := range p.static {
+		out = append(out, m.e)
+	}
+	p.dynamic.Range(func(_, v any) bool {
+		out = append(out, v.(*member).e)
+		return true
+	})
+	if p.mem != nil {
+		for _, addr := range p.mem.addrs() {
+			if e, ok := p.reg.Entry(addr); ok && !slices.Contains(out, e) {
+				out = append(out, e)
+			}
+		}
+	}
+	return out
+}
+
+// members returns the pool's upstreams for r.
+func (p *Pool) members(r *http.Request) ([]*member, error) {
+	if p.cfg.Source == nil {
+		return p.static, nil
+	}
+	ts, err := p.cfg.Source(r)
+	if err != nil {
+		return nil, fmt.Errorf("dynamic upstreams: %w", err)
+	}
+	now := time.Now().UnixNano()
+	out := make([]*member, 0, len(ts))
+	for _, t := range ts {
+		m, err := p.dynamicMember(t)
+		if err != nil {
+			return nil, err
+		}
+		m.lastSeen.Store(now)
+		out = append(out, m)
+	}
+	p.sweep(now, out)
+	return out, nil
+}
+
+// dynamicMember returns the member for a dynamic upstream, taking the
+// pool's reference to its entry on first sight.
+func (p *Pool) dynamicMember(t Target) (*member, error) {
+	if v, ok := p.dynamic.Load(t.Addr); ok {
+		m := v.(*member)
+		if m.t.MaxRequests == t.MaxRequests {
+			return m, nil
+		}
+	}
+	e, err := p.hold(t.Addr)
+	if errors.Is(err, registry.ErrReleased) {
+		// A request on a replaced config: use the live entry if any,
+		// without a reference; else a detached one (no breakers).
+		if e == nil {
+			e = newEntry(p.reg, t.Addr)
+		}
+	} else if err != nil {
+		return nil, err
+	} else if p.mem != nil {
+		p.mem.remember(t.Addr)
+	}
+	m := &member{t: t, e: e}
+	if v, loaded := p.dynamic.LoadOrStore(t.Addr, m); loaded {
+		old := v.(*member)
+		if old.t.MaxRequests == t.MaxRequests {
+			return old, nil
+		}
+		p.dynamic.Store(t.Addr, m)
+		return m, nil
+	}
+	p.nDynamic.Add(1)
+	return m, nil
+}
+
+// sweep forgets dynamic upstreams that the source no longer returns, and
+// releases their entries.
+func (p *Pool) sweep(now int64, current []*member) {
+	last := p.lastSweep.Load()
+	over := p.nDynamic.Load() > maxDynamic
+	if !over && now-last < int64(dynamicSweepEvery) {
+		return
+	}
+	if !p.lastSweep.CompareAndSwap(last, now) {
+		return // another request sweeps
+	}
+	p.dynamic.Range(func(k, v any) bool {
+		m := v.(*member)
+		if now-m.lastSeen.Load() > int64(dynamicTTL) || (over && !slices.Contains(current, m)) {
+			p.dynamic.Delete(k)
+			p.nDynamic.Add(-1)
+			if p.mem != nil {
+				p.mem.forget(m.t.Addr)
+			}
+			registry.Drop(&p.claims, p.reg.entries, m.t.Addr)
+		}
+		return true
+	})
+}
+
+// breakerKey is the model part of a breaker's key for a request's model.
+func (p *Pool) breakerKey(model string) string {
+	if !p.cfg.ScopeModel {
+		return ""
+	}
+	return p.reg.Models.BreakerKey(model)
+}
+
+// BreakerState returns the state of the breaker of addr for model ("" when
+// breakers are off or the upstream is not in the registry any more).
+func (p *Pool) BreakerState(addr, model string) string {
+	if p.cfg.Breaker == nil || addr == "" {
+		return ""
+	}
+	e, ok := p.reg.Entry(addr)
+	if !ok {
+		return ""
+	}
+	b := e.lookupBreaker(p.breakerKey(model))
+	if b == nil {
+		return ""
+	}
+	return b.State().String()
+}
+
+// Registry returns the registry the pool belongs to.
+func (p *Pool) Registry() *Registry { return p.reg }

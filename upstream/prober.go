@@ -1,0 +1,176 @@
+package upstream
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
+// Defaults of Prober.
+const (
+	// DefaultProbeInterval is the time between active probes while a
+	// breaker is not closed.
+	DefaultProbeInterval = 5 * time.Second
+	// DefaultProbeURI is the GET probe's path when neither URI nor Chat is set.
+	DefaultProbeURI = "/health"
+	// maxProbeBody bounds the probe response read.
+	maxProbeBody = 1 << 20
+)
+
+// Prober sends the gateway's own probes to an upstream whose breaker is not
+// closed (active probing), so that no user request is risked on it: users
+// are routed elsewhere until the breaker's RecoverySuccesses probes pass.
+// One probe loop runs per upstream entry, however many configs ask for it;
+// the newest started config's Prober is the one used.
+type Prober struct {
+	// Transport sends the probe (the handler's transport). Required.
+	Transport http.RoundTripper
+	// Dial decorates the probe's context with what Transport needs to
+	// reach the upstream at addr (Caddy's dial info). Optional.
+	Dial func(ctx context.Context, addr string) context.Context
+	// URI is the path of a GET probe. Default DefaultProbeURI when Chat is empty.
+	URI string
+	// Chat, when set, is a JSON body POSTed to /v1/chat/completions instead
+	// of the GET.
+	Chat string
+	// Interval is the time between probes. Default DefaultProbeInterval.
+	Interval time.Duration
+	// Timeout bounds one probe: the handler's first_byte_timeout, so a
+	// hanging probe fails when a hanging user attempt would. Default 60s.
+	Timeout time.Duration
+}
+
+func (p *Prober) interval() time.Duration {
+	if p.Interval > 0 {
+		return p.Interval
+	}
+	return DefaultProbeInterval
+}
+
+// send runs one probe against addr: success is a 2xx with a complete body
+// within Timeout. It ends early when ctx does (the entry was released).
+func (p *Prober) send(ctx context.Context, addr string) error {
+	timeout := p.Timeout
+	if timeout <= 0 {
+		timeout = 60 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if p.Dial != nil {
+		ctx = p.Dial(ctx, addr)
+	}
+	method, path, body := http.MethodGet, p.URI, io.Reader(nil)
+	if path == "" {
+		path = DefaultProbeURI
+	}
+	if p.Chat != "" {
+		method, path, body = http.MethodPost, "/v1/chat/completions", strings.NewReader(p.Chat)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://"+addr+path, body)
+	if err != nil {
+		return err
+	}
+	req.URL.Scheme = "" // the transport sets http or https
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set("User-Agent", "caddy-llm-proxy-probe")
+	resp, err := p.Transport.RoundTrip(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if _, err := io.Copy(io.Discard, io.LimitReader(resp.Body, maxProbeBody)); err != nil {
+		return fmt.Errorf("reading probe response: %w", err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("probe %s %s: status %d", method, path, resp.StatusCode)
+	}
+	return nil
+}
+
+// maybeProbe starts the entry's probe loop when the effective config probes
+// actively, some breaker is not closed, and no loop runs. The loop belongs
+// to the entry, not to a config: it survives reloads (handed over to the
+// newest config's Prober) and stops when every breaker is closed, active
+// probing is turned off, or the entry is destroyed.
+func (e *Entry) maybeProbe() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.probing || e.destroyed || e.eff == nil || e.eff.prober == nil || !e.anyOpenLocked() {
+		return
+	}
+	e.probing = true
+	e.reg.loops.Add(1)
+	go e.probeLoop()
+}
+
+func (e *Entry) anyOpenLocked() bool {
+	for _, b := range e.breakerMap() {
+		if b.State() != breaker.Closed {
+			return true
+		}
+	}
+	return false
+}
+
+// probeLoop probes every interval; one probe answers for every breaker of
+// the entry that is due (the server is back or not, whatever the model).
+func (e *Entry) probeLoop() {
+	defer e.reg.loops.Add(-1)
+	for {
+		e.mu.Lock()
+		p := (*Prober)(nil)
+		if e.eff != nil {
+			p = e.eff.prober
+		}
+		if p == nil || e.destroyed || !e.anyOpenLocked() {
+			e.probing = false
+			e.mu.Unlock()
+			return
+		}
+		e.mu.Unlock()
+		t := time.NewTimer(p.interval())
+		select {
+		case <-e.ctx.Done():
+			t.Stop()
+			e.mu.Lock()
+			e.probing = false
+			e.mu.Unlock()
+			return
+		case <-t.C:
+		}
+		var permits []breaker.Permit
+		for _, b := range e.Breakers() {
+			if !b.ProbeDue() {
+				continue
+			}
+			if permit, ok := b.AllowProbe(); ok {
+				permits = append(permits, permit)
+			}
+		}
+		if len(permits) == 0 {
+			continue
+		}
+		err := p.send(e.ctx, e.addr)
+		if e.ctx.Err() != nil {
+			// Released while probing: the answer says nothing.
+			for i := range permits {
+				permits[i].Done(breaker.Neutral, 0, "")
+			}
+			continue
+		}
+		for i := range permits {
+			if err != nil {
+				permits[i].Done(breaker.Failure, 0, "active probe: "+err.Error())
+			} else {
+				permits[i].Done(breaker.Success, 0, "")
+			}
+		}
+	}
+}

@@ -1,0 +1,48 @@
+package upstream
+
+import (
+	"fmt"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// record gives an attempt's outcome to its upstream's breaker: the upstream
+// column of DESIGN §4's failure table, in one place.
+//
+//   - upstream faults (connection errors, first-byte timeouts, 5xx, 429,
+//     in-band 5xx-like and rate-limit errors, truncated streams, idle
+//     timeouts) are failures, with the TTFT for the slow-call rule;
+//   - a success is a success, with its TTFT (slow_ttft may still count it);
+//   - a 4xx is the client's fault: neutral, so a stream of bad requests
+//     neither resets a failing upstream's run of failures nor dilutes its
+//     failure ratio; but a half-open probe answered with a 4xx proves the
+//     server is back, so there it is a success;
+//   - a cancelled attempt (client gone, hedge loser, config unloaded), the
+//     client's own stream_timeout, a gateway panic, and a pick given back
+//     unused (rep nil) are neutral.
+//
+// A 429 or 503 with Retry-After also keeps the breaker open that long.
+func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) {
+	if rep == nil {
+		p.Done(breaker.Neutral, 0, "")
+		return
+	}
+	switch o := rep.Outcome; {
+	case o == proxy.AttemptSuccess:
+		p.Done(breaker.Success, rep.TTFT, "")
+	case o == proxy.AttemptHTTP4xx || o == proxy.AttemptInbandError4xx:
+		if p.Probe() {
+			p.Done(breaker.Success, 0, "")
+		} else {
+			p.Done(breaker.Neutral, 0, "")
+		}
+	case o.UpstreamFault():
+		p.Done(breaker.Failure, rep.TTFT, o.String())
+	default:
+		p.Done(breaker.Neutral, 0, "")
+	}
+	if rep.RetryAfter > 0 {
+		b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+	}
+}

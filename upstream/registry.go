@@ -1,0 +1,131 @@
+// Package upstream is the gateway's pool of inference servers: one shared
+// Entry per upstream server (dial address) holding its in-flight count, its
+// circuit breakers and its active prober; the Pool that a handler picks
+// from (candidate filtering by breaker, capacity and what was tried, then
+// the selection policy, then a permit); the recording of each attempt's
+// outcome on its breaker (DESIGN §4); and the per-pool retry budget, hedge
+// cap and TTFT trackers. It knows HTTP but nothing of Caddy: the Caddy glue
+// adapts Caddy's selection policies, upstream sources and transport to it.
+package upstream
+
+import (
+	"sync/atomic"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+)
+
+// Observer receives the pool's events for metrics and logs. Calls come from
+// request goroutines and probe loops; implementations must be safe for
+// concurrent use and cheap.
+type Observer interface {
+	// BreakerCreated is called when an upstream's breaker is created; key
+	// is "" for the per-upstream breaker, the model under scope model.
+	BreakerCreated(upstream, key string)
+	// BreakerTransition reports a state change of a live breaker.
+	BreakerTransition(upstream, key string, tr breaker.Transition)
+	// BreakerGone is called when a breaker is forgotten (its upstream
+	// released, or breakers turned off): its gauges should go.
+	BreakerGone(upstream, key string)
+	// ShortCircuited is called when an upstream is skipped because its
+	// breaker refused.
+	ShortCircuited(upstream string)
+	// HedgeDelay reports the hedge delay computed for a request.
+	HedgeDelay(model string, stream bool, d time.Duration)
+}
+
+// NopObserver discards every event.
+type NopObserver struct{}
+
+func (NopObserver) BreakerCreated(string, string)                       {}
+func (NopObserver) BreakerTransition(string, string, breaker.Transition) {}
+func (NopObserver) BreakerGone(string, string)                          {}
+func (NopObserver) ShortCircuited(string)                               {}
+func (NopObserver) HedgeDelay(string, bool, time.Duration)              {}
+
+// Registry is the process-wide home of upstream entries and pool state,
+// keyed by identities that do not change across reloads: entries by dial
+// address, pool state by the pool's identity and settings. A Pool takes its
+// references at construction (Provision) and drops them in Release
+// (Cleanup), through one registry.Claims.
+type Registry struct {
+	obs     Observer
+	entries *registry.Table[*Entry]
+	state   *registry.Table[*poolState]
+	// Models bounds the model names used as metric labels and breaker keys.
+	Models *ModelNames
+	// gen numbers pools, newest highest.
+	gen atomic.Uint64
+	// loops counts the probe loops running.
+	loops atomic.Int64
+}
+
+// NewRegistry returns an empty registry reporting to obs (nil: NopObserver).
+func NewRegistry(obs Observer) *Registry {
+	if obs == nil {
+		obs = NopObserver{}
+	}
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels)}
+	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
+	r.state = registry.NewTable[*poolState](nil)
+	return r
+}
+
+// Entry returns the entry for a dial address without taking a reference.
+func (r *Registry) Entry(addr string) (*Entry, bool) { return r.entries.Peek(addr) }
+
+// Entries returns every entry, sorted by address.
+func (r *Registry) Entries() []*Entry {
+	_, es := r.entries.Snapshot()
+	return es
+}
+
+// EntryRefs returns how many configs hold the entry for addr.
+func (r *Registry) EntryRefs(addr string) int { return r.entries.Refs(addr) }
+
+// ProbeLoops returns the number of active-probe loops running.
+func (r *Registry) ProbeLoops() int { return int(r.loops.Load()) }
+
+// BreakerView is one breaker with its upstream, for the admin API.
+type BreakerView struct {
+	breaker.Snapshot
+	Upstream string `json:"upstream"`
+	Model    string `json:"model,omitempty"`
+	// Inflight is the attempts in progress to the upstream.
+	Inflight int64 `json:"inflight"`
+}
+
+// Breakers returns every live breaker, sorted by key.
+func (r *Registry) Breakers() []BreakerView {
+	var out []BreakerView
+	for _, e := range r.Entries() {
+		for k, b := range e.Breakers() {
+			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k, Inflight: e.Inflight()})
+		}
+	}
+	sortViews(out)
+	return out
+}
+
+// Breaker returns the breaker under key ("addr", or "addr|model" under
+// scope model), nil if none.
+func (r *Registry) Breaker(key string) (*breaker.Breaker, *Entry) {
+	for _, e := range r.Entries() {
+		if len(key) < len(e.addr) || key[:len(e.addr)] != e.addr {
+			continue
+		}
+		model := key[len(e.addr):]
+		switch {
+		case model == "":
+		case model[0] == '|':
+			model = model[1:]
+		default:
+			continue
+		}
+		if b := e.lookupBreaker(model); b != nil {
+			return b, e
+		}
+	}
+	return nil, nil
+}
