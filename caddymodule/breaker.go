@@ -125,7 +125,6 @@ func (c *BreakerConfig) settings(probeTimeout time.Duration) breaker.Settings {
 	}
 }
 
-
 // validate checks what a Caddyfile would refuse too, so JSON configs get the
 // same errors.
 func (c *BreakerConfig) validate() error {

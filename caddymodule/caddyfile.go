@@ -306,4 +306,3 @@ func splitHostPort(s string) (string, string, error) { return net.SplitHostPort(
 
 // Interface guard
 var _ caddyfile.Unmarshaler = (*Handler)(nil)
-

@@ -178,4 +178,3 @@ func parseProbe(d *caddyfile.Dispenser) (*ActiveProbe, error) {
 	}
 	return p, nil
 }
-

@@ -67,4 +67,3 @@ func parseHedge(d *caddyfile.Dispenser) (*HedgeConfig, error) {
 	}
 	return hc, nil
 }
-

@@ -81,4 +81,3 @@ func parseRetries(d *caddyfile.Dispenser) (*RetryConfig, error) {
 	}
 	return rc, nil
 }
-

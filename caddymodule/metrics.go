@@ -171,7 +171,9 @@ func (upstreamObserver) BreakerGone(addr, key string) {
 	metrics.breakerState.DeleteLabelValues(addr, breakerModelLabel(key))
 }
 
-func (upstreamObserver) ShortCircuited(addr string) { metrics.shortCircuited.WithLabelValues(addr).Inc() }
+func (upstreamObserver) ShortCircuited(addr string) {
+	metrics.shortCircuited.WithLabelValues(addr).Inc()
+}
 
 func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
 	mode := "json"

@@ -147,4 +147,3 @@ func (c *HedgeConfig) upstreamConfig(maxAttempts int) (*upstream.HedgeConfig, er
 		MaxHedges: c.MaxHedges,
 	}, nil
 }
-

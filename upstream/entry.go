@@ -40,7 +40,7 @@ type Entry struct {
 	// claims are the configs holding the entry, oldest first.
 	claims []*claim
 	// eff is the claim whose settings apply (nil: none wants breakers).
-	eff *claim
+	eff       *claim
 	probing   bool // a probe loop runs
 	destroyed bool
 	// Saturation snapshots and fleet bindings join the entry here.

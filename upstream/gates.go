@@ -45,7 +45,7 @@ type poolState struct {
 	// trackers holds a *hedge.LatencyTracker per trackerKey.
 	trackers sync.Map
 
-	mu    sync.Mutex
+	mu   sync.Mutex
 	seen map[string]struct{}
 }
 
@@ -99,7 +99,9 @@ func (p *Pool) newRetryGate() (*retryGate, error) {
 	var build func() (budget.Budget, error)
 	if rc.BucketMax > 0 {
 		key = fmt.Sprintf("budget|%s|bucket|%g|%g", p.cfg.Key, rc.BucketMax, rc.BucketRefill)
-		build = func() (budget.Budget, error) { return budget.NewBucket(rc.BucketMax, rc.BucketRefill, budget.SystemClock{}) }
+		build = func() (budget.Budget, error) {
+			return budget.NewBucket(rc.BucketMax, rc.BucketRefill, budget.SystemClock{})
+		}
 	} else {
 		cfg := budget.RatioConfig{Ratio: rc.Ratio, Window: rc.Window, MinPerSec: rc.MinPerSec}
 		key = fmt.Sprintf("budget|%s|ratio|%g|%v|%g", p.cfg.Key, cfg.Ratio, cfg.Window, cfg.MinPerSec)

@@ -38,11 +38,11 @@ type Observer interface {
 // NopObserver discards every event.
 type NopObserver struct{}
 
-func (NopObserver) BreakerCreated(string, string)                       {}
+func (NopObserver) BreakerCreated(string, string)                        {}
 func (NopObserver) BreakerTransition(string, string, breaker.Transition) {}
-func (NopObserver) BreakerGone(string, string)                          {}
-func (NopObserver) ShortCircuited(string)                               {}
-func (NopObserver) HedgeDelay(string, bool, time.Duration)              {}
+func (NopObserver) BreakerGone(string, string)                           {}
+func (NopObserver) ShortCircuited(string)                                {}
+func (NopObserver) HedgeDelay(string, bool, time.Duration)               {}
 
 // Registry is the process-wide home of upstream entries and pool state,
 // keyed by identities that do not change across reloads: entries by dial
