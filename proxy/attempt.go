@@ -110,16 +110,16 @@ func (rc *race) launch(up Upstream, hedge bool) {
 	rc.tried = append(rc.tried, up.Addr)
 	x.res.Attempts++
 	x.res.Upstream = up.Addr
-	a := x.startAttempt(up, rc.results)
-	a.hedge = hedge
-	rc.running = append(rc.running, a)
-	rc.inflight++
 	if !hedge {
 		rc.primaryClosed = up.Closed
 		if rc.hedging && rc.hedges < x.p.cfg.Hedging.MaxHedges() {
 			rc.armHedge()
 		}
 	}
+	a := x.startAttempt(up, rc.results)
+	a.hedge = hedge
+	rc.running = append(rc.running, a)
+	rc.inflight++
 }
 
 func (rc *race) armHedge() {

@@ -24,7 +24,7 @@ func (x *exchange) commit(a *attempt) bool {
 			x.p.obs.Hedge(HedgeLost)
 		}
 	}
-	if h := x.p.cfg.Hedging; h != nil && a.ttft > 0 {
+	if h := x.p.cfg.Hedging; h != nil {
 		h.Observe(x.res.Info, a.ttft)
 	}
 

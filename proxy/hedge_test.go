@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -72,38 +73,75 @@ func hedgedProxy(t *testing.T, cfg Config, ups ...*upstream) (*Proxy, *recording
 	return p, obs
 }
 
+// serve runs p.ServeHTTP in its own goroutine, so that the test can drive
+// the fake clock meanwhile.
+func serve(p *Proxy, w http.ResponseWriter, r *http.Request) <-chan *Result {
+	done := make(chan *Result, 1)
+	go func() { done <- p.ServeHTTP(w, r) }()
+	return done
+}
+
+// result waits for a served request, failing the test after 5s.
+func result(t *testing.T, done <-chan *Result) *Result {
+	t.Helper()
+	select {
+	case res := <-done:
+		return res
+	case <-time.After(5 * time.Second):
+		t.Fatal("request not finished within 5s")
+		return nil
+	}
+}
+
+// await waits for ch to close, failing the test after 5s.
+func await(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("%s: not within 5s", what)
+	}
+}
+
 func TestHedgeFirstEventWinsAndLoserIsCancelled(t *testing.T) {
-	primaryCancelled := make(chan time.Time, 1)
+	primaryStarted, primaryCancelled := make(chan struct{}), make(chan struct{})
 	slow := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		close(primaryStarted)
 		select {
 		case <-r.Context().Done():
-			primaryCancelled <- time.Now()
+			close(primaryCancelled)
 		case <-time.After(5 * time.Second):
 			sseUpstream(chunkB, done)(w, r)
 		}
 	})
+	var cancelledMidStream atomic.Bool
 	fast := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		sseUpstream(chunkA)(w, r)
-		time.Sleep(400 * time.Millisecond) // the stream goes on well after the commit
+		// The stream goes on only once the primary is cancelled: the
+		// loser must be cancelled at the commit, not at the stream's end.
+		select {
+		case <-primaryCancelled:
+			cancelledMidStream.Store(true)
+		case <-time.After(5 * time.Second):
+		}
 		sseUpstream(chunkEnd, done)(w, r)
 	})
+	clk := newFakeClock()
 	h := &fakeHedging{delay: 50 * time.Millisecond, allow: true}
-	p, obs := hedgedProxy(t, Config{Hedging: h, Retries: &fakeRetries{allow: true}}, slow, fast)
-	w := &firstWrite{ResponseRecorder: httptest.NewRecorder()}
-	res := p.ServeHTTP(w, post(`{"stream":true}`))
-	committed := w.at
+	p, obs := hedgedProxy(t, Config{Clock: clk, Hedging: h, Retries: &fakeRetries{allow: true}}, slow, fast)
+	w := httptest.NewRecorder()
+	served := serve(p, w, post(`{"stream":true}`))
+	await(t, primaryStarted, "primary started")
+	clk.waitTimer(t, h.delay)
+	clk.Advance(h.delay)
+	res := result(t, served)
 	if w.Body.String() != chunkA+chunkEnd+done || res.Upstream != fast.addr() || !res.Hedged {
 		t.Fatalf("body %q upstream %s hedged %v", w.Body, res.Upstream, res.Hedged)
 	}
-	select {
-	case at := <-primaryCancelled:
-		if lag := at.Sub(committed); lag > 50*time.Millisecond {
-			t.Fatalf("primary cancelled %v after the commit", lag)
-		}
-	case <-time.After(time.Second):
-		t.Fatal("primary never cancelled")
+	if !cancelledMidStream.Load() {
+		t.Fatal("the primary was not cancelled while the winner streamed")
 	}
-	waitFor(t, func() bool { return len(obs.outcomes()) == 2 })
+	obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
 	if got := strings.Join(obs.outcomes(), " "); !strings.Contains(got, slow.addr()+"=canceled") {
 		t.Fatalf("the loser must be neutral (canceled): %s", got)
 	}
@@ -113,19 +151,22 @@ func TestHedgeFirstEventWinsAndLoserIsCancelled(t *testing.T) {
 }
 
 func TestHedgeCapRefusalLeavesPrimaryToFinish(t *testing.T) {
+	release := make(chan struct{})
 	slow := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-		time.Sleep(200 * time.Millisecond)
+		await(t, release, "release")
 		sseUpstream(chunkA, done)(w, r)
 	})
 	other := newUpstream(t, sseUpstream(chunkB, done))
-	p, obs := hedgedProxy(t, Config{Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: false}}, slow, other)
-	w := httptest.NewRecorder()
-	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	clk := newFakeClock()
+	p, obs := hedgedProxy(t, Config{Clock: clk, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: false}}, slow, other)
+	served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
+	clk.waitTimer(t, 20*time.Millisecond)
+	clk.Advance(20 * time.Millisecond)
+	obs.waitFor(t, func() bool { return obs.hedges[HedgeSuppressed] == 1 })
+	close(release)
+	res := result(t, served)
 	if res.Outcome != OutcomeSuccess || res.Upstream != slow.addr() || res.Hedged || other.calls.Load() != 0 {
 		t.Fatalf("result %+v, other calls %d", res, other.calls.Load())
-	}
-	if obs.hedges[HedgeSuppressed] != 1 {
-		t.Fatalf("hedges %v", obs.hedges)
 	}
 }
 
@@ -133,16 +174,13 @@ func TestPrimaryFailingFastStartsBackupAtOnce(t *testing.T) {
 	bad := newUpstream(t, func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down", 503) })
 	good := newUpstream(t, sseUpstream(chunkA, done))
 	p, _ := hedgedProxy(t, Config{
+		Clock:   newFakeClock(), // never advanced: a backoff or a hedge delay would wait forever
 		Hedging: &fakeHedging{delay: 10 * time.Second, allow: true},
 		Retries: &fakeRetries{allow: true, backoff: time.Second},
 	}, bad, good)
-	start := time.Now()
-	res := p.ServeHTTP(httptest.NewRecorder(), post(`{"stream":true}`))
+	res := result(t, serve(p, httptest.NewRecorder(), post(`{"stream":true}`)))
 	if res.Outcome != OutcomeSuccess || res.Upstream != good.addr() {
 		t.Fatalf("result %+v", res)
-	}
-	if d := time.Since(start); d > 500*time.Millisecond {
-		t.Fatalf("the backup waited %v: with hedging on, a fast failure fails over at once", d)
 	}
 }
 
@@ -150,7 +188,7 @@ func TestRetryBackoffAndBudget(t *testing.T) {
 	h := func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down", 503) }
 	t.Run("budget refuses: one call, failure at once", func(t *testing.T) {
 		a, b := newUpstream(t, h), newUpstream(t, h)
-		p, obs := hedgedProxy(t, Config{Retries: &fakeRetries{allow: false}}, a, b)
+		p, obs := hedgedProxy(t, Config{Clock: newFakeClock(), Retries: &fakeRetries{allow: false}}, a, b)
 		w := httptest.NewRecorder()
 		res := p.ServeHTTP(w, post(`{}`))
 		if w.Code != 503 || res.Attempts != 1 || a.calls.Load()+b.calls.Load() != 1 || obs.exhausted != 1 {
@@ -159,67 +197,194 @@ func TestRetryBackoffAndBudget(t *testing.T) {
 	})
 	t.Run("budget grants: backoff, then another upstream", func(t *testing.T) {
 		a, b := newUpstream(t, h), newUpstream(t, sseUpstream(chunkA, done))
+		clk := newFakeClock()
 		r := &fakeRetries{allow: true, backoff: 150 * time.Millisecond}
-		p, obs := hedgedProxy(t, Config{Retries: r}, a, b)
-		start := time.Now()
-		res := p.ServeHTTP(httptest.NewRecorder(), post(`{"stream":true}`))
-		if res.Outcome != OutcomeSuccess || res.Retries != 1 || obs.retries != 1 || r.granted.Load() != 1 {
+		p, obs := hedgedProxy(t, Config{Clock: clk, Retries: r}, a, b)
+		served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
+		clk.waitTimer(t, r.backoff)
+		if b.calls.Load() != 0 {
+			t.Fatal("retried before the backoff passed")
+		}
+		clk.Advance(r.backoff)
+		res := result(t, served)
+		if res.Outcome != OutcomeSuccess || res.Retries != 1 || obs.retries != 1 || r.granted.Load() != 1 || b.calls.Load() != 1 {
 			t.Fatalf("result %+v retries observed %d", res, obs.retries)
 		}
-		if d := time.Since(start); d < 150*time.Millisecond {
-			t.Fatalf("retried after %v, before the 150ms backoff", d)
-		}
 	})
-}
-
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(2 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 2s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// firstWrite records when the first byte reached the client (the commit).
-type firstWrite struct {
-	*httptest.ResponseRecorder
-	at time.Time
-}
-
-func (w *firstWrite) Write(b []byte) (int, error) {
-	if w.at.IsZero() {
-		w.at = time.Now()
-	}
-	return w.ResponseRecorder.Write(b)
 }
 
 func TestClientErrorDuringHedgeIsAnsweredAtOnce(t *testing.T) {
+	answer := make(chan struct{})
 	primary := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-		time.Sleep(100 * time.Millisecond)
+		await(t, answer, "answer")
 		http.Error(w, `{"error":{"message":"context too long"}}`, 400)
 	})
-	backupCancelled := make(chan struct{})
+	backupStarted, backupCancelled := make(chan struct{}), make(chan struct{})
 	backup := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		close(backupStarted)
 		select {
 		case <-r.Context().Done():
 			close(backupCancelled)
-		case <-time.After(2 * time.Second):
+		case <-time.After(5 * time.Second):
 			http.Error(w, `{"error":{"message":"context too long"}}`, 400)
 		}
 	})
-	p, _ := hedgedProxy(t, Config{Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}}, primary, backup)
-	start := time.Now()
+	clk := newFakeClock()
+	p, _ := hedgedProxy(t, Config{Clock: clk, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}}, primary, backup)
 	w := httptest.NewRecorder()
-	res := p.ServeHTTP(w, post(`{"stream":true}`))
-	if w.Code != 400 || res.Outcome != OutcomeClientError || time.Since(start) > time.Second {
-		t.Fatalf("code %d outcome %v after %v: a 4xx must not wait for the backup", w.Code, res.Outcome, time.Since(start))
+	served := serve(p, w, post(`{"stream":true}`))
+	clk.waitTimer(t, 20*time.Millisecond)
+	clk.Advance(20 * time.Millisecond)
+	await(t, backupStarted, "backup started")
+	close(answer)
+	res := result(t, served)
+	if w.Code != 400 || res.Outcome != OutcomeClientError {
+		t.Fatalf("code %d outcome %v", w.Code, res.Outcome)
 	}
+	// Had the proxy waited for the backup, the backup would have answered
+	// after 5s instead of being cancelled.
+	await(t, backupCancelled, "the backup cancelled")
+}
+
+// pickLog is a balancer for hedge timing tests: primaries go to primary
+// (untried ones first when it lists several), backups to backup; it
+// records the clock at each pick and signals backup picks.
+type pickLog struct {
+	clk      *fakeClock
+	primary  []string
+	backup   string
+	mu       sync.Mutex
+	primPick []time.Time
+	hedgeAt  chan time.Time
+}
+
+func (b *pickLog) Pick(_ http.ResponseWriter, _ *http.Request, req PickRequest) (Upstream, error) {
+	now := b.clk.Now()
+	if req.Hedge {
+		b.hedgeAt <- now
+		return Upstream{Addr: b.backup, Closed: true}, nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.primPick = append(b.primPick, now)
+	return Upstream{Addr: b.primary[min(len(b.primPick), len(b.primary))-1], Closed: true}, nil
+}
+
+func (b *pickLog) lastPrimary() time.Time {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.primPick[len(b.primPick)-1]
+}
+
+// hedgePick waits for the backup's pick and returns the clock then.
+func (b *pickLog) hedgePick(t *testing.T) time.Time {
+	t.Helper()
 	select {
-	case <-backupCancelled:
-	case <-time.After(time.Second):
-		t.Fatal("the backup was not cancelled")
+	case at := <-b.hedgeAt:
+		return at
+	case <-time.After(5 * time.Second):
+		t.Fatal("no backup picked within 5s")
+		return time.Time{}
+	}
+}
+
+func hangUntilCancelled(started chan<- struct{}) func(http.ResponseWriter, *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		started <- struct{}{}
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	}
+}
+
+// Each primary gets its own hedge delay, counted from its own start. The
+// old bug: the hedge timer was armed once per request, so a replacement
+// primary started by a retry inherited what was left of the first one's
+// delay and was hedged too early.
+func TestReplacementPrimaryGetsItsOwnHedgeDelay(t *testing.T) {
+	const delay = 100 * time.Millisecond
+	failA := make(chan struct{})
+	a := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		await(t, failA, "fail A")
+		http.Error(w, "down", 503)
+	})
+	bStarted := make(chan struct{}, 1)
+	b := newUpstream(t, hangUntilCancelled(bStarted))
+	c := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	clk := newFakeClock()
+	bal := &pickLog{clk: clk, primary: []string{a.addr(), b.addr()}, backup: c.addr(), hedgeAt: make(chan time.Time, 1)}
+	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: bal, Clock: clk, MaxAttempts: 3,
+		Hedging: &fakeHedging{delay: delay, allow: true}, Retries: &fakeRetries{allow: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
+	clk.waitTimer(t, delay)
+	clk.Advance(80 * time.Millisecond)
+	close(failA) // A fails at 80ms and is replaced at once by B
+	select {
+	case <-bStarted:
+	case <-time.After(5 * time.Second):
+		t.Fatal("B never started")
+	}
+	var hedgedAt time.Time
+	if clk.Advance(20*time.Millisecond) > 0 {
+		hedgedAt = bal.hedgePick(t) // the first primary's delay ran out
+	} else {
+		clk.Advance(delay - 20*time.Millisecond)
+		hedgedAt = bal.hedgePick(t)
+	}
+	if got := hedgedAt.Sub(bal.lastPrimary()); got != delay {
+		t.Fatalf("backup started %v after the replacement primary, want its own delay %v", got, delay)
+	}
+	if res := result(t, served); res.Outcome != OutcomeSuccess || res.Upstream != c.addr() {
+		t.Fatalf("result %+v", res)
+	}
+}
+
+// The hedge delay runs only while a primary runs. The old bug: a delay that
+// expired during a retry's backoff fired a backup right after the retry
+// started.
+func TestHedgeDelayDoesNotRunDuringBackoff(t *testing.T) {
+	const delay = 100 * time.Millisecond
+	var calls atomic.Int64
+	aStarted := make(chan struct{}, 1)
+	a := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 1 {
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(http.StatusTooManyRequests)
+			return
+		}
+		hangUntilCancelled(aStarted)(w, r)
+	})
+	c := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	clk := newFakeClock()
+	bal := &pickLog{clk: clk, primary: []string{a.addr()}, backup: c.addr(), hedgeAt: make(chan time.Time, 1)}
+	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: bal, Clock: clk, MaxAttempts: 3,
+		Hedging: &fakeHedging{delay: delay, allow: true}, Retries: &fakeRetries{allow: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
+	clk.waitTimer(t, time.Second) // backing off for A's Retry-After
+	fired := clk.Advance(time.Second)
+	select {
+	case <-aStarted:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the retry never started")
+	}
+	var hedgedAt time.Time
+	if fired > 1 {
+		hedgedAt = bal.hedgePick(t) // the hedge timer ran during the backoff
+	} else {
+		clk.Advance(delay)
+		hedgedAt = bal.hedgePick(t)
+	}
+	if got := hedgedAt.Sub(bal.lastPrimary()); got != delay {
+		t.Fatalf("backup started %v after the retried primary, want %v", got, delay)
+	}
+	if res := result(t, served); res.Outcome != OutcomeSuccess || res.Upstream != c.addr() {
+		t.Fatalf("result %+v", res)
 	}
 }

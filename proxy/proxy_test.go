@@ -57,12 +57,45 @@ type recordingObserver struct {
 	exhausted int
 	hedges    map[string]int
 	stale     int
+	changed   chan struct{} // closed and replaced at every report
+}
+
+// note wakes waitFor; the caller holds mu.
+func (o *recordingObserver) note() {
+	if o.changed != nil {
+		close(o.changed)
+	}
+	o.changed = make(chan struct{})
+}
+
+// waitFor waits until cond, called with mu held, holds.
+func (o *recordingObserver) waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.After(5 * time.Second)
+	for {
+		o.mu.Lock()
+		ok := cond()
+		if o.changed == nil {
+			o.changed = make(chan struct{})
+		}
+		ch := o.changed
+		o.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-ch:
+		case <-deadline:
+			t.Fatal("condition not met within 5s")
+		}
+	}
 }
 
 func (o *recordingObserver) AttemptDone(a *AttemptReport) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.attempts = append(o.attempts, *a)
+	o.note()
 }
 func (o *recordingObserver) EventRelayed() { o.mu.Lock(); o.events++; o.mu.Unlock() }
 func (o *recordingObserver) Retry(string, AttemptOutcome) {
@@ -78,6 +111,7 @@ func (o *recordingObserver) Hedge(outcome string) {
 		o.hedges = map[string]int{}
 	}
 	o.hedges[outcome]++
+	o.note()
 }
 func (o *recordingObserver) StaleConnection(string) {
 	o.mu.Lock()
@@ -88,6 +122,7 @@ func (o *recordingObserver) RequestDone(r *Result) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.results = append(o.results, *r)
+	o.note()
 }
 
 func (o *recordingObserver) outcomes() []string {
