@@ -132,6 +132,7 @@ func (p *Pool) build() error {
 		}
 		p.static = append(p.static, &member{t: t, e: e})
 	}
+	p.holdBreakers()
 	if p.cfg.Source != nil {
 		mem, err := p.reg.state.Acquire(&p.claims, "dynamic|"+p.cfg.Key, newPoolState, nil)
 		if err != nil {
@@ -182,6 +183,23 @@ func (p *Pool) setActive(on bool) {
 	p.claim.active.Store(on)
 	for _, e := range p.entries() {
 		e.reconcile()
+	}
+	if on {
+		p.holdBreakers()
+	}
+}
+
+// holdBreakers creates the per-upstream breakers of the static upstreams,
+// so that they are listed and their gauges read 0 before any traffic.
+// Under scope model breakers come with requests. It creates nothing where
+// the effective config has breakers off (a config not started yet never
+// decides that for a running one).
+func (p *Pool) holdBreakers() {
+	if p.cfg.Breaker == nil || p.cfg.ScopeModel {
+		return
+	}
+	for _, m := range p.static {
+		m.e.breakerFor("")
 	}
 }
 
