@@ -187,7 +187,8 @@ func TestHedgeBackupStreamWinsByteForByteAndPrimaryIsCancelled(t *testing.T) {
 }
 
 // TestHedgeCapExhaustedLeavesSlowRequestsToTheirPrimary: with max_ratio
-// 0.1, ten fast requests earn the pool one hedge. Of six slow requests
+// 0.1 and the low-traffic floor off (min_per_sec 0), ten fast requests earn
+// the pool one hedge. Of six slow requests
 // that follow (primary TTFT 400ms, hedge after 100ms) the first is hedged
 // and won by the backup; the other five find the cap spent: their hedge is
 // suppressed, and each still completes from its primary.
@@ -203,6 +204,7 @@ func TestHedgeCapExhaustedLeavesSlowRequestsToTheirPrimary(t *testing.T) {
 		hedge {
 			after 100ms
 			max_ratio 0.1
+			min_per_sec 0
 		}
 	}`, upstreams(fleet)))
 	c := newClient(t)
