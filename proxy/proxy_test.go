@@ -340,21 +340,60 @@ func TestNothingCommittedBeforeFirstDataEvent(t *testing.T) {
 		w.WriteHeader(200)
 		_, _ = io.WriteString(w, ": ping\n\n")
 		w.(http.Flusher).Flush()
-		<-release
+		await(t, release, "release")
 		_, _ = io.WriteString(w, chunkA+done)
 	})
-	p, _, _ := newTestProxy(t, Config{}, up)
+	asked := make(chan struct{}, 16)
+	p, err := New(Config{Transport: readSignal{rt: schemeTransport{http.DefaultTransport}, reads: asked},
+		Balancer: &listBalancer{addrs: []string{up.addr()}}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	w := &watchWriter{ResponseRecorder: httptest.NewRecorder()}
-	finished := make(chan *Result)
-	go func() { finished <- p.ServeHTTP(w, post(`{"stream":true}`)) }()
-	time.Sleep(100 * time.Millisecond) // the upstream's headers and comment have arrived
+	served := serve(p, w, post(`{"stream":true}`))
+	// The proxy asks for more after it has the headers and the comment.
+	select {
+	case <-asked:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the proxy did not read the upstream body")
+	}
 	if w.wrote.Load() {
 		t.Fatal("response written before the first data event")
 	}
 	close(release)
-	if res := <-finished; res.Outcome != OutcomeSuccess {
+	if res := result(t, served); res.Outcome != OutcomeSuccess {
 		t.Fatalf("outcome %v", res.Outcome)
 	}
+}
+
+// readSignal signals each Read call on response bodies that has been
+// preceded by one that returned bytes.
+type readSignal struct {
+	rt    http.RoundTripper
+	reads chan struct{}
+}
+
+func (s readSignal) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := s.rt.RoundTrip(r)
+	if err == nil {
+		resp.Body = &signalReads{ReadCloser: resp.Body, reads: s.reads}
+	}
+	return resp, err
+}
+
+type signalReads struct {
+	io.ReadCloser
+	reads chan struct{}
+	got   bool
+}
+
+func (b *signalReads) Read(p []byte) (int, error) {
+	if b.got {
+		b.reads <- struct{}{}
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.got = b.got || n > 0
+	return n, err
 }
 
 type watchWriter struct {
@@ -369,11 +408,24 @@ func (w *watchWriter) Write(b []byte) (int, error) {
 }
 
 func TestFirstByteTimeoutFailsOverThen504(t *testing.T) {
-	hang := func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }
+	started := make(chan struct{}, 2)
+	hang := func(w http.ResponseWriter, r *http.Request) { started <- struct{}{}; <-r.Context().Done() }
 	a, b := newUpstream(t, hang), newUpstream(t, hang)
-	p, rel, obs := newTestProxy(t, Config{FirstByteTimeout: 50 * time.Millisecond, MaxAttempts: 2}, a, b)
+	clk := newFakeClock()
+	const fbt = 50 * time.Millisecond
+	p, rel, obs := newTestProxy(t, Config{Clock: clk, FirstByteTimeout: fbt, MaxAttempts: 2}, a, b)
 	w := httptest.NewRecorder()
-	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	served := serve(p, w, post(`{"stream":true}`))
+	for range 2 {
+		select {
+		case <-started:
+		case <-time.After(5 * time.Second):
+			t.Fatal("attempt never reached its upstream")
+		}
+		clk.waitTimer(t, fbt)
+		clk.Advance(fbt)
+	}
+	res := result(t, served)
 	if w.Code != 504 || res.Outcome != OutcomeTimeout || a.calls.Load() != 1 || b.calls.Load() != 1 {
 		t.Fatalf("code %d outcome %v calls %d/%d", w.Code, res.Outcome, a.calls.Load(), b.calls.Load())
 	}
@@ -393,9 +445,14 @@ func TestIdleTimeoutAfterCommit(t *testing.T) {
 		sseUpstream(chunkA)(w, r)
 		<-r.Context().Done()
 	})
-	p, _, _ := newTestProxy(t, Config{StreamIdleTimeout: 50 * time.Millisecond}, up)
+	clk := newFakeClock()
+	const idle = 50 * time.Millisecond
+	p, _, _ := newTestProxy(t, Config{Clock: clk, StreamIdleTimeout: idle}, up)
 	w := httptest.NewRecorder()
-	res := p.ServeHTTP(w, post(`{"stream":true}`))
+	served := serve(p, w, post(`{"stream":true}`))
+	clk.waitTimer(t, idle)
+	clk.Advance(idle)
+	res := result(t, served)
 	if res.Outcome != OutcomeIdleTimeout || !strings.Contains(w.Body.String(), `"code":"stream_idle_timeout"`) {
 		t.Fatalf("outcome %v body %q", res.Outcome, w.Body)
 	}
@@ -528,11 +585,16 @@ func (b *signalBody) Close() error {
 func TestUpstreamConnectionReusedAfterDone(t *testing.T) {
 	var newConns atomic.Int64
 	up := &upstream{}
+	answered := make(chan struct{}, 1)
 	up.Server = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		sseUpstream(chunkA, chunkEnd, done)(w, r)
-		// The chunked terminator follows [DONE] a little later, as from
-		// a server that flushes each event and then finishes its handler.
-		time.Sleep(30 * time.Millisecond)
+		// The chunked terminator follows [DONE] only once the client has
+		// its answer, as from a server that flushes each event and then
+		// finishes its handler.
+		select {
+		case <-answered:
+		case <-time.After(5 * time.Second):
+		}
 	}))
 	up.Config.ConnState = func(_ net.Conn, s http.ConnState) {
 		if s == http.StateNew {
@@ -554,6 +616,7 @@ func TestUpstreamConnectionReusedAfterDone(t *testing.T) {
 		if res := p.ServeHTTP(w, post(`{"stream":true}`)); res.Outcome != OutcomeSuccess {
 			t.Fatalf("request %d: %v", i, res.Outcome)
 		}
+		answered <- struct{}{}
 		select {
 		case <-closed: // the background drain read the end and closed the body
 		case <-time.After(3 * time.Second):
@@ -570,10 +633,13 @@ func TestSlowBodyEndsAtStreamTimeoutWithoutUpstream(t *testing.T) {
 	p, _, _ := newTestProxy(t, Config{StreamTimeout: 300 * time.Millisecond}, up)
 	gw := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { p.ServeHTTP(w, r) }))
 	defer gw.Close()
+	// A real connection deadline: the body read is real I/O.
 	pr, pw := io.Pipe()
+	rest := make(chan struct{})
+	defer close(rest)
 	go func() {
 		_, _ = pw.Write([]byte(`{"model":`))
-		time.Sleep(2 * time.Second) // the rest never comes in time
+		<-rest // the rest never comes in time
 		_ = pw.Close()
 	}()
 	start := time.Now()
