@@ -1,0 +1,251 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+)
+
+// closingUpstream is a raw HTTP/1.1 server that answers the first request
+// on each connection and closes the connection when a second one arrives
+// on it, as uvicorn does with a keep-alive connection it is timing out.
+func closingUpstream(t *testing.T) (addr string, requests *atomic.Int64) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	requests = &atomic.Int64{}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for n := 0; ; n++ {
+					req, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					_, _ = io.Copy(io.Discard, req.Body)
+					requests.Add(1)
+					if n > 0 {
+						return // closed as the request went out
+					}
+					body := `{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`
+					_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "+
+						itoa(len(body))+"\r\n\r\n"+body)
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String(), requests
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+func fmtInt(n int) string { return strconv.Itoa(n) }
+
+// countingTransport counts its round trips.
+type countingTransport struct {
+	rt http.RoundTripper
+	n  atomic.Int64
+}
+
+func (c *countingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	c.n.Add(1)
+	return c.rt.RoundTrip(r)
+}
+
+// A request written onto a pooled connection that the upstream is closing
+// is retried at once on a fresh connection, within the same attempt: the
+// attempt succeeds, and no connect_error reaches the breaker.
+func TestStaleKeepAliveConnectionIsRetriedOnAFreshOne(t *testing.T) {
+	for _, withFresh := range []bool{false, true} {
+		name := "retry on Transport"
+		if withFresh {
+			name = "retry on FreshTransport"
+		}
+		t.Run(name, func(t *testing.T) {
+			addr, requests := closingUpstream(t)
+			pooled := &http.Transport{}
+			t.Cleanup(pooled.CloseIdleConnections)
+			var fresh *countingTransport
+			obs := &recordingObserver{}
+			cfg := Config{Transport: schemeTransport{pooled}, Balancer: &listBalancer{addrs: []string{addr}}, Observer: obs}
+			if withFresh {
+				fresh = &countingTransport{rt: schemeTransport{&http.Transport{DisableKeepAlives: true}}}
+				cfg.FreshTransport = fresh
+			}
+			p, err := New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range 2 { // the second request goes out on the pooled connection
+				w := httptest.NewRecorder()
+				res := p.ServeHTTP(w, post(`{"model":"m"}`))
+				if res.Outcome != OutcomeSuccess || res.Attempts != 1 || w.Code != 200 {
+					t.Fatalf("request %d: outcome %v attempts %d code %d; attempts %v", i, res.Outcome, res.Attempts, w.Code, obs.outcomes())
+				}
+			}
+			if got := strings.Join(obs.outcomes(), " "); strings.Contains(got, "connect_error") || len(obs.attempts) != 2 {
+				t.Fatalf("attempt reports %s: want two successes", got)
+			}
+			if obs.stale != 1 || requests.Load() != 3 {
+				t.Fatalf("stale connections %d, upstream requests %d; want 1 and 3", obs.stale, requests.Load())
+			}
+			if withFresh && fresh.n.Load() != 1 {
+				t.Fatalf("FreshTransport used %d times, want 1", fresh.n.Load())
+			}
+		})
+	}
+}
+
+func TestUnavailableResponses(t *testing.T) {
+	cases := []struct {
+		name       string
+		err        *UnavailableError
+		code       string
+		retryAfter string
+		breaker    string
+		outcome    Outcome
+	}{
+		{"every upstream busy", &UnavailableError{Busy: true, RetryAfter: 30e9, Reason: "all at max_requests"}, "upstreams_busy", "1", "", OutcomeNoUpstream},
+		{"breakers open", &UnavailableError{CircuitOpen: true, RetryAfter: 5e9, Reason: "open"}, "circuit_open", "5", "open", OutcomeCircuitOpen},
+		{"open wins over busy", &UnavailableError{CircuitOpen: true, Busy: true, RetryAfter: 2e9}, "circuit_open", "2", "open", OutcomeCircuitOpen},
+		{"other", &UnavailableError{RetryAfter: 3e9}, "no_upstream", "3", "", OutcomeNoUpstream},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			bal := balancerFunc(func(PickRequest) (Upstream, error) { return Upstream{}, tc.err })
+			p, _ := New(Config{Transport: http.DefaultTransport, Balancer: bal})
+			w := httptest.NewRecorder()
+			res := p.ServeHTTP(w, post(`{}`))
+			if w.Code != 503 || res.Outcome != tc.outcome || !strings.Contains(w.Body.String(), `"code":"`+tc.code+`"`) ||
+				w.Header().Get("Retry-After") != tc.retryAfter || w.Header().Get("X-Circuit-Breaker") != tc.breaker {
+				t.Fatalf("code %d outcome %v headers %v body %s", w.Code, res.Outcome, w.Header(), w.Body)
+			}
+		})
+	}
+}
+
+func TestUsageAndContentEventsReported(t *testing.T) {
+	usage := func(p, c int) string {
+		return "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":" + fmtInt(p) + ",\"completion_tokens\":" + fmtInt(c) + "}}\n\n"
+	}
+	t.Run("streamed usage chunk", func(t *testing.T) {
+		up := newUpstream(t, sseUpstream(": ping\n\n", chunkA, chunkB, chunkEnd, usage(5, 3), done))
+		p, _, _ := newTestProxy(t, Config{}, up)
+		res := p.ServeHTTP(httptest.NewRecorder(), post(`{"stream":true}`))
+		if res.Usage != (Usage{PromptTokens: 5, CompletionTokens: 3, Reported: true}) || res.ContentEvents != 4 || res.Events != 6 {
+			t.Fatalf("usage %+v content events %d events %d", res.Usage, res.ContentEvents, res.Events)
+		}
+	})
+	t.Run("cumulative usage on every chunk: the last counts", func(t *testing.T) {
+		up := newUpstream(t, sseUpstream(usage(5, 1), usage(5, 2), usage(5, 3), done))
+		p, _, _ := newTestProxy(t, Config{}, up)
+		res := p.ServeHTTP(httptest.NewRecorder(), post(`{"stream":true}`))
+		if res.Usage != (Usage{PromptTokens: 5, CompletionTokens: 3, Reported: true}) {
+			t.Fatalf("usage %+v", res.Usage)
+		}
+	})
+	t.Run("no usage", func(t *testing.T) {
+		up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _, _ := newTestProxy(t, Config{}, up)
+		res := p.ServeHTTP(httptest.NewRecorder(), post(`{"stream":true}`))
+		if res.Usage.Reported || res.ContentEvents != 2 {
+			t.Fatalf("usage %+v content events %d", res.Usage, res.ContentEvents)
+		}
+	})
+	t.Run("non-streaming body", func(t *testing.T) {
+		up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":7,"completion_tokens":2}}`)
+		})
+		p, _, _ := newTestProxy(t, Config{}, up)
+		res := p.ServeHTTP(httptest.NewRecorder(), post(`{}`))
+		if res.Usage != (Usage{PromptTokens: 7, CompletionTokens: 2, Reported: true}) {
+			t.Fatalf("usage %+v", res.Usage)
+		}
+	})
+}
+
+type testIdentifier struct{ err error }
+
+func (i testIdentifier) Identify(r *http.Request, _ RequestInfo) (Identity, error) {
+	return Identity{Tenant: r.Header.Get("X-Test-Tenant")}, i.err
+}
+
+type testAdmitter struct {
+	err      error
+	admitted atomic.Int64
+	released atomic.Int64
+	last     atomic.Pointer[Result]
+}
+
+func (a *testAdmitter) Admit(_ context.Context, id Identity, _ RequestInfo) (Admission, error) {
+	if a.err != nil {
+		return nil, a.err
+	}
+	a.admitted.Add(1)
+	return admissionFunc(func(res *Result) { a.released.Add(1); a.last.Store(res) }), nil
+}
+
+type admissionFunc func(*Result)
+
+func (f admissionFunc) Release(res *Result) { f(res) }
+
+func TestAdmissionIsReleasedOnceWithUsage(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\n\n", done))
+	adm := &testAdmitter{}
+	p, _, _ := newTestProxy(t, Config{Identifier: testIdentifier{}, Admitter: adm}, up)
+	r := post(`{"stream":true}`)
+	r.Header.Set("X-Test-Tenant", "acme")
+	res := p.ServeHTTP(httptest.NewRecorder(), r)
+	if adm.admitted.Load() != 1 || adm.released.Load() != 1 {
+		t.Fatalf("admitted %d released %d", adm.admitted.Load(), adm.released.Load())
+	}
+	got := adm.last.Load()
+	if got.Identity.Tenant != "acme" || got.Usage.CompletionTokens != 2 || got.Outcome != OutcomeSuccess || res != got {
+		t.Fatalf("released with %+v", got)
+	}
+}
+
+func TestRefusalsAreWrittenWithoutCallingAnUpstream(t *testing.T) {
+	limit := &GatewayError{Status: 429, Type: TypeRateLimit, Code: "tenant_rate_limited", Message: "requests per minute",
+		RetryAfter: 7, Header: http.Header{"X-Ratelimit-Remaining-Requests": {"0"}}}
+	cases := []struct {
+		name    string
+		cfg     Config
+		code    int
+		outcome Outcome
+	}{
+		{"identifier refuses", Config{Identifier: testIdentifier{err: &GatewayError{Status: 401, Type: TypeInvalidRequest, Code: "invalid_api_key"}}}, 401, OutcomeRefused},
+		{"admitter refuses", Config{Admitter: &testAdmitter{err: limit}}, 429, OutcomeRefused},
+		{"admitter fails", Config{Admitter: &testAdmitter{err: io.ErrUnexpectedEOF}}, 500, OutcomeInternalError},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			up := newUpstream(t, sseUpstream(chunkA, done))
+			p, _, obs := newTestProxy(t, tc.cfg, up)
+			w := httptest.NewRecorder()
+			res := p.ServeHTTP(w, post(`{}`))
+			if w.Code != tc.code || res.Outcome != tc.outcome || up.calls.Load() != 0 || len(obs.results) != 1 {
+				t.Fatalf("code %d outcome %v upstream calls %d", w.Code, res.Outcome, up.calls.Load())
+			}
+			if tc.code == 429 && (w.Header().Get("Retry-After") != "7" || w.Header().Get("X-Ratelimit-Remaining-Requests") != "0") {
+				t.Fatalf("headers %v", w.Header())
+			}
+		})
+	}
+}
