@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/hedge"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -222,3 +223,5 @@ func probeServer(t *testing.T, status int) (addr string, probes func() int) {
 		return n
 	}
 }
+
+func hedgeFixed(d time.Duration) hedge.DelayPolicy { return hedge.DelayPolicy{Fixed: d} }
