@@ -54,6 +54,8 @@ type attempt struct {
 	ttft  time.Duration
 	// hedge is true for a backup attempt started by the hedge timer.
 	hedge bool
+	// conn tells a stale keep-alive connection from a failing upstream.
+	conn connTrace
 
 	// Facts of the pre-commit phase.
 	//
@@ -179,14 +181,13 @@ func (a *attempt) preCommit() {
 // times.
 func (a *attempt) roundTrip() (*http.Response, error) {
 	rt := a.x.p.cfg.Transport
+	ct := &a.conn
+	ct.hooks.GotConn, ct.hooks.GotFirstResponseByte = ct.gotConn, ct.gotFirstByte
 	for n := 0; ; n++ {
-		var reused, gotByte atomic.Bool
-		trace := &httptrace.ClientTrace{
-			GotConn:              func(i httptrace.GotConnInfo) { reused.Store(i.Reused) },
-			GotFirstResponseByte: func() { gotByte.Store(true) },
-		}
-		resp, err := rt.RoundTrip(a.request(trace))
-		if err == nil || !reused.Load() || gotByte.Load() || a.ctx.Err() != nil || n == maxStaleRetries {
+		ct.reused.Store(false)
+		ct.gotByte.Store(false)
+		resp, err := rt.RoundTrip(a.request(&ct.hooks))
+		if err == nil || !ct.reused.Load() || ct.gotByte.Load() || a.ctx.Err() != nil || n == maxStaleRetries {
 			return resp, err
 		}
 		a.x.p.obs.StaleConnection(a.up.Addr)
@@ -198,6 +199,17 @@ func (a *attempt) roundTrip() (*http.Response, error) {
 		}
 	}
 }
+
+// connTrace records, for one round trip, whether its connection was reused
+// and whether any response byte arrived. It lives in the attempt, so the
+// trace costs two method values per attempt, not a fresh set per try.
+type connTrace struct {
+	reused, gotByte atomic.Bool
+	hooks           httptrace.ClientTrace
+}
+
+func (c *connTrace) gotConn(i httptrace.GotConnInfo) { c.reused.Store(i.Reused) }
+func (c *connTrace) gotFirstByte()                   { c.gotByte.Store(true) }
 
 // request builds the outbound request: the client's request with the kept
 // body, its own context, and headers prepared once per exchange.
