@@ -9,8 +9,7 @@ import (
 	"time"
 )
 
-// Option configures a Breaker (New) or every breaker of a Registry
-// (NewRegistry).
+// Option configures a Breaker (New).
 type Option func(*options)
 
 type options struct {
@@ -67,7 +66,7 @@ func WithStore(s Store) Option {
 // path reads it with one atomic load.
 type config struct {
 	s     Settings // effective: defaults applied, invalid values replaced
-	raw   Settings // as given, for Registry.Get's change test
+	raw   Settings // as given, for fresh
 	fails *window  // FailuresWindow; failures only (recorded under the lock)
 	ratio *window  // RatioWindow; nil unless FailureRatio or SlowRatio is on
 }
@@ -96,7 +95,7 @@ func (c *config) fresh(now time.Time) *config { return newConfig(c.raw, now, nil
 const gateForever = math.MaxInt64
 
 // Breaker is one key's circuit breaker. It is safe for concurrent use; build
-// it with New (or Registry.Get).
+// it with New.
 type Breaker struct {
 	// word is the state in its low 2 bits and a generation above, bumped on
 	// every transition: a permit remembers the word it was issued under, so

@@ -40,10 +40,10 @@ type Store interface {
 	OpenUntil(key string, now time.Time) (until time.Time, reason string, open bool)
 }
 
-// MemoryStore is an in-process Store: a map of open entries. Breakers of one
-// Registry that share it keep a key's open state across Registry.Delete and
-// a later Get (an upstream dropped and re-added by a reload). The zero value
-// is not usable; use NewMemoryStore.
+// MemoryStore is an in-process Store: a map of open entries. Breakers that
+// share it keep a key's open state when one breaker of that key is dropped
+// and a new one is built (an upstream dropped and re-added by a reload). The
+// zero value is not usable; use NewMemoryStore.
 type MemoryStore struct {
 	mu   sync.Mutex
 	open map[string]openEntry
