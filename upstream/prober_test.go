@@ -1,0 +1,290 @@
+package upstream
+
+import (
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// activeProbing is breaker settings for active probing that trip on one
+// failure and cool down at once.
+func activeProbing() *breaker.Settings {
+	return &breaker.Settings{ConsecutiveFailures: 1, OpenFor: time.Millisecond, MinOpen: -1, MaxOpen: 20 * time.Millisecond, ActiveProbing: true}
+}
+
+func testProber(uri string) *Prober {
+	return &Prober{Transport: httpTransport{}, URI: uri, Interval: 5 * time.Millisecond, Timeout: 10 * time.Second}
+}
+
+// Active probes close a breaker while users are kept away from it; the
+// loop stops once every breaker is closed.
+func TestActiveProbesCloseBreakerAndStop(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		prober *Prober
+		check  func(r *http.Request, body string) bool
+	}{
+		{"GET", testProber("/ready"), func(r *http.Request, _ string) bool {
+			return r.Method == http.MethodGet && r.URL.Path == "/ready"
+		}},
+		{"GET default URI", testProber(""), func(r *http.Request, _ string) bool {
+			return r.Method == http.MethodGet && r.URL.Path == DefaultProbeURI
+		}},
+		{"chat", &Prober{Transport: httpTransport{}, Chat: `{"model":"m","max_tokens":1}`, Interval: 5 * time.Millisecond, Timeout: 10 * time.Second},
+			func(r *http.Request, body string) bool {
+				return r.Method == http.MethodPost && r.URL.Path == "/v1/chat/completions" &&
+					r.Header.Get("Content-Type") == "application/json" && body == `{"model":"m","max_tokens":1}`
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var probes, bad atomic.Int64
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				b, _ := io.ReadAll(r.Body)
+				probes.Add(1)
+				if !tc.check(r, string(b)) || r.Header.Get("User-Agent") != "caddy-llm-proxy-probe" {
+					bad.Add(1)
+				}
+			}))
+			t.Cleanup(srv.Close)
+			addr := strings.TrimPrefix(srv.URL, "http://")
+			reg := NewRegistry(nil)
+			s := activeProbing()
+			s.RecoverySuccesses = 2
+			p := startPool(t, reg, Config{Static: targets(addr), Breaker: s, Prober: tc.prober})
+			fail(mustPick(t, p, ""))
+			var ue *proxy.UnavailableError
+			if _, err := pickModel(p, ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+				t.Fatalf("a user request was let onto a breaker that probes actively: %v", err)
+			}
+			eventually(t, 5*time.Second, "active probes never closed the breaker", func() bool {
+				return p.BreakerState(addr, "") == "closed"
+			})
+			eventually(t, 5*time.Second, "the probe loop outlived the open breaker", func() bool { return reg.ProbeLoops() == 0 })
+			if n := probes.Load(); n < 2 {
+				t.Fatalf("%d probes closed a breaker that wants 2 successes", n)
+			}
+			if n := bad.Load(); n > 0 {
+				t.Fatalf("%d probes were not the configured request", n)
+			}
+			finish(mustPick(t, p, ""), proxy.AttemptSuccess)
+		})
+	}
+}
+
+// A reload that turns active probing on while a breaker is open: user
+// traffic is now refused (ActiveProbing), so a probe loop must start with
+// the new config, not only on the next transition to open.
+func TestReloadEnablingProbeRecoversOpenBreaker(t *testing.T) {
+	addr, probes := probeServer(t, http.StatusOK)
+	reg := NewRegistry(nil)
+	s := breaker.Settings{ConsecutiveFailures: 1, OpenFor: 30 * time.Millisecond, MinOpen: 30 * time.Millisecond}
+	old := startPool(t, reg, Config{Static: targets(addr), Breaker: &s})
+	fail(mustPick(t, old, "")) // open
+	ns := s
+	ns.ActiveProbing = true
+	next := reload(t, old, Config{Static: targets(addr), Breaker: &ns, Prober: testProber("/")})
+	eventually(t, 5*time.Second, "the healthy upstream is still refused long after its cooldown", func() bool {
+		up, err := pickModel(next, "")
+		if err == nil {
+			finish(up, proxy.AttemptSuccess)
+		}
+		return err == nil
+	})
+	if probes() == 0 {
+		t.Fatal("recovered without an active probe")
+	}
+}
+
+// Regression: a breaker that opened after its entry was destroyed (an
+// attempt of the released config failing afterwards) started a probe loop
+// nobody could stop: it probed the removed upstream forever.
+func TestNoProbeLoopAfterEntryDestroyed(t *testing.T) {
+	addr, probes := probeServer(t, http.StatusServiceUnavailable)
+	reg := NewRegistry(nil)
+	p := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/health")})
+	up := mustPick(t, p, "")
+	p.Deactivate()
+	p.Release() // a reload removed this upstream: entry destroyed
+	if _, ok := reg.Entry(addr); ok {
+		t.Fatal("entry should be gone")
+	}
+	fail(up) // the old config's in-flight attempt fails afterwards
+	time.Sleep(20 * testProber("").Interval)
+	if n, loops := probes(), reg.ProbeLoops(); n > 0 || loops > 0 {
+		t.Fatalf("destroyed entry probed %d times, %d loops running", n, loops)
+	}
+}
+
+// Regression: an active probe in flight when its entry was released ran
+// to its own timeout (first_byte_timeout, up to minutes) against an
+// upstream no config uses any more.
+func TestActiveProbeInFlightIsCancelledWhenEntryReleased(t *testing.T) {
+	started := make(chan struct{}, 1)
+	cancelled := make(chan time.Time, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		<-r.Context().Done()
+		select {
+		case cancelled <- time.Now():
+		default:
+		}
+	}))
+	t.Cleanup(srv.Close)
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	reg := NewRegistry(nil)
+	pr := testProber("/health")
+	p := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: pr})
+	fail(mustPick(t, p, ""))
+	select {
+	case <-started:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no active probe was sent")
+	}
+	released := time.Now()
+	p.Deactivate()
+	p.Release()
+	select {
+	case at := <-cancelled:
+		if d := at.Sub(released); d > pr.Timeout/10 {
+			t.Fatalf("the probe was cancelled %v after release, want well under its %v timeout", d, pr.Timeout)
+		}
+	case <-time.After(pr.Timeout / 2):
+		t.Fatalf("the probe in flight was not cancelled within %v of its entry's release", pr.Timeout/2)
+	}
+	eventually(t, 5*time.Second, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
+}
+
+// One probe loop runs per upstream however many pools hold it, and a
+// reload hands it over to the new config (its Prober is used) without
+// stopping it in between.
+func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
+	var mu sync.Mutex
+	paths := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		paths[r.URL.Path]++
+		mu.Unlock()
+		w.WriteHeader(http.StatusServiceUnavailable) // the breaker stays open
+	}))
+	t.Cleanup(srv.Close)
+	probesTo := func(path string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return paths[path]
+	}
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	reg := NewRegistry(nil)
+	oldCfg := Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/old")}
+	a := startPool(t, reg, oldCfg)
+	b := startPool(t, reg, oldCfg)
+	fail(mustPick(t, a, "")) // the breaker is the entry's: open for both pools
+	if _, err := pickModel(b, ""); err == nil {
+		t.Fatal("the other pool picked the open upstream")
+	}
+	eventually(t, 5*time.Second, "no probe sent", func() bool { return probesTo("/old") >= 2 })
+
+	// Sample the loop count through the reload.
+	var lo, hi atomic.Int64
+	lo.Store(1 << 30)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			n := int64(reg.ProbeLoops())
+			if n < lo.Load() {
+				lo.Store(n)
+			}
+			if n > hi.Load() {
+				hi.Store(n)
+			}
+			select {
+			case <-stop:
+				return
+			default:
+				time.Sleep(50 * time.Microsecond)
+			}
+		}
+	})
+	next := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/new")})
+	for _, old := range []*Pool{a, b} {
+		old.Deactivate()
+		old.Release()
+	}
+	eventually(t, 5*time.Second, "the new config's prober was never used", func() bool { return probesTo("/new") >= 3 })
+	close(stop)
+	wg.Wait()
+	if lo.Load() != 1 || hi.Load() != 1 {
+		t.Fatalf("probe loops ranged over [%d, %d] through the reload, want exactly 1", lo.Load(), hi.Load())
+	}
+	if n := reg.ProbeLoops(); n != 1 {
+		t.Fatalf("%d probe loops after the reload", n)
+	}
+	old := probesTo("/old")
+	time.Sleep(10 * testProber("").Interval)
+	if probesTo("/old") != old {
+		t.Fatal("the released config's prober is still used")
+	}
+	next.Deactivate()
+	next.Release()
+	eventually(t, 5*time.Second, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
+}
+
+// A reload that turns active probing off stops the loop.
+func TestReloadDisablingProbeStopsLoop(t *testing.T) {
+	addr, _ := probeServer(t, http.StatusServiceUnavailable)
+	reg := NewRegistry(nil)
+	old := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/")})
+	fail(mustPick(t, old, ""))
+	eventually(t, 5*time.Second, "no probe loop started", func() bool { return reg.ProbeLoops() == 1 })
+	s := activeProbing()
+	s.ActiveProbing = false
+	reload(t, old, Config{Static: targets(addr), Breaker: s})
+	eventually(t, 5*time.Second, "the probe loop outlived active probing", func() bool { return reg.ProbeLoops() == 0 })
+}
+
+// Regression: a half-open probe that is a healthy user stream (first token
+// at once) lasting longer than the probe timeout (first_byte_timeout)
+// re-opened the breaker: the permit was held until the stream ended, and
+// the breaker fails probes older than ProbeTimeout. Committed settles it.
+func TestLongHealthyProbeStreamClosesBreakerViaCommitted(t *testing.T) {
+	const probeTimeout = 20 * time.Millisecond
+	reg := NewRegistry(nil)
+	p := startPool(t, reg, Config{Static: targets("10.9.0.1:8000"), Breaker: &breaker.Settings{ConsecutiveFailures: 1,
+		OpenFor: 10 * time.Millisecond, MinOpen: -1, MaxOpen: time.Second, RecoverySuccesses: 1, ProbeTimeout: probeTimeout}})
+	fail(mustPick(t, p, ""))
+	var probe proxy.Upstream
+	eventually(t, 5*time.Second, "the breaker never half-opened", func() bool {
+		up, err := pickModel(p, "")
+		probe = up
+		return err == nil
+	})
+	if st := p.BreakerState("10.9.0.1:8000", ""); st != "half_open" {
+		t.Fatalf("the probe was picked with the breaker %s", st)
+	}
+	// The first token comes after 5ms (the proxy commits it); the stream
+	// then runs past the probe timeout.
+	probe.Committed(5 * time.Millisecond)
+	time.Sleep(2 * probeTimeout)
+	if up, err := pickModel(p, ""); err != nil { // any other request meanwhile
+		t.Fatalf("refused during the healthy probe stream: %v", err)
+	} else {
+		finish(up, proxy.AttemptSuccess)
+	}
+	probe.Done(&proxy.AttemptReport{Upstream: probe.Addr, Outcome: proxy.AttemptSuccess, TTFT: 5 * time.Millisecond, Committed: true})
+	snap := breakerOf(t, reg, "10.9.0.1:8000", "").Snapshot()
+	if snap.State != breaker.Closed {
+		t.Fatalf("healthy probe stream (ttft 5ms) left the breaker %v; last failure %q", snap.State, snap.LastFailure)
+	}
+}
