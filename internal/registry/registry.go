@@ -15,6 +15,7 @@ package registry
 
 import (
 	"errors"
+	"slices"
 	"sort"
 	"sync"
 )
@@ -182,11 +183,31 @@ func Drop[V any](c *Claims, t *Table[V], key string) {
 	rel, ok := c.held[k]
 	if ok {
 		delete(c.held, k)
+		if len(c.order) > 2*len(c.held)+16 {
+			c.compactLocked()
+		}
 	}
 	c.mu.Unlock()
 	if ok {
 		rel()
 	}
+}
+
+// compactLocked rewrites the release order with only the keys still held,
+// each at its newest position, so that keys dropped one by one (dynamic
+// upstreams that churn) are not remembered for the config's lifetime.
+func (c *Claims) compactLocked() {
+	seen := make(map[claimKey]bool, len(c.held))
+	out := make([]claimKey, 0, len(c.held))
+	for i := len(c.order) - 1; i >= 0; i-- {
+		k := c.order[i]
+		if _, held := c.held[k]; held && !seen[k] {
+			seen[k] = true
+			out = append(out, k)
+		}
+	}
+	slices.Reverse(out)
+	c.order = out
 }
 
 // Release drops every reference, newest first. Later calls do nothing, and

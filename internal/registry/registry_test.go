@@ -297,3 +297,42 @@ func TestConcurrentAcquireRelease(t *testing.T) {
 		t.Fatalf("%d values built, %d destroyed", b, d)
 	}
 }
+
+// Regression: Drop left the key in the Claims' release order, so a config
+// whose dynamic source churned through addresses grew that list without
+// bound until it was replaced.
+func TestDropForgetsTheKeyFromClaims(t *testing.T) {
+	var order []string
+	tb := NewTable(func(k string, _ int) { order = append(order, k) })
+	var c Claims
+	build := func() (int, error) { return 0, nil }
+	for i := range 10000 {
+		k := fmt.Sprintf("pod-%d", i)
+		_, _ = tb.Acquire(&c, k, build, nil)
+		Drop(&c, tb, k)
+	}
+	c.mu.Lock()
+	n := len(c.order)
+	c.mu.Unlock()
+	if n > 64 {
+		t.Fatalf("claims remember %d keys after every one was dropped", n)
+	}
+	// Release still goes newest first, once per key, after the list was
+	// compacted, also for a key dropped and acquired again.
+	order = nil
+	for _, k := range []string{"a", "b", "c"} {
+		_, _ = tb.Acquire(&c, k, build, nil)
+	}
+	Drop(&c, tb, "a")
+	_, _ = tb.Acquire(&c, "a", build, nil)
+	for i := range 200 {
+		k := fmt.Sprintf("churn-%d", i)
+		_, _ = tb.Acquire(&c, k, build, nil)
+		Drop(&c, tb, k)
+	}
+	order = nil
+	c.Release()
+	if fmt.Sprint(order) != "[a c b]" {
+		t.Fatalf("released in order %v, want [a c b]", order)
+	}
+}
