@@ -86,7 +86,9 @@ func (c *Counter) Add(ep uint64) {
 func (c *Counter) Get(ep uint64) uint64 {
 	e, n := Unpack(c.w.Load())
 	if InWindow(e, ep) {
-		return n
+		// Adders racing past the saturation check may each add one more
+		// (the headroom keeps them out of the epoch bits).
+		return min(n, CountMax)
 	}
 	return 0
 }

@@ -193,8 +193,13 @@ func TestConcurrentSaturationNeverCarriesIntoTheEpoch(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if e, n := Unpack(k.Load()); e != 9 || n != CountMax {
-		t.Fatalf("word (%d, %d), want (9, %d)", e, n, CountMax)
+	// Adders that raced past the saturation check may each have added
+	// one more: at most one per goroutine, and never into the epoch.
+	if e, n := Unpack(k.Load()); e != 9 || n < CountMax || n > CountMax+8 {
+		t.Fatalf("word (%d, %d), want epoch 9 and a count in [%d, %d]", e, n, CountMax, CountMax+8)
+	}
+	if got := k.Get(9); got != CountMax {
+		t.Fatalf("Get = %d, want the saturated %d", got, CountMax)
 	}
 }
 
