@@ -1,0 +1,356 @@
+// Package admission decides, before any upstream is touched, who is
+// admitted, who waits and who is refused (DESIGN §8): tenants and their
+// tiers, per-tenant concurrency, request and token rate limits with token
+// reservations settled by real usage, a pool's capacity with a bounded
+// priority queue, and per-tenant circuit breakers. It is pure: it imports
+// neither Caddy nor net/http, and takes a clock so its tests do not sleep.
+//
+// THIS FILE IS THE CONTRACT between admission and its users (proxy's
+// identify/admit steps and the Caddy glue). Its exported names and
+// signatures are fixed; the implementation fills in the bodies and may add
+// unexported helpers and files.
+package admission
+
+import (
+	"context"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
+// Defaults of Tier.
+const (
+	DefaultMaxTokens    = 1024             // Tier.DefaultMaxTokens
+	DefaultQueue        = 100              // Tier.Queue and GateConfig.Queue
+	DefaultQueueTimeout = 30 * time.Second // Tier.QueueTimeout
+)
+
+// Refusal codes: the "code" of a refusal's OpenAI error body and the
+// "decision" label of caddy_llm_proxy_admission_total.
+const (
+	CodeTenantRPM           = "tenant_rpm"
+	CodeTenantTPM           = "tenant_tpm"
+	CodeTenantConcurrency   = "tenant_concurrency"
+	CodeQueueFull           = "queue_full"
+	CodeQueueTimeout        = "queue_timeout"
+	CodeDisplaced           = "displaced"
+	CodeSaturated           = "saturated"
+	CodeTenantCircuitOpen   = "tenant_circuit_open"
+	CodeRequestExceedsLimit = "request_exceeds_limit"
+	CodeUnknownKey          = "invalid_api_key" // 401
+)
+
+// Decisions that admitted a request (the other decisions are the codes).
+const (
+	DecisionAdmitted       = "admitted"
+	DecisionQueuedAdmitted = "queued_admitted"
+)
+
+// UnknownTenant is the tenant id of requests admitted under Config.UnknownTier.
+const UnknownTenant = "unknown"
+
+// Tier is a class of tenants: a priority and the limits that apply to each
+// of its tenants separately (every tenant has its own counters). Zero
+// limits are not enforced.
+type Tier struct {
+	Name string
+	// Priority orders the queue (higher first). Below 0 the tier is
+	// sheddable: refused at once when the pool is saturated, never queued.
+	Priority int
+	// MaxConcurrent caps a tenant's requests in flight; 0 none.
+	MaxConcurrent int
+	// RPM caps a tenant's requests per rolling minute; 0 none.
+	RPM int
+	// TPM caps a tenant's tokens (reserved, then settled) per rolling
+	// minute; 0 none.
+	TPM int
+	// DefaultMaxTokens is the completion reservation of a request that
+	// names no max_tokens. Default DefaultMaxTokens.
+	DefaultMaxTokens int
+	// Queue caps how many of this tier's requests wait in a pool's queue;
+	// default DefaultQueue (the pool's own bound still applies).
+	Queue int
+	// QueueTimeout bounds a queued request's wait. Default DefaultQueueTimeout.
+	QueueTimeout time.Duration
+	// TTFTSLO, when set, is the tenant breaker's objective for time to
+	// first token: a request above TTFTSLO + TTFTPer1kPrompt × prompt
+	// tokens / 1000 is a slow call.
+	TTFTSLO         time.Duration
+	TTFTPer1kPrompt time.Duration
+	// QueueWaitSLO, when set, makes a queue wait above it a slow call.
+	QueueWaitSLO time.Duration
+	// Breaker holds the tenant breaker's thresholds (breaker.Settings:
+	// consecutive failures, slow ratio, cooldowns...). nil: the tenant
+	// breaker is off unless TTFTSLO or QueueWaitSLO is set, which turns
+	// it on with breaker defaults.
+	Breaker *breaker.Settings
+}
+
+// TenantConfig is one tenant's tier and per-tenant overrides (0 inherits
+// the tier's value).
+type TenantConfig struct {
+	ID            string
+	Tier          string
+	MaxConcurrent int
+	RPM           int
+	TPM           int
+}
+
+// Config is the tenants-and-tiers configuration shared by every handler
+// (the global llm_proxy option).
+type Config struct {
+	Tiers   []Tier
+	Tenants []TenantConfig
+	// DefaultTier is the tier of tenants named by a key or header but not
+	// listed in Tenants. "" means the tier named "default" if one exists.
+	DefaultTier string
+	// UnknownTier admits requests with no key or an unknown key under
+	// this tier (tenant UnknownTenant); "" refuses them with 401.
+	UnknownTier string
+}
+
+// Validate checks cfg (unknown tier names, negative limits, duplicate
+// names), returning an error that names the offending field.
+func (cfg Config) Validate() error { panic("unimplemented") }
+
+// Key is one API key's hash and whom it names.
+type Key struct {
+	// Hash is sha256 of the key as the client sends it.
+	Hash [32]byte
+	// Tenant is the tenant id; Tier, when set, overrides the tenant's tier.
+	Tenant, Tier string
+}
+
+// HashKey returns sha256 of key.
+func HashKey(key string) [32]byte { panic("unimplemented") }
+
+// Directory maps API keys to tenants. Keys are held hashed only; a lookup
+// hashes the presented key and compares in constant time. Safe for
+// concurrent use; immutable once built.
+type Directory struct{}
+
+// NewDirectory builds a directory; two keys with the same hash is an error.
+func NewDirectory(keys []Key) (*Directory, error) { panic("unimplemented") }
+
+// Lookup returns the tenant and tier of a presented key ("" tier: the
+// tenant's own), ok false when the key is unknown. It allocates nothing.
+func (d *Directory) Lookup(key string) (tenant, tier string, ok bool) { panic("unimplemented") }
+
+// Len returns the number of keys.
+func (d *Directory) Len() int { panic("unimplemented") }
+
+// Clock is admission's source of time.
+type Clock interface {
+	Now() time.Time
+	// AfterFunc calls f once d has passed; Stop cancels it.
+	AfterFunc(d time.Duration, f func()) interface{ Stop() bool }
+}
+
+// SystemClock is the real clock.
+type SystemClock struct{}
+
+func (SystemClock) Now() time.Time { return time.Now() }
+func (SystemClock) AfterFunc(d time.Duration, f func()) interface{ Stop() bool } {
+	return time.AfterFunc(d, f)
+}
+
+// Observer receives admission's measurements (metrics). Labels: tier, and
+// tenant only when the operator enables it (the glue decides).
+type Observer interface {
+	// Decision is called once per request with DecisionAdmitted,
+	// DecisionQueuedAdmitted or a refusal code.
+	Decision(tenant, tier, decision string)
+	// QueueWait reports the time an admitted or refused request waited.
+	QueueWait(tenant, tier string, d time.Duration)
+	// QueueDepth reports the number of a tier's requests waiting in a gate.
+	QueueDepth(tier string, n int)
+	// Inflight reports the number of a tier's admitted requests running.
+	Inflight(tier string, n int)
+	// Tokens reports settled tokens: kind "prompt" or "completion", source
+	// "usage" or "estimate".
+	Tokens(tenant, tier, kind, source string, n int)
+	// TenantBreaker reports a tenant breaker transition.
+	TenantBreaker(tenant, tier string, tr breaker.Transition)
+}
+
+// Request is what admission needs to know of a request.
+type Request struct {
+	// Tenant and Tier identify the caller (Tier "" = the tenant's own).
+	Tenant, Tier string
+	// PromptTokens is the prompt estimate: ⌈characters of all text
+	// content ÷ 4⌉.
+	PromptTokens int
+	// MaxTokens is the request's max_completion_tokens, else max_tokens;
+	// 0 when it named neither (the tier's DefaultMaxTokens applies).
+	MaxTokens int
+	// N is the number of choices (n); 0 means 1.
+	N int
+}
+
+// Limit describes one rate limit for OpenAI's x-ratelimit-* headers.
+type Limit struct {
+	// Limit is the configured value (rpm or tpm).
+	Limit int
+	// Remaining is what is left now, this request's reservation counted,
+	// never below 0.
+	Remaining int
+	// Reset is the time until the limit is fully available again.
+	Reset time.Duration
+}
+
+// Limits are the rate limits of a tenant; nil for a limit it does not have.
+type Limits struct {
+	Requests *Limit // rpm
+	Tokens   *Limit // tpm
+}
+
+// Refusal is admission's "no". It implements error.
+type Refusal struct {
+	// Status is the HTTP status: 429 (tenant limits, queue backpressure,
+	// open tenant breaker), 503 (no capacity can ever serve), 401.
+	Status int
+	// Code is one of the Code* constants.
+	Code string
+	// Message names the limit that was hit, its value and its window.
+	Message string
+	// RetryAfter is when waiting helps (0: it never will, e.g.
+	// CodeRequestExceedsLimit, or 401).
+	RetryAfter time.Duration
+	// CircuitOpen is set for CodeTenantCircuitOpen (X-Circuit-Breaker: open).
+	CircuitOpen bool
+	// Limits are the tenant's rate limits, for x-ratelimit-* headers.
+	Limits Limits
+}
+
+func (r *Refusal) Error() string { return r.Message }
+
+// Verdict is what a finished request says about its tenant (DESIGN §4,
+// tenant column), decided by the lifecycle's finish step.
+type Verdict uint8
+
+const (
+	// VerdictNeutral: says nothing of the tenant (upstream failures,
+	// client gone, hedge losers, config unloaded).
+	VerdictNeutral Verdict = iota
+	// VerdictSuccess: served within its objectives.
+	VerdictSuccess
+	// VerdictFailure: the tenant's own fault (a 4xx it caused, e.g.
+	// context too long).
+	VerdictFailure
+)
+
+// Usage is what a finished request really used and how it went, for
+// settlement and the tenant breaker.
+type Usage struct {
+	PromptTokens, CompletionTokens int
+	// Estimated is true when the upstream reported no usage (the counts
+	// are the prompt estimate and the completion tokens counted).
+	Estimated bool
+	Verdict   Verdict
+	// TTFT is time to first token of the committed attempt (0: none).
+	TTFT time.Duration
+}
+
+// Controller holds every tenant's counters and breaker. It is shared by
+// every handler of the process and survives reloads (SetConfig applies a
+// new config to existing state). Safe for concurrent use.
+type Controller struct{}
+
+// NewController returns a controller for cfg (validated).
+func NewController(cfg Config, clock Clock, obs Observer) (*Controller, error) {
+	panic("unimplemented")
+}
+
+// SetConfig applies a new config; tenants' windows and breakers are kept.
+func (c *Controller) SetConfig(cfg Config) error { panic("unimplemented") }
+
+// Tier returns the effective tier of a tenant (Request.Tier if set, else
+// its configured tier, else the default), ok false when it names none.
+func (c *Controller) Tier(tenant, tier string) (Tier, bool) { panic("unimplemented") }
+
+// Reserve applies the tenant's own limits and breaker: open tenant breaker,
+// max_concurrent, rpm, tpm (reservation = PromptTokens + N × (MaxTokens, or
+// the tier's DefaultMaxTokens capped at what is left of the tpm limit; an
+// explicit MaxTokens is reserved in full). A refusal consumes nothing. The
+// Ticket must be settled exactly once.
+func (c *Controller) Reserve(req Request) (*Ticket, *Refusal) { panic("unimplemented") }
+
+// Ticket is an admitted request's hold on its tenant's limits.
+type Ticket struct{}
+
+// Limits returns the tenant's rate limits with this request counted.
+func (t *Ticket) Limits() Limits { panic("unimplemented") }
+
+// Tenant and Tier return whom the ticket charges.
+func (t *Ticket) Tenant() string { panic("unimplemented") }
+func (t *Ticket) Tier() Tier     { panic("unimplemented") }
+
+// Reserved returns the tokens reserved.
+func (t *Ticket) Reserved() int { panic("unimplemented") }
+
+// Settle replaces the reservation with what was used, gives back the
+// concurrency slot and records the verdict on the tenant breaker (with the
+// slow-call rule: TTFT or queue wait above the tier's objectives). It runs
+// exactly once; later calls do nothing.
+func (t *Ticket) Settle(u Usage, queueWait time.Duration) { panic("unimplemented") }
+
+// GateConfig configures a pool's capacity and queue.
+type GateConfig struct {
+	// Capacity returns the pool's in-flight capacity now (a fixed n, or
+	// per_upstream n × upstreams whose breaker is closed); <= 0 means
+	// unlimited.
+	Capacity func() int
+	// Queue bounds the requests waiting; default DefaultQueue.
+	Queue int
+	// Controller, when set, is told of each tenant's queued requests, so
+	// that Controller.Tenants shows them.
+	Controller *Controller
+}
+
+// Gate is one pool's capacity with a priority queue: work-conserving (a
+// lower tier uses what higher tiers leave idle); when saturated, sheddable
+// tiers are refused at once and the others wait by priority then arrival,
+// up to their tier's QueueTimeout; a higher-priority arrival at a full
+// queue displaces the newest queued request of a lower tier. Safe for
+// concurrent use.
+type Gate struct{}
+
+// NewGate returns a gate.
+func NewGate(cfg GateConfig, clock Clock, obs Observer) *Gate { panic("unimplemented") }
+
+// Acquire takes a slot for a request of tier, waiting in the queue while
+// the pool is saturated. It returns the time waited and a release func to
+// call exactly once when the request ends, or a refusal (CodeSaturated,
+// CodeQueueFull, CodeQueueTimeout, CodeDisplaced). A request whose ctx ends
+// while queued leaves the queue at once (ctx.Err() is returned as the
+// error, not a Refusal). An expired queued request is never admitted.
+func (g *Gate) Acquire(ctx context.Context, tenant string, tier Tier) (release func(), waited time.Duration, err error) {
+	panic("unimplemented")
+}
+
+// Saturated reports whether the pool is at capacity now.
+func (g *Gate) Saturated() bool { panic("unimplemented") }
+
+// TenantView is one tenant's state for the admin API (no keys).
+type TenantView struct {
+	Tenant   string `json:"tenant"`
+	Tier     string `json:"tier"`
+	Inflight int    `json:"inflight"`
+	Queued   int    `json:"queued"`
+	// RequestsInWindow and TokensInWindow are the rolling minute's usage.
+	RequestsInWindow int `json:"requests_in_window"`
+	TokensInWindow   int `json:"tokens_in_window"`
+	// Limits are the tenant's effective limits (0: none).
+	MaxConcurrent int `json:"max_concurrent,omitempty"`
+	RPM           int `json:"rpm,omitempty"`
+	TPM           int `json:"tpm,omitempty"`
+	// Breaker is the tenant breaker's state, nil when it has none.
+	Breaker *breaker.Snapshot `json:"breaker,omitempty"`
+}
+
+// Tenants returns every tenant with state, sorted by id.
+func (c *Controller) Tenants() []TenantView { panic("unimplemented") }
+
+// TenantBreaker returns a tenant's breaker (nil if none), for the admin
+// API's open/close/reset.
+func (c *Controller) TenantBreaker(tenant string) *breaker.Breaker { panic("unimplemented") }
