@@ -294,6 +294,13 @@ func (t *Ticket) Reserved() int { panic("unimplemented") }
 // exactly once; later calls do nothing.
 func (t *Ticket) Settle(u Usage, queueWait time.Duration) { panic("unimplemented") }
 
+// Cancel gives back everything the ticket took — concurrency slot, rpm
+// count, token reservation — as if the request had never been admitted (it
+// was refused later, e.g. by a pool's queue: a refused request consumes
+// nothing). It records nothing on the tenant breaker and reports no tokens.
+// Cancel or Settle runs once; whichever comes first wins.
+func (t *Ticket) Cancel() { panic("unimplemented") }
+
 // GateConfig configures a pool's capacity and queue.
 type GateConfig struct {
 	// Capacity returns the pool's in-flight capacity now (a fixed n, or
