@@ -9,6 +9,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -26,7 +27,14 @@ func init() {
 //	POST /llm_proxy/breakers/<key>/reset       fresh closed state
 //
 // <key> is the upstream's dial address ("10.0.0.2:8000"), with "|<model>"
-// under scope model; escape it in the path as needed.
+// under scope model; escape it in the path as needed. And the tenants:
+//
+//	GET  /llm_proxy/tenants                    every tenant with state: tier, in-flight,
+//	                                           queued, usage in the window, limits, breaker
+//	GET  /llm_proxy/tenants/<id>               one tenant
+//	POST /llm_proxy/tenants/<id>/open[?for=<duration>]|close|reset   its tenant breaker
+//
+// No key appears anywhere.
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -42,6 +50,8 @@ func (a adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
 		{Pattern: "/llm_proxy/breakers", Handler: caddy.AdminHandlerFunc(a.list)},
 		{Pattern: "/llm_proxy/breakers/", Handler: caddy.AdminHandlerFunc(a.control)},
+		{Pattern: "/llm_proxy/tenants", Handler: caddy.AdminHandlerFunc(a.tenants)},
+		{Pattern: "/llm_proxy/tenants/", Handler: caddy.AdminHandlerFunc(a.tenant)},
 	}
 }
 
@@ -55,6 +65,96 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
+}
+
+func liveController() *admission.Controller {
+	controller.Lock()
+	defer controller.Unlock()
+	return controller.ctl
+}
+
+func writeJSON(w http.ResponseWriter, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(v)
+}
+
+func (adminAPI) tenants(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	views := []admission.TenantView{}
+	if ctl := liveController(); ctl != nil {
+		if v := ctl.Tenants(); v != nil {
+			views = v
+		}
+	}
+	return writeJSON(w, views)
+}
+
+func (adminAPI) tenant(w http.ResponseWriter, r *http.Request) error {
+	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/tenants/")
+	ctl := liveController()
+	find := func(id string) (admission.TenantView, bool) {
+		if ctl == nil {
+			return admission.TenantView{}, false
+		}
+		for _, v := range ctl.Tenants() {
+			if v.Tenant == id {
+				return v, true
+			}
+		}
+		return admission.TenantView{}, false
+	}
+	if r.Method == http.MethodGet {
+		v, ok := find(rest)
+		if !ok {
+			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no tenant %q with state", rest)}
+		}
+		return writeJSON(w, v)
+	}
+	if r.Method != http.MethodPost {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	i := strings.LastIndex(rest, "/")
+	if i <= 0 {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_proxy/tenants/<id>/open|close|reset")}
+	}
+	id, action := rest[:i], rest[i+1:]
+	var b *breaker.Breaker
+	if ctl != nil {
+		b = ctl.TenantBreaker(id)
+	}
+	if b == nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("tenant %q has no breaker", id)}
+	}
+	if err := control(b, action, r); err != nil {
+		return err
+	}
+	v, _ := find(id)
+	return writeJSON(w, v)
+}
+
+// control applies an operator's open, close or reset to a breaker.
+func control(b *breaker.Breaker, action string, r *http.Request) error {
+	reason := "by operator via admin API"
+	switch action {
+	case "open":
+		var d time.Duration
+		if s := r.URL.Query().Get("for"); s != "" {
+			var err error
+			if d, err = caddy.ParseDuration(s); err != nil || d <= 0 {
+				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("bad duration %q", s)}
+			}
+		}
+		b.ForceOpen(d, reason)
+	case "close":
+		b.ForceClose(reason)
+	case "reset":
+		b.Reset()
+	default:
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("unknown action %q: want open, close or reset", action)}
+	}
+	return nil
 }
 
 func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
@@ -82,23 +182,8 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	if b == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
 	}
-	reason := "by operator via admin API"
-	switch action {
-	case "open":
-		var d time.Duration
-		if s := r.URL.Query().Get("for"); s != "" {
-			var err error
-			if d, err = caddy.ParseDuration(s); err != nil || d <= 0 {
-				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("bad duration %q", s)}
-			}
-		}
-		b.ForceOpen(d, reason)
-	case "close":
-		b.ForceClose(reason)
-	case "reset":
-		b.Reset()
-	default:
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("unknown action %q: want open, close or reset", action)}
+	if err := control(b, action, r); err != nil {
+		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(view(b, e))

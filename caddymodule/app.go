@@ -16,9 +16,8 @@ func init() {
 }
 
 // App is the llm_proxy app: the settings shared by every llm_proxy handler
-// of a config (global option `llm_proxy { … }`), and the owner of the
-// background work. Tenants, tiers and the fleet connection join it in later
-// versions; today it has no settings of its own.
+// of a config (global option `llm_proxy { … }`: tenants and tiers; the fleet
+// connection joins it later), and the owner of the background work.
 //
 // Every handler provisions its upstream pool against the process-wide
 // registry and hands it to its config's App. Starting the App applies the
@@ -29,6 +28,27 @@ func init() {
 // per upstream however many handlers use it, survive reloads handed over to
 // the newest config, and stop when their upstream is released.
 type App struct {
+	// Tenants maps credentials to tenants. Default: none — requests are not
+	// identified and no tenant limits apply.
+	Tenants *TenantsConfig `json:"tenants,omitempty"`
+
+	// Tiers are the classes of tenants with their priority and limits.
+	// Default: none.
+	Tiers []TierConfig `json:"tiers,omitempty"`
+
+	// TenantOverrides set tenants' tiers and per-tenant limits.
+	// Default: none (a tenant has the tier named "default").
+	TenantOverrides []TenantOverride `json:"tenant_overrides,omitempty"`
+
+	// MetricsTenantLabel adds a tenant label (the tenant id, never a key)
+	// to the admission metrics. Default: false (labels by tier only: the
+	// number of tenants is the operator's to bound).
+	MetricsTenantLabel bool `json:"metrics_tenant_label,omitempty"`
+
+	// tenancy is what the handlers of this config use to identify and
+	// admit; nil without tenants.
+	tenancy *tenancy
+
 	pools  []*upstream.Pool
 	logger *zap.Logger
 	events *caddyevents.App
@@ -55,6 +75,11 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading events app: %w", err)
 	}
 	a.events = ev.(*caddyevents.App)
+	t, err := newTenancy(a)
+	if err != nil {
+		return err
+	}
+	a.tenancy = t
 	return nil
 }
 
@@ -69,6 +94,11 @@ func (a *App) adopt(p *upstream.Pool) { a.pools = append(a.pools, p) }
 // settings and probers apply to the shared entries, and breaker transitions
 // are logged and emitted through this config's logger and events app.
 func (a *App) Start() error {
+	if a.tenancy != nil {
+		if err := a.tenancy.start(); err != nil {
+			return err
+		}
+	}
 	current.push(a)
 	for _, p := range a.pools {
 		p.Activate()

@@ -68,6 +68,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        }
 //	        scope upstream|model
 //	    }
+//	    admission {
+//	        capacity <n> | per_upstream <n>
+//	        queue <n>
+//	    }
 //	}
 //
 // Upstreams are "host:port", "http://host:port", "https://host[:port]"
@@ -237,6 +241,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Hedge = hc
+
+		case "admission":
+			if h.Admission != nil {
+				return d.Err("admission already specified")
+			}
+			ac, err := parseAdmission(d)
+			if err != nil {
+				return err
+			}
+			h.Admission = ac
 
 		case "breaker":
 			if h.Breaker != nil {

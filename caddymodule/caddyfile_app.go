@@ -26,18 +26,81 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 //
 //	{
 //	    llm_proxy {
+//	        tenants {
+//	            key <key>|sha256:<hex>|{env.X} <tenant> [tier <tier>]
+//	            keys_file <path>
+//	            header <name> trusted_proxies <ranges...>
+//	            unknown deny|<tier>
+//	        }
+//	        tier <name> {
+//	            priority <int>
+//	            max_concurrent <n>
+//	            rpm <n>
+//	            tpm <n>
+//	            default_max_tokens <n>
+//	            queue <n>
+//	            queue_timeout <duration>
+//	            ttft_slo <duration> [per_1k_prompt_tokens <duration>]
+//	            queue_wait_slo <duration>
+//	            breaker { … }
+//	        }
+//	        tenant <id> {
+//	            tier <name>
+//	            max_concurrent <n>
+//	            rpm <n>
+//	            tpm <n>
+//	        }
+//	        metrics_tenant_label
 //	    }
 //	}
 //
-// The block has no settings yet: tenants, tiers and the fleet connection
-// come here in later versions. Any subdirective is an error.
+// tier and tenant may repeat. The tier's breaker block takes the upstream
+// breaker's grammar (probe and scope excepted).
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // option name
 	if d.NextArg() {
 		return d.ArgErr()
 	}
 	for d.NextBlock(0) {
-		return d.Errf("unrecognized llm_proxy global option %q", d.Val())
+		switch d.Val() {
+		case "tenants":
+			if a.Tenants != nil {
+				return d.Err("tenants already specified")
+			}
+			a.Tenants = new(TenantsConfig)
+			if err := parseTenants(d, a.Tenants); err != nil {
+				return err
+			}
+		case "tier":
+			t, err := parseTier(d)
+			if err != nil {
+				return err
+			}
+			for _, o := range a.Tiers {
+				if o.Name == t.Name {
+					return d.Errf("tier %s already specified", t.Name)
+				}
+			}
+			a.Tiers = append(a.Tiers, t)
+		case "tenant":
+			t, err := parseTenant(d)
+			if err != nil {
+				return err
+			}
+			for _, o := range a.TenantOverrides {
+				if o.ID == t.ID {
+					return d.Errf("tenant %s already specified", t.ID)
+				}
+			}
+			a.TenantOverrides = append(a.TenantOverrides, t)
+		case "metrics_tenant_label":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			a.MetricsTenantLabel = true
+		default:
+			return d.Errf("unrecognized llm_proxy global option %q", d.Val())
+		}
 	}
 	return nil
 }

@@ -3,12 +3,14 @@ package caddymodule
 import (
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
@@ -33,7 +35,17 @@ var metrics = struct {
 	hedges          *prometheus.CounterVec
 	hedgeDelay      *prometheus.GaugeVec
 	staleConns      *prometheus.CounterVec
+
+	admissions    *prometheus.CounterVec
+	queueWait     *prometheus.HistogramVec
+	queueDepth    *prometheus.GaugeVec
+	inflight      *prometheus.GaugeVec
+	tokens        *prometheus.CounterVec
+	tenantBreaker *prometheus.GaugeVec
 }{}
+
+// queueWaitBuckets span no wait to a tier's whole queue_timeout.
+var queueWaitBuckets = []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
 
 // ttftBuckets span a warm GPU's 25 ms to a saturated queue's minute.
 var ttftBuckets = []float64{.025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40, 60}
@@ -98,6 +110,31 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "stale_connection_retries_total",
 			Help: "Attempts resent at once on a fresh connection because the reused keep-alive connection failed before any response byte (the upstream had closed it); neutral for the breaker and free for the budget.",
 		}, []string{"upstream"})
+		metrics.admissions = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "admission_total",
+			Help: "Admission decisions by tier: admitted, queued_admitted, or the refusal code (tenant_rpm, tenant_tpm, tenant_concurrency, queue_full, queue_timeout, displaced, saturated, tenant_circuit_open, request_exceeds_limit, invalid_api_key). tenant is set only with metrics_tenant_label.",
+		}, []string{"tier", "decision", "tenant"})
+		metrics.queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Subsystem: sub, Name: "queue_wait_seconds",
+			Help:    "Time requests waited in a pool's priority queue before admission or refusal, by tier.",
+			Buckets: queueWaitBuckets,
+		}, []string{"tier", "tenant"})
+		metrics.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "queue_depth",
+			Help: "Requests waiting in the pools' priority queues, by tier.",
+		}, []string{"tier"})
+		metrics.inflight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "inflight",
+			Help: "Admitted requests in flight, by tier.",
+		}, []string{"tier"})
+		metrics.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "tokens_total",
+			Help: "Tokens settled against tenants' limits, by tier, kind (prompt, completion) and source (usage: reported by the upstream; estimate: counted by the gateway).",
+		}, []string{"tier", "kind", "source", "tenant"})
+		metrics.tenantBreaker = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "tenant_breaker_state",
+			Help: "Tenant circuit breakers not closed (open or half-open), by tier.",
+		}, []string{"tier"})
 	})
 }
 
@@ -106,7 +143,8 @@ func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
 	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
 		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
-		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns} {
+		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
+		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -222,7 +260,67 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 	}
 }
 
+// admissionObserver turns admission's measurements into metrics. The
+// tenant label is the tenant id, and only with metrics_tenant_label.
+type admissionObserver struct{}
+
+// tenantLabels is metrics_tenant_label of the newest started config.
+var tenantLabels atomic.Bool
+
+func tenantLabel(tenant string) string {
+	if tenantLabels.Load() {
+		return tenant
+	}
+	return ""
+}
+
+func (admissionObserver) Decision(tenant, tier, decision string) {
+	initMetrics()
+	metrics.admissions.WithLabelValues(tier, decision, tenantLabel(tenant)).Inc()
+}
+
+func (admissionObserver) QueueWait(tenant, tier string, d time.Duration) {
+	initMetrics()
+	metrics.queueWait.WithLabelValues(tier, tenantLabel(tenant)).Observe(d.Seconds())
+}
+
+func (admissionObserver) QueueDepth(tier string, n int) {
+	initMetrics()
+	metrics.queueDepth.WithLabelValues(tier).Set(float64(n))
+}
+
+func (admissionObserver) Inflight(tier string, n int) {
+	initMetrics()
+	metrics.inflight.WithLabelValues(tier).Set(float64(n))
+}
+
+func (admissionObserver) Tokens(tenant, tier, kind, source string, n int) {
+	initMetrics()
+	metrics.tokens.WithLabelValues(tier, kind, source, tenantLabel(tenant)).Add(float64(n))
+}
+
+func (admissionObserver) TenantBreaker(tenant, tier string, tr breaker.Transition) {
+	initMetrics()
+	switch {
+	case tr.From == breaker.Closed:
+		metrics.tenantBreaker.WithLabelValues(tier).Inc()
+	case tr.To == breaker.Closed:
+		metrics.tenantBreaker.WithLabelValues(tier).Dec()
+	}
+	if app := newestApp(); app != nil {
+		level := zapcore.InfoLevel
+		if tr.To == breaker.Open {
+			level = zapcore.WarnLevel
+		}
+		if ce := app.logger.Check(level, "tenant circuit breaker "+tr.To.String()); ce != nil {
+			ce.Write(zap.String("tenant", tenant), zap.String("tier", tier), zap.String("from", tr.From.String()),
+				zap.String("to", tr.To.String()), zap.String("reason", tr.Reason))
+		}
+	}
+}
+
 var (
-	_ proxy.Observer    = requestObserver{}
-	_ upstream.Observer = upstreamObserver{}
+	_ admission.Observer = admissionObserver{}
+	_ proxy.Observer     = requestObserver{}
+	_ upstream.Observer  = upstreamObserver{}
 )

@@ -94,6 +94,11 @@ type Handler struct {
 	// defaults documented on BreakerConfig; {"disabled": true} turns them off.
 	Breaker *BreakerConfig `json:"breaker,omitempty"`
 
+	// Admission sets the pool's capacity and priority queue. Tenants and
+	// tiers come from the llm_proxy app (global option). Default: none (no
+	// pool capacity; tenants' own limits still apply when configured).
+	Admission *AdmissionConfig `json:"admission,omitempty"`
+
 	pool         *upstream.Pool
 	proxy        *proxy.Proxy
 	transport    *transport
@@ -237,6 +242,9 @@ func (h *Handler) check() error {
 		if d.v < 0 {
 			return fmt.Errorf("llm_proxy: negative %s %v", d.name, time.Duration(d.v))
 		}
+	}
+	if err := h.Admission.validate(); err != nil {
+		return err
 	}
 	return h.Breaker.validate()
 }

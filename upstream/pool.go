@@ -336,3 +336,23 @@ func (p *Pool) BreakerState(addr, model string) string {
 
 // Registry returns the registry the pool belongs to.
 func (p *Pool) Registry() *Registry { return p.reg }
+
+// ClosedUpstreams returns how many of the pool's known upstreams have their
+// per-upstream breaker closed (all of them when breakers are off), for a
+// capacity of per_upstream × healthy upstreams.
+func (p *Pool) ClosedUpstreams() int {
+	n := 0
+	count := func(m *member) {
+		if b := m.e.lookupBreaker(""); b == nil || b.State() == breaker.Closed {
+			n++
+		}
+	}
+	for _, m := range p.static {
+		count(m)
+	}
+	p.dynamic.Range(func(_, v any) bool {
+		count(v.(*member))
+		return true
+	})
+	return n
+}

@@ -1,0 +1,53 @@
+package caddymodule
+
+import (
+	"errors"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
+)
+
+// AdmissionConfig is a handler's pool capacity and priority queue: past
+// capacity, sheddable tiers are refused at once (429 saturated) and the
+// others wait by priority, then arrival, up to their tier's queue_timeout.
+type AdmissionConfig struct {
+	// Capacity is the most requests in flight through this handler.
+	// Exclusive with PerUpstream. Default: 0 (no pool capacity: only the
+	// tenants' own limits apply).
+	Capacity int `json:"capacity,omitempty"`
+
+	// PerUpstream sets the capacity to this many requests per upstream
+	// whose circuit breaker is closed, so capacity shrinks as upstreams
+	// fail and grows as they recover. Exclusive with Capacity. Default: 0.
+	PerUpstream int `json:"per_upstream,omitempty"`
+
+	// Queue bounds the requests waiting for capacity (a tier's queue
+	// setting caps its share). Default: 100.
+	Queue int `json:"queue,omitempty"`
+}
+
+func (ac *AdmissionConfig) validate() error {
+	if ac == nil {
+		return nil
+	}
+	if ac.Capacity < 0 || ac.PerUpstream < 0 || ac.Queue < 0 {
+		return errors.New("admission: capacity, per_upstream and queue must not be negative")
+	}
+	if ac.Capacity > 0 && ac.PerUpstream > 0 {
+		return errors.New("admission: use capacity or per_upstream, not both")
+	}
+	return nil
+}
+
+// gate builds the handler's gate; nil without a capacity.
+func (ac *AdmissionConfig) gate(pool *upstream.Pool, ctl *admission.Controller) *admission.Gate {
+	if ac == nil || (ac.Capacity == 0 && ac.PerUpstream == 0) {
+		return nil
+	}
+	capacity := func() int { return ac.Capacity }
+	if n := ac.PerUpstream; n > 0 {
+		capacity = func() int { return n * max(pool.ClosedUpstreams(), 1) }
+	}
+	return admission.NewGate(admission.GateConfig{Capacity: capacity, Queue: ac.Queue, Controller: ctl},
+		admission.SystemClock{}, admissionObserver{})
+}

@@ -1,0 +1,77 @@
+package caddymodule
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+)
+
+// tenancy is one config's tenants and tiers, built in Provision: its key
+// directory and trusted proxies are its own (they change nothing live);
+// its limits apply to the process-wide controller when the config starts.
+type tenancy struct {
+	cfg     admission.Config
+	dir     *admission.Directory
+	header  string
+	trusted []netip.Prefix
+	unknown string
+	// tenantLabel is metrics_tenant_label.
+	tenantLabel bool
+	// ctl is the process-wide controller (tenants' windows and breakers
+	// survive reloads).
+	ctl *admission.Controller
+}
+
+// controller holds every tenant's counters and breaker for the process,
+// created by the first config with tenants.
+var controller struct {
+	sync.Mutex
+	ctl *admission.Controller
+}
+
+// newTenancy builds the config's tenancy; nil when it configures none.
+func newTenancy(a *App) (*tenancy, error) {
+	if a.Tenants == nil && len(a.Tiers) == 0 && len(a.TenantOverrides) == 0 {
+		return nil, nil
+	}
+	if a.Tenants == nil {
+		return nil, errors.New("llm_proxy: tiers without tenants: add a tenants block (keys) so requests can be identified")
+	}
+	cfg, err := a.admissionConfig()
+	if err != nil {
+		return nil, fmt.Errorf("llm_proxy: %w", err)
+	}
+	dir, err := a.Tenants.directory()
+	if err != nil {
+		return nil, err
+	}
+	trusted, err := a.Tenants.trustedPrefixes()
+	if err != nil {
+		return nil, err
+	}
+	t := &tenancy{cfg: cfg, dir: dir, header: a.Tenants.Header, trusted: trusted, unknown: cfg.UnknownTier, tenantLabel: a.MetricsTenantLabel}
+	controller.Lock()
+	defer controller.Unlock()
+	if controller.ctl == nil {
+		// The first config: nothing is live yet, so its limits apply now.
+		ctl, err := admission.NewController(cfg, admission.SystemClock{}, admissionObserver{})
+		if err != nil {
+			return nil, fmt.Errorf("llm_proxy: %w", err)
+		}
+		controller.ctl = ctl
+	}
+	t.ctl = controller.ctl
+	return t, nil
+}
+
+// start applies the config's tiers and tenants to the live controller.
+func (t *tenancy) start() error {
+	if err := t.ctl.SetConfig(t.cfg); err != nil {
+		return fmt.Errorf("llm_proxy: applying tenants: %w", err)
+	}
+	tenantLabels.Store(t.tenantLabel)
+	return nil
+}
