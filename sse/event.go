@@ -72,6 +72,12 @@ type ChunkInfo struct {
 	// otherwise 0. Servers that repeat cumulative usage on every chunk
 	// (TGI) are read by keeping the last chunk's values, never by summing.
 	PromptTokens, CompletionTokens int
+	// UsageOnly reports a usage-only chunk: Usage is true and the
+	// top-level "choices" is an empty array, null, absent or not an array.
+	// It is the chunk that stream_options.include_usage adds at the end of
+	// a stream, which a gateway that asked for it on the client's behalf
+	// removes before it reaches the client.
+	UsageOnly bool
 }
 
 // InspectChunk reports the finish_reason and token usage of an OpenAI chunk,
@@ -82,10 +88,17 @@ type ChunkInfo struct {
 // as with encoding/json. Malformed input yields what was found before the
 // point where it stops making sense.
 func InspectChunk(data []byte) ChunkInfo {
-	var info ChunkInfo
+	info, choices := inspectChunk(data)
+	info.UsageOnly = info.Usage && choices == 0
+	return info
+}
+
+// inspectChunk is InspectChunk without UsageOnly; choices is the number of
+// elements of the last top-level choices array.
+func inspectChunk(data []byte) (info ChunkInfo, choices int) {
 	i := skipWS(data, 0)
 	if i >= len(data) || data[i] != '{' {
-		return info
+		return info, choices
 	}
 	// One pass: choices is walked in place rather than skipped and then
 	// walked again.
@@ -93,23 +106,23 @@ func InspectChunk(data []byte) ChunkInfo {
 	for {
 		key, ok := it.nextKey()
 		if !ok {
-			return info
+			return info, choices
 		}
 		switch {
 		case keyIs(key, "choices") && data[it.i] == '[':
-			fin, end := choicesFinished(data, it.i)
-			info.FinishReason = fin
+			fin, n, end := choicesFinished(data, it.i)
+			info.FinishReason, choices = fin, n
 			if end < 0 {
-				return info
+				return info, choices
 			}
 			it.i = end
 			continue
 		case keyIs(key, "choices"):
-			info.FinishReason = false
+			info.FinishReason, choices = false, 0
 		}
 		val, ok := it.skip()
 		if !ok {
-			return info
+			return info, choices
 		}
 		if keyIs(key, "usage") {
 			info.Usage = val[0] == '{'
@@ -160,14 +173,16 @@ func parseCount(v []byte) int {
 }
 
 // choicesFinished walks the choices array starting at b[i] and reports
-// whether an element is an object whose last finish_reason is not null. end
+// whether an element is an object whose last finish_reason is not null, and
+// how many elements it has (counted up to where it stops making sense). end
 // is the index after the array, or -1 if it is malformed.
-func choicesFinished(b []byte, i int) (finished bool, end int) {
+func choicesFinished(b []byte, i int) (finished bool, n, end int) {
 	arr := iter{b: b, i: i + 1, array: true}
 	for arr.nextElem() {
+		n++
 		if b[arr.i] != '{' {
 			if _, ok := arr.skip(); !ok {
-				return finished, -1
+				return finished, n, -1
 			}
 			continue
 		}
@@ -187,12 +202,12 @@ func choicesFinished(b []byte, i int) (finished bool, end int) {
 			}
 		}
 		if obj.end < 0 {
-			return finished, -1
+			return finished, n, -1
 		}
 		finished = finished || fin
 		arr.i = obj.end
 	}
-	return finished, arr.end
+	return finished, n, arr.end
 }
 
 // mayBeError is a fast pre-check for isErrorObject: both the "error" key and

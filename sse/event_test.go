@@ -84,7 +84,7 @@ func TestInspectChunk(t *testing.T) {
 		{
 			name: "usage chunk with empty choices",
 			data: `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1718000000,"model":"llama","choices":[],"usage":{"prompt_tokens":12,"total_tokens":40,"completion_tokens":28}}`,
-			want: sse.ChunkInfo{Usage: true, PromptTokens: 12, CompletionTokens: 28},
+			want: sse.ChunkInfo{UsageOnly: true, Usage: true, PromptTokens: 12, CompletionTokens: 28},
 		},
 		{
 			name: "openai include_usage chunk with usage null",
@@ -116,7 +116,7 @@ func TestInspectChunk(t *testing.T) {
 		{
 			name: "leading whitespace",
 			data: "  \n{\"usage\":{}}",
-			want: sse.ChunkInfo{Usage: true},
+			want: sse.ChunkInfo{UsageOnly: true, Usage: true},
 		},
 		{
 			name: "finish_reason outside choices does not count",
@@ -138,17 +138,17 @@ func TestInspectChunk(t *testing.T) {
 		{
 			name: "last count key wins",
 			data: `{"usage":{"completion_tokens":4,"completion_tokens":7,"prompt_tokens":"5"}}`,
-			want: sse.ChunkInfo{Usage: true, CompletionTokens: 7},
+			want: sse.ChunkInfo{UsageOnly: true, Usage: true, CompletionTokens: 7},
 		},
 		{
 			name: "counts that are not plain integers read as 0",
 			data: `{"usage":{"prompt_tokens":1.5,"completion_tokens":-2}}`,
-			want: sse.ChunkInfo{Usage: true},
+			want: sse.ChunkInfo{UsageOnly: true, Usage: true},
 		},
 		{
 			name: "escaped count key",
 			data: `{"usage":{"prompt_\u0074okens":8}}`,
-			want: sse.ChunkInfo{Usage: true, PromptTokens: 8},
+			want: sse.ChunkInfo{UsageOnly: true, Usage: true, PromptTokens: 8},
 		},
 		{
 			name: "counts in a nested usage do not count",
@@ -159,13 +159,32 @@ func TestInspectChunk(t *testing.T) {
 			data: `{"choices":[{"delta":{"content":"世界 🙂 \u00e9"},"finish_reason":"stop"}]}`,
 			want: sse.ChunkInfo{FinishReason: true},
 		},
+		{
+			name: "usage with choices null or absent is usage-only",
+			data: `{"choices":null,"usage":{"prompt_tokens":2,"completion_tokens":3}}`,
+			want: sse.ChunkInfo{Usage: true, UsageOnly: true, PromptTokens: 2, CompletionTokens: 3},
+		},
+		{
+			name: "usage on a content chunk (TGI, continuous_usage_stats) is not usage-only",
+			data: `{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`,
+			want: sse.ChunkInfo{Usage: true, PromptTokens: 2, CompletionTokens: 1},
+		},
+		{
+			name: "the last choices counts for usage-only",
+			data: `{"choices":[{"delta":{}}],"usage":{},"choices":[]}`,
+			want: sse.ChunkInfo{Usage: true, UsageOnly: true},
+		},
+		{
+			name: "empty choices without usage is not usage-only",
+			data: `{"choices":[]}`,
+		},
 		{name: "done marker", data: "[DONE]"},
 		{name: "empty", data: ""},
 		{name: "truncated", data: `{"choices":[{"finish_reason":"st`},
 		{
 			name: "garbage after a valid prefix",
 			data: `{"usage":{"a":1}, garbage`,
-			want: sse.ChunkInfo{Usage: true},
+			want: sse.ChunkInfo{UsageOnly: true, Usage: true},
 		},
 	}
 	for _, tt := range tests {

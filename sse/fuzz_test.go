@@ -58,6 +58,9 @@ var chunkSeeds = []string{
 	`{"usage":{"prompt_tokens":1.0,"completion_tokens":-1,"prompt_tokens":"2","completion_tokens":1e2}}`,
 	`{"usage":{"prompt_\u0074okens":123456789012345678,"completion_tokens":1234567890123456789}}`,
 	`{"object":"chat.completion","choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"completion_tokens":1,"prompt_tokens_details":{"prompt_tokens":4}}}`,
+	`{"choices":null,"usage":{"prompt_tokens":2,"completion_tokens":3}}`,
+	`{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`,
+	`{"choices":[{"delta":{}}],"usage":{},"choices":"x"}`,
 }
 
 var errorSeeds = []string{
@@ -243,7 +246,8 @@ func FuzzInspectChunk(f *testing.F) {
 		}
 		var want sse.ChunkInfo
 		if m, ok := v.(map[string]any); ok {
-			if choices, ok := m["choices"].([]any); ok {
+			choices, _ := m["choices"].([]any)
+			if choices != nil {
 				for _, c := range choices {
 					if c, ok := c.(map[string]any); ok {
 						if fr, ok := c["finish_reason"]; ok && fr != nil {
@@ -256,6 +260,7 @@ func FuzzInspectChunk(f *testing.F) {
 			usage, want.Usage = m["usage"].(map[string]any)
 			want.PromptTokens = refCount(usage["prompt_tokens"])
 			want.CompletionTokens = refCount(usage["completion_tokens"])
+			want.UsageOnly = want.Usage && len(choices) == 0
 		}
 		if got != want {
 			t.Fatalf("InspectChunk(%q) = %+v, encoding/json says %+v", data, got, want)
