@@ -13,6 +13,7 @@ package admission
 
 import (
 	"context"
+	"crypto/sha256"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
@@ -111,7 +112,7 @@ type Config struct {
 
 // Validate checks cfg (unknown tier names, negative limits, duplicate
 // names), returning an error that names the offending field.
-func (cfg Config) Validate() error { panic("unimplemented") }
+func (cfg Config) Validate() error { return cfg.validate() }
 
 // Key is one API key's hash and whom it names.
 type Key struct {
@@ -122,22 +123,30 @@ type Key struct {
 }
 
 // HashKey returns sha256 of key.
-func HashKey(key string) [32]byte { panic("unimplemented") }
+func HashKey(key string) [32]byte { return sha256.Sum256(keyBytes(key)) }
 
 // Directory maps API keys to tenants. Keys are held hashed only; a lookup
 // hashes the presented key and compares in constant time. Safe for
 // concurrent use; immutable once built.
-type Directory struct{}
+type Directory struct {
+	idx  map[uint64]int32 // first 8 bytes of a hash → its chain in ents
+	ents []dirEntry
+}
 
 // NewDirectory builds a directory; two keys with the same hash is an error.
-func NewDirectory(keys []Key) (*Directory, error) { panic("unimplemented") }
+func NewDirectory(keys []Key) (*Directory, error) { return newDirectory(keys) }
 
 // Lookup returns the tenant and tier of a presented key ("" tier: the
 // tenant's own), ok false when the key is unknown. It allocates nothing.
-func (d *Directory) Lookup(key string) (tenant, tier string, ok bool) { panic("unimplemented") }
+func (d *Directory) Lookup(key string) (tenant, tier string, ok bool) { return d.lookup(key) }
 
 // Len returns the number of keys.
-func (d *Directory) Len() int { panic("unimplemented") }
+func (d *Directory) Len() int {
+	if d == nil {
+		return 0
+	}
+	return len(d.ents)
+}
 
 // Clock is admission's source of time.
 type Clock interface {
@@ -254,52 +263,74 @@ type Usage struct {
 // Controller holds every tenant's counters and breaker. It is shared by
 // every handler of the process and survives reloads (SetConfig applies a
 // new config to existing state). Safe for concurrent use.
-type Controller struct{}
+type Controller struct{ controllerState }
 
 // NewController returns a controller for cfg (validated).
 func NewController(cfg Config, clock Clock, obs Observer) (*Controller, error) {
-	panic("unimplemented")
+	return newController(cfg, clock, obs)
 }
 
 // SetConfig applies a new config; tenants' windows and breakers are kept.
-func (c *Controller) SetConfig(cfg Config) error { panic("unimplemented") }
+func (c *Controller) SetConfig(cfg Config) error { return c.setConfig(cfg) }
 
 // Tier returns the effective tier of a tenant (Request.Tier if set, else
 // its configured tier, else the default), ok false when it names none.
-func (c *Controller) Tier(tenant, tier string) (Tier, bool) { panic("unimplemented") }
+func (c *Controller) Tier(tenant, tier string) (Tier, bool) { return c.tier(tenant, tier) }
 
 // Reserve applies the tenant's own limits and breaker: open tenant breaker,
 // max_concurrent, rpm, tpm (reservation = PromptTokens + N × (MaxTokens, or
 // the tier's DefaultMaxTokens capped at what is left of the tpm limit; an
 // explicit MaxTokens is reserved in full). A refusal consumes nothing. The
 // Ticket must be settled exactly once.
-func (c *Controller) Reserve(req Request) (*Ticket, *Refusal) { panic("unimplemented") }
+func (c *Controller) Reserve(req Request) (*Ticket, *Refusal) {
+	tk := new(Ticket)
+	if r := c.reserve(tk, &req); r != nil {
+		return nil, r
+	}
+	return tk, nil
+}
+
+// ReserveInto is Reserve into a Ticket the caller provides (and may embed
+// in its own per-request state), so that admission allocates nothing per
+// admitted request; Reserve allocates the Ticket (one allocation). tk must
+// be a zero Ticket, or one that is settled and no longer used by anyone:
+// reusing a ticket that another goroutine may still settle or read is the
+// caller's bug. On a refusal tk is left unusable (Settle does nothing).
+func (c *Controller) ReserveInto(tk *Ticket, req Request) *Refusal {
+	tk.t = nil
+	return c.reserve(tk, &req)
+}
 
 // Ticket is an admitted request's hold on its tenant's limits.
-type Ticket struct{}
+//
+// A Ticket must not be copied (go vet checks).
+type Ticket struct{ ticketState }
 
 // Limits returns the tenant's rate limits with this request counted.
-func (t *Ticket) Limits() Limits { panic("unimplemented") }
+func (t *Ticket) Limits() Limits { return t.limits }
 
 // Tenant and Tier return whom the ticket charges.
-func (t *Ticket) Tenant() string { panic("unimplemented") }
-func (t *Ticket) Tier() Tier     { panic("unimplemented") }
+func (t *Ticket) Tenant() string { return t.t.id }
+
+// Tier is the request's effective tier, defaults applied and the tenant's
+// overrides (MaxConcurrent, RPM, TPM) in place of the tier's own.
+func (t *Ticket) Tier() Tier { return t.ti.effective(t.lim) }
 
 // Reserved returns the tokens reserved.
-func (t *Ticket) Reserved() int { panic("unimplemented") }
+func (t *Ticket) Reserved() int { return int(t.reserved) }
 
 // Settle replaces the reservation with what was used, gives back the
 // concurrency slot and records the verdict on the tenant breaker (with the
 // slow-call rule: TTFT or queue wait above the tier's objectives). It runs
 // exactly once; later calls do nothing.
-func (t *Ticket) Settle(u Usage, queueWait time.Duration) { panic("unimplemented") }
+func (t *Ticket) Settle(u Usage, queueWait time.Duration) { t.settle(&u, queueWait) }
 
 // Cancel gives back everything the ticket took — concurrency slot, rpm
 // count, token reservation — as if the request had never been admitted (it
 // was refused later, e.g. by a pool's queue: a refused request consumes
 // nothing). It records nothing on the tenant breaker and reports no tokens.
 // Cancel or Settle runs once; whichever comes first wins.
-func (t *Ticket) Cancel() { panic("unimplemented") }
+func (t *Ticket) Cancel() { t.cancel() }
 
 // GateConfig configures a pool's capacity and queue.
 type GateConfig struct {
@@ -320,10 +351,21 @@ type GateConfig struct {
 // up to their tier's QueueTimeout; a higher-priority arrival at a full
 // queue displaces the newest queued request of a lower tier. Safe for
 // concurrent use.
-type Gate struct{}
+//
+// Capacity is re-read on every Acquire, release and queue timeout, and on
+// every Saturated call: when capacity grows without any of these (upstreams
+// recover), the glue calls Saturated (e.g. from its upstream breaker
+// listener) and the queue's head is admitted at once.
+type Gate struct{ gateState }
 
 // NewGate returns a gate.
-func NewGate(cfg GateConfig, clock Clock, obs Observer) *Gate { panic("unimplemented") }
+//
+// Observer calls: Decision and QueueWait once per Acquire (none for a
+// client that left the queue), from the acquiring goroutine; QueueDepth and
+// Inflight on every change, with the gate's lock held so that each gauge's
+// values arrive in order (they must not call the gate). Each admitted
+// Acquire allocates its release func; queued ones their waiter.
+func NewGate(cfg GateConfig, clock Clock, obs Observer) *Gate { return newGate(cfg, clock, obs) }
 
 // Acquire takes a slot for a request of tier, waiting in the queue while
 // the pool is saturated. It returns the time waited and a release func to
@@ -331,12 +373,23 @@ func NewGate(cfg GateConfig, clock Clock, obs Observer) *Gate { panic("unimpleme
 // CodeQueueFull, CodeQueueTimeout, CodeDisplaced). A request whose ctx ends
 // while queued leaves the queue at once (ctx.Err() is returned as the
 // error, not a Refusal). An expired queued request is never admitted.
+//
+// Admission is immediate when a slot is free (no one waits then: every
+// release admits the queue's head). Otherwise a sheddable tier (Priority <
+// 0) is refused at once (CodeSaturated); another waits if its tier's share
+// (Tier.Queue) and the pool's queue have room; at a full pool queue it
+// displaces the newest request of the lowest tier below it (CodeDisplaced
+// to that one), else it is refused (CodeQueueFull). A queued request
+// is refused with CodeQueueTimeout once it has waited its tier's QueueTimeout.
+// Every refusal is a *Refusal with Status 429 and a Retry-After of 1s.
+// Tier's zero Queue and QueueTimeout take their defaults.
 func (g *Gate) Acquire(ctx context.Context, tenant string, tier Tier) (release func(), waited time.Duration, err error) {
-	panic("unimplemented")
+	return g.acquire(ctx, tenant, tier)
 }
 
 // Saturated reports whether the pool is at capacity now.
-func (g *Gate) Saturated() bool { panic("unimplemented") }
+// It first admits queued requests for which capacity has grown.
+func (g *Gate) Saturated() bool { return g.saturated() }
 
 // TenantView is one tenant's state for the admin API (no keys).
 type TenantView struct {
@@ -356,8 +409,8 @@ type TenantView struct {
 }
 
 // Tenants returns every tenant with state, sorted by id.
-func (c *Controller) Tenants() []TenantView { panic("unimplemented") }
+func (c *Controller) Tenants() []TenantView { return c.tenantViews() }
 
 // TenantBreaker returns a tenant's breaker (nil if none), for the admin
 // API's open/close/reset.
-func (c *Controller) TenantBreaker(tenant string) *breaker.Breaker { panic("unimplemented") }
+func (c *Controller) TenantBreaker(tenant string) *breaker.Breaker { return c.tenantBreaker(tenant) }

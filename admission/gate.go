@@ -1,0 +1,250 @@
+package admission
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// refusalRetry is the Retry-After of the gate's refusals: the pool's
+// capacity frees as requests end, typically within seconds.
+const refusalRetry = time.Second
+
+// gateState is the Gate's fields (the type is declared in api.go).
+type gateState struct {
+	capacity func() int
+	bound    int // the pool queue's bound
+	ctl      *Controller
+	clock    Clock
+	obs      Observer
+
+	mu       sync.Mutex
+	inflight int
+	q        queue
+	seq      uint64
+	tiers    map[string]*tierCount
+}
+
+// tierCount is one tier's requests in a gate.
+type tierCount struct{ queued, inflight int }
+
+func newGate(cfg GateConfig, clock Clock, obs Observer) *Gate {
+	if clock == nil {
+		clock = SystemClock{}
+	}
+	if obs == nil {
+		obs = nopObserver{}
+	}
+	g := &Gate{}
+	g.capacity, g.bound, g.ctl = cfg.Capacity, cfg.Queue, cfg.Controller
+	if g.bound <= 0 {
+		g.bound = DefaultQueue
+	}
+	g.clock, g.obs = clock, obs
+	g.tiers = make(map[string]*tierCount)
+	return g
+}
+
+// capLocked returns the capacity now; <= 0 is unlimited.
+func (g *Gate) capLocked() int {
+	if g.capacity == nil {
+		return 0
+	}
+	return g.capacity()
+}
+
+// freeLocked reports whether a slot is free under capacity n.
+func (g *Gate) freeLocked(n int) bool { return n <= 0 || g.inflight < n }
+
+func (g *Gate) countLocked(tier string) *tierCount {
+	tc := g.tiers[tier]
+	if tc == nil {
+		tc = &tierCount{}
+		g.tiers[tier] = tc
+	}
+	return tc
+}
+
+// admitLocked takes a slot for a request of tier. Observer calls under the
+// gate's lock keep each gauge's values in order.
+func (g *Gate) admitLocked(tier string) {
+	g.inflight++
+	tc := g.countLocked(tier)
+	tc.inflight++
+	g.obs.Inflight(tier, tc.inflight)
+}
+
+// dequeueLocked takes w out of the queue with its decision (nil: admitted)
+// and wakes it.
+func (g *Gate) dequeueLocked(w *waiter, r *Refusal) {
+	g.q.remove(w)
+	w.decided, w.refusal = true, r
+	w.timer.Stop()
+	tc := g.countLocked(w.tier)
+	tc.queued--
+	g.obs.QueueDepth(w.tier, tc.queued)
+	g.ctl.addQueued(w.tenant, -1)
+	if r == nil {
+		g.admitLocked(w.tier)
+	}
+	close(w.done)
+}
+
+// pumpLocked admits queued requests, head first, while slots are free; a
+// head whose deadline has passed is refused, never admitted. This is what
+// keeps capacity from sitting idle while an admissible request waits: it
+// runs on every Acquire, release, timeout and Saturated call.
+func (g *Gate) pumpLocked() {
+	for len(g.q) > 0 {
+		w := g.q[0]
+		if !g.clock.Now().Before(w.deadline) {
+			g.dequeueLocked(w, timeoutRefusal(w))
+			continue
+		}
+		if !g.freeLocked(g.capLocked()) {
+			return
+		}
+		g.dequeueLocked(w, nil)
+	}
+}
+
+func timeoutRefusal(w *waiter) *Refusal {
+	return &Refusal{Status: 429, Code: CodeQueueTimeout, RetryAfter: refusalRetry,
+		Message: fmt.Sprintf("tier %s: queued longer than its queue_timeout of %s; retry in %s", w.tier, w.timeout, retryIn(refusalRetry))}
+}
+
+// slotRelease is the release of one admitted request.
+type slotRelease struct {
+	g    *Gate
+	tier string
+	done atomic.Bool
+}
+
+func (s *slotRelease) release() {
+	if !s.done.CompareAndSwap(false, true) {
+		return
+	}
+	g := s.g
+	g.mu.Lock()
+	g.inflight--
+	tc := g.countLocked(s.tier)
+	tc.inflight--
+	g.obs.Inflight(s.tier, tc.inflight)
+	g.pumpLocked()
+	g.mu.Unlock()
+}
+
+func (g *Gate) releaseFunc(tier string) func() {
+	return (&slotRelease{g: g, tier: tier}).release
+}
+
+func (g *Gate) acquire(ctx context.Context, tenant string, tier Tier) (func(), time.Duration, error) {
+	if tier.Queue <= 0 {
+		tier.Queue = DefaultQueue
+	}
+	if tier.QueueTimeout <= 0 {
+		tier.QueueTimeout = DefaultQueueTimeout
+	}
+	name := tier.Name
+	refuse := func(r *Refusal, waited time.Duration) (func(), time.Duration, error) {
+		g.obs.QueueWait(tenant, name, waited)
+		g.obs.Decision(tenant, name, r.Code)
+		return nil, waited, r
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, 0, err
+	}
+
+	g.mu.Lock()
+	g.pumpLocked()
+	n := g.capLocked()
+	if g.freeLocked(n) {
+		// pumpLocked left the queue empty: nobody waits before this one.
+		g.admitLocked(name)
+		g.mu.Unlock()
+		g.obs.QueueWait(tenant, name, 0)
+		g.obs.Decision(tenant, name, DecisionAdmitted)
+		return g.releaseFunc(name), 0, nil
+	}
+	if tier.Priority < 0 {
+		g.mu.Unlock()
+		return refuse(&Refusal{Status: 429, Code: CodeSaturated, RetryAfter: refusalRetry,
+			Message: fmt.Sprintf("pool saturated (%d of %d requests in flight); tier %s (priority %d) is not queued; retry in %s",
+				g.inflight, n, name, tier.Priority, retryIn(refusalRetry))}, 0)
+	}
+	tc := g.countLocked(name)
+	if tc.queued >= tier.Queue {
+		g.mu.Unlock()
+		return refuse(&Refusal{Status: 429, Code: CodeQueueFull, RetryAfter: refusalRetry,
+			Message: fmt.Sprintf("tier %s: its share of the pool queue is full (%d waiting, tier queue %d); retry in %s",
+				name, tc.queued, tier.Queue, retryIn(refusalRetry))}, 0)
+	}
+	if len(g.q) >= g.bound {
+		v := g.q.victim(tier.Priority)
+		if v == nil {
+			g.mu.Unlock()
+			return refuse(&Refusal{Status: 429, Code: CodeQueueFull, RetryAfter: refusalRetry,
+				Message: fmt.Sprintf("pool queue full (%d waiting, queue %d); retry in %s", len(g.q), g.bound, retryIn(refusalRetry))}, 0)
+		}
+		g.dequeueLocked(v, &Refusal{Status: 429, Code: CodeDisplaced, RetryAfter: refusalRetry,
+			Message: fmt.Sprintf("tier %s: displaced from the full pool queue by a request of higher priority (tier %s); retry in %s",
+				v.tier, name, retryIn(refusalRetry))})
+	}
+	now := g.clock.Now()
+	g.seq++
+	w := &waiter{tenant: tenant, tier: name, prio: tier.Priority, seq: g.seq, enq: now,
+		deadline: now.Add(tier.QueueTimeout), timeout: tier.QueueTimeout, done: make(chan struct{})}
+	w.timer = g.clock.AfterFunc(tier.QueueTimeout, func() { g.expire(w) })
+	g.q.insert(w)
+	tc.queued++
+	g.obs.QueueDepth(name, tc.queued)
+	g.ctl.addQueued(tenant, 1)
+	g.mu.Unlock()
+
+	select {
+	case <-w.done:
+	case <-ctx.Done():
+		g.mu.Lock()
+		if !w.decided {
+			g.dequeueLocked(w, &Refusal{}) // gone: not admitted, nobody reads it
+			g.mu.Unlock()
+			waited := g.clock.Now().Sub(w.enq)
+			g.obs.QueueWait(tenant, name, waited)
+			return nil, waited, ctx.Err()
+		}
+		g.mu.Unlock()
+		if w.refusal == nil {
+			// Admitted as the client left: give the slot to the next.
+			waited := g.clock.Now().Sub(w.enq)
+			g.releaseFunc(name)()
+			g.obs.QueueWait(tenant, name, waited)
+			return nil, waited, ctx.Err()
+		}
+	}
+	waited := g.clock.Now().Sub(w.enq)
+	if w.refusal != nil {
+		return refuse(w.refusal, waited)
+	}
+	g.obs.QueueWait(tenant, name, waited)
+	g.obs.Decision(tenant, name, DecisionQueuedAdmitted)
+	return g.releaseFunc(name), waited, nil
+}
+
+// expire refuses w when its queue timeout fires, if it still waits.
+func (g *Gate) expire(w *waiter) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !w.decided {
+		g.dequeueLocked(w, timeoutRefusal(w))
+	}
+	g.pumpLocked()
+}
+
+func (g *Gate) saturated() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.pumpLocked()
+	return !g.freeLocked(g.capLocked())
+}
