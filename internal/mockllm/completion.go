@@ -102,6 +102,7 @@ func (x *exchange) begin() {
 	x.seq, x.gen = r.stats.seq, r.stats.gen
 	r.stats.bodies.add(x.rec.BodySHA256)
 	r.stats.recent.add(x.rec)
+	r.stats.lastBody = x.body // never modified: snapshots share it
 	r.inFlight++
 	r.stats.maxInFlight = max(r.stats.maxInFlight, r.inFlight)
 }
@@ -497,6 +498,13 @@ func (x *exchange) prompt() []byte {
 	return x.cr.Prompt
 }
 
+// recordUsage notes the usage reported to the client in the record.
+func (x *exchange) recordUsage(u usage) {
+	x.update(func(rec *RequestRecord) {
+		rec.Usage = &Usage{PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens, TotalTokens: u.TotalTokens}
+	})
+}
+
 func (x *exchange) usage() usage {
 	u := usage{PromptTokens: promptTokens(x.prompt()), CompletionTokens: x.p.tokens}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
@@ -561,7 +569,9 @@ func (x *exchange) stream() {
 	}
 	if x.gone() == nil && x.cr.includeUsage() {
 		u := x.usage()
-		x.event(marshal(chunk{ID: x.rec.ID, Object: x.chunkObject(), Created: x.created, Model: x.p.model, Choices: []chunkChoice{}, Usage: &u}))
+		if x.event(marshal(chunk{ID: x.rec.ID, Object: x.chunkObject(), Created: x.created, Model: x.p.model, Choices: []chunkChoice{}, Usage: &u})) == nil {
+			x.recordUsage(u)
+		}
 	}
 	if x.gone() == nil {
 		x.event([]byte("[DONE]"))
@@ -637,5 +647,6 @@ func (x *exchange) respond() {
 		return
 	}
 	x.update(func(rec *RequestRecord) { rec.TokensSent = x.p.tokens })
+	x.recordUsage(c.Usage)
 	x.finished()
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -310,4 +311,51 @@ func TestMethodNotAllowed(t *testing.T) {
 func sha256Hex(s string) string {
 	sum := sha256.Sum256([]byte(s))
 	return hex.EncodeToString(sum[:])
+}
+
+// TestLastBodyAndUsageAreRecorded: the replica keeps the last request's
+// body byte for byte and its headers, and records the usage it reported
+// (in a stream's usage chunk when asked, in a JSON body), none for a
+// stream that did not ask; a reset forgets the last body.
+func TestLastBodyAndUsageAreRecorded(t *testing.T) {
+	f := startFleet(t, FleetConfig{Behavior: fast})
+	c := client(t)
+	url := f.Replica(0).URL() + "/v1/chat/completions"
+	bodies := []string{
+		chatBody, // stream, no usage asked
+		`{"model":"m1", "messages":[{"role":"user","content":"h\u00e9"}],"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"model":"m1","messages":[{"role":"user","content":"plain"}]}`,
+	}
+	for i, b := range bodies {
+		resp, err := post(t, c, context.Background(), url, b, "X-Tenant-Probe: t"+strconv.Itoa(i), "Authorization: Bearer secret")
+		if err != nil {
+			t.Fatal(err)
+		}
+		readAll(t, resp.Body)
+		resp.Body.Close()
+		s := f.Replica(0).Stats()
+		if string(s.LastBody) != b {
+			t.Errorf("request %d: LastBody %q, want %q", i, s.LastBody, b)
+		}
+		if got := s.LastHeaders["x-tenant-probe"]; got != "t"+strconv.Itoa(i) {
+			t.Errorf("request %d: LastHeaders[x-tenant-probe] = %q", i, got)
+		}
+		if _, ok := s.LastHeaders["authorization"]; ok {
+			t.Errorf("request %d: LastHeaders holds authorization", i)
+		}
+	}
+	s := f.Replica(0).Stats()
+	if s.Recent[0].Usage != nil {
+		t.Errorf("a stream that did not ask for usage recorded usage %+v", *s.Recent[0].Usage)
+	}
+	for _, i := range []int{1, 2} {
+		u := s.Recent[i].Usage
+		if u == nil || u.CompletionTokens != 5 || u.PromptTokens < 1 || u.TotalTokens != u.PromptTokens+u.CompletionTokens {
+			t.Errorf("request %d: usage %+v, want 5 completion tokens and a consistent total", i, u)
+		}
+	}
+	f.ResetStats()
+	if s := f.Replica(0).Stats(); s.LastBody != nil || s.LastHeaders != nil {
+		t.Errorf("after a reset: LastBody %q, LastHeaders %v", s.LastBody, s.LastHeaders)
+	}
 }

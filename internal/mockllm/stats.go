@@ -65,6 +65,14 @@ type ReplicaStats struct {
 	BodySHA256 []string `json:"body_sha256"`
 	// Recent describes the last 1000 requests, in arrival order.
 	Recent []RequestRecord `json:"recent"`
+	// LastBody is the body of the last completion request received (as
+	// the replica read it, byte for byte), nil when none was since the
+	// start or the last reset. Only the last is kept, so memory stays
+	// bounded whatever the bodies' size.
+	LastBody []byte `json:"last_body,omitempty"`
+	// LastHeaders are the headers of that request, as RequestRecord.Headers
+	// holds them (lowercase names, no credentials).
+	LastHeaders map[string]string `json:"last_headers,omitempty"`
 }
 
 // RequestRecord describes one completion request.
@@ -106,6 +114,17 @@ type RequestRecord struct {
 	// joined by ", "), without Authorization, Cookie and
 	// Proxy-Authorization.
 	Headers map[string]string `json:"headers,omitempty"`
+	// Usage is the usage the replica reported to the client: in the
+	// non-streaming body, or in the usage chunk of a stream that asked for
+	// it (stream_options.include_usage); nil when it sent none.
+	Usage *Usage `json:"usage,omitempty"`
+}
+
+// Usage is the token usage a replica reported for one request.
+type Usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
 }
 
 // ring keeps the last historyLimit items.
@@ -133,6 +152,7 @@ type counters struct {
 	faults       map[string]int64
 	bodies       ring[string]
 	recent       ring[*RequestRecord]
+	lastBody     []byte
 }
 
 func (c *counters) reset() {
@@ -150,10 +170,18 @@ func (c *counters) snapshot() ReplicaStats {
 		Faults:       maps.Clone(c.faults),
 		BodySHA256:   append([]string{}, c.bodies.items...),
 		Recent:       make([]RequestRecord, len(c.recent.items)),
+		LastBody:     c.lastBody,
 	}
 	for i, r := range c.recent.items {
 		s.Recent[i] = *r
 		s.Recent[i].Headers = maps.Clone(r.Headers)
+		if r.Usage != nil {
+			u := *r.Usage
+			s.Recent[i].Usage = &u
+		}
+	}
+	if n := len(s.Recent); n > 0 && c.lastBody != nil {
+		s.LastHeaders = maps.Clone(s.Recent[n-1].Headers)
 	}
 	return s
 }
