@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -62,7 +63,12 @@ func newTarget(u *reverseproxy.Upstream) (upstream.Target, error) {
 type dynamicSource struct {
 	src    reverseproxy.UpstreamSource
 	parsed sync.Map // dial + max_requests → upstream.Target
+	n      atomic.Int64
 }
+
+// maxParsedDynamic bounds the parsed dynamic upstreams kept (the pool itself
+// forgets churned addresses after a minute, or past 1,024).
+const maxParsedDynamic = 4096
 
 type sourceKey struct {
 	dial string
@@ -86,6 +92,11 @@ func (s *dynamicSource) upstreams(r *http.Request) ([]upstream.Target, error) {
 		t, err := newTarget(&reverseproxy.Upstream{Dial: u.Dial, MaxRequests: u.MaxRequests})
 		if err != nil {
 			return nil, err
+		}
+		if s.n.Add(1) > maxParsedDynamic {
+			// Pods that churn: forget every parse rather than grow.
+			s.parsed.Clear()
+			s.n.Store(1)
 		}
 		s.parsed.Store(k, t)
 		out = append(out, t)

@@ -151,10 +151,10 @@ func (e *Entry) reconcile() {
 			apply = append(apply, b)
 		}
 	}
-	e.mu.Unlock()
 	for _, k := range drop {
 		e.reg.obs.BreakerGone(e.addr, k)
 	}
+	e.mu.Unlock()
 	for _, b := range apply {
 		b.SetSettings(*eff.settings)
 	}
@@ -205,12 +205,16 @@ func (e *Entry) Breakers() map[string]*breaker.Breaker { return e.breakerMap() }
 // gone and must not come back.
 func (e *Entry) transition(key string, b *breaker.Breaker, tr breaker.Transition) {
 	e.mu.Lock()
+	// Reported under the lock, so that a destroy or a drop cannot slip in
+	// between the check and the report and have its gauge re-created.
 	live := !e.destroyed && e.breakerMap()[key] == b
+	if live {
+		e.reg.obs.BreakerTransition(e.addr, key, tr)
+	}
 	e.mu.Unlock()
 	if !live {
 		return
 	}
-	e.reg.obs.BreakerTransition(e.addr, key, tr)
 	if tr.To == breaker.Open {
 		e.maybeProbe()
 	}
@@ -226,9 +230,9 @@ func (e *Entry) destroy() {
 		keys = append(keys, k)
 	}
 	e.breakers.Store(&map[string]*breaker.Breaker{})
-	e.mu.Unlock()
-	e.cancel()
 	for _, k := range keys {
 		e.reg.obs.BreakerGone(e.addr, k)
 	}
+	e.mu.Unlock()
+	e.cancel()
 }

@@ -105,7 +105,9 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	ue := &proxy.UnavailableError{RetryAfter: max(earliest.Sub(now), 0)}
 	switch {
 	case busy > 0:
-		ue.Busy, ue.RetryAfter = true, time.Second
+		// No RetryAfter: a slot frees whenever an attempt ends, so a retry
+		// must not sleep on it (the client's 503 says Retry-After: 1).
+		ue.Busy, ue.RetryAfter = true, 0
 		ue.Reason = fmt.Sprintf("%d of %d upstream(s) are at max_requests and the rest are unavailable", busy, len(members))
 	case open > 0:
 		ue.CircuitOpen = true

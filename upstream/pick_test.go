@@ -153,7 +153,7 @@ func TestPickAnswersCircuitOpenOnlyWhenOpenBreakersAreTheCause(t *testing.T) {
 				mustPick(t, p, "")
 				mustPick(t, p, "")
 			},
-			busy: true, retryAfter: time.Second,
+			busy: true,
 		},
 		{
 			name: "all at max_requests, breakers off",
@@ -162,7 +162,7 @@ func TestPickAnswersCircuitOpenOnlyWhenOpenBreakersAreTheCause(t *testing.T) {
 				mustPick(t, p, "")
 				mustPick(t, p, "")
 			},
-			busy: true, retryAfter: time.Second,
+			busy: true,
 		},
 		{
 			name: "all open",
@@ -190,6 +190,11 @@ func TestPickAnswersCircuitOpenOnlyWhenOpenBreakersAreTheCause(t *testing.T) {
 			}
 			if ue.CircuitOpen != tc.circuit || ue.Busy != tc.busy {
 				t.Fatalf("CircuitOpen %t Busy %t, want %t %t (%s)", ue.CircuitOpen, ue.Busy, tc.circuit, tc.busy, ue.Reason)
+			}
+			if tc.busy && ue.RetryAfter != 0 {
+				// A slot frees as soon as an attempt ends: a retry must
+				// not sleep on a full pool.
+				t.Fatalf("busy pool: RetryAfter %v, want 0", ue.RetryAfter)
 			}
 			if tc.retryAfter > 0 && ue.RetryAfter != tc.retryAfter {
 				t.Fatalf("RetryAfter %v, want %v", ue.RetryAfter, tc.retryAfter)

@@ -94,20 +94,27 @@ func (p *Prober) send(ctx context.Context, addr string) error {
 	return nil
 }
 
-// maybeProbe starts the entry's probe loop when the effective config probes
-// actively, some breaker is not closed, and no loop runs. The loop belongs
+// maybeProbe starts the entry's probe loop when the effective config has
+// started and probes actively, some breaker is not closed, and no loop runs. The loop belongs
 // to the entry, not to a config: it survives reloads (handed over to the
 // newest config's Prober) and stops when every breaker is closed, active
 // probing is turned off, or the entry is destroyed.
 func (e *Entry) maybeProbe() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.probing || e.destroyed || e.eff == nil || e.eff.prober == nil || !e.anyOpenLocked() {
+	if e.probing || !e.probeWantedLocked() {
 		return
 	}
 	e.probing = true
 	e.reg.loops.Add(1)
 	go e.probeLoop()
+}
+
+// probeWantedLocked reports whether a probe loop should run: the loop is
+// started and stopped with the llm_proxy app (only a started config's
+// prober runs), and only while a breaker is not closed.
+func (e *Entry) probeWantedLocked() bool {
+	return !e.destroyed && e.eff != nil && e.eff.active.Load() && e.eff.prober != nil && e.anyOpenLocked()
 }
 
 func (e *Entry) anyOpenLocked() bool {
@@ -125,15 +132,12 @@ func (e *Entry) probeLoop() {
 	defer e.reg.loops.Add(-1)
 	for {
 		e.mu.Lock()
-		p := (*Prober)(nil)
-		if e.eff != nil {
-			p = e.eff.prober
-		}
-		if p == nil || e.destroyed || !e.anyOpenLocked() {
+		if !e.probeWantedLocked() {
 			e.probing = false
 			e.mu.Unlock()
 			return
 		}
+		p := e.eff.prober
 		e.mu.Unlock()
 		t := time.NewTimer(p.interval())
 		select {
