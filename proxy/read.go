@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // read is step 1: the body into memory, bounded by max_request_body, and
@@ -95,8 +96,25 @@ type RequestInfo struct {
 	Stream bool
 	// MaxTokens is max_completion_tokens, else max_tokens; 0 when absent.
 	MaxTokens int
+	// MaxTokensSet reports that max_completion_tokens or max_tokens is
+	// present (and not null): MaxTokens is the client's own bound, not a
+	// default.
+	MaxTokensSet bool
+	// N is the number of choices asked for ("n"); 1 when absent.
+	N int
+	// PromptTokens is the prompt estimate: ⌈characters ÷ 4⌉, where the
+	// characters are the Unicode code points of all text content, with no
+	// per-message overhead: every chat message's "content" (a string, or
+	// the "text" of each of its parts) and the completions "prompt" (a
+	// string or an array of strings). A prompt given as token ids (an
+	// array of integers, or of such arrays) adds one token per id.
+	// Images, audio, tool definitions and names count nothing.
+	PromptTokens int
 	// IncludeUsage is stream_options.include_usage.
 	IncludeUsage bool
+	// StreamOptions reports that "stream_options" is present (and not
+	// null).
+	StreamOptions bool
 }
 
 // requestFields mirrors the JSON we read; unknown fields are ignored.
@@ -105,40 +123,206 @@ type requestFields struct {
 	Stream              bool   `json:"stream"`
 	MaxTokens           *int   `json:"max_tokens"`
 	MaxCompletionTokens *int   `json:"max_completion_tokens"`
+	N                   *int   `json:"n"`
 	StreamOptions       *struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
+	Messages []message  `json:"messages"`
+	Prompt   promptText `json:"prompt"`
+}
+
+// message is a chat message; only its text content is read.
+type message struct {
+	Content messageContent `json:"content"`
 }
 
 // ParseRequest validates body as one JSON object and extracts RequestInfo.
-// An empty body yields a zero RequestInfo. Invalid JSON, a non-object, or a
-// listed field of the wrong type is an error suitable for a 400 response.
+// An empty body yields a zero RequestInfo (N 1). Invalid JSON, a non-object,
+// or a listed field of the wrong type (messages not an array of objects,
+// content neither a string nor an array of parts, prompt neither a string
+// nor an array of strings or token ids, a negative max_tokens, n below 1)
+// is an error suitable for a 400 response. It decodes in one pass, and the
+// text it counts is measured in place, never copied.
 func ParseRequest(body []byte) (RequestInfo, error) {
-	var info RequestInfo
+	info := RequestInfo{N: 1}
 	if len(body) == 0 {
 		return info, nil
 	}
 	var f requestFields
 	if err := json.Unmarshal(body, &f); err != nil {
-		return info, fmt.Errorf("invalid JSON body: %w", err)
+		return RequestInfo{}, fmt.Errorf("invalid JSON body: %w", err)
 	}
 	// json.Unmarshal accepts "null" into a struct; a request must be an object.
 	if first := firstNonSpace(body); first != '{' {
-		return info, errors.New("invalid JSON body: expected a JSON object")
+		return RequestInfo{}, errors.New("invalid JSON body: expected a JSON object")
 	}
 	info.Model = f.Model
 	info.Stream = f.Stream
 	switch {
 	case f.MaxCompletionTokens != nil:
-		info.MaxTokens = *f.MaxCompletionTokens
+		info.MaxTokens, info.MaxTokensSet = *f.MaxCompletionTokens, true
 	case f.MaxTokens != nil:
-		info.MaxTokens = *f.MaxTokens
+		info.MaxTokens, info.MaxTokensSet = *f.MaxTokens, true
 	}
 	if info.MaxTokens < 0 {
 		return RequestInfo{}, fmt.Errorf("invalid max_tokens %d: must not be negative", info.MaxTokens)
 	}
+	if f.N != nil {
+		if *f.N < 1 {
+			return RequestInfo{}, fmt.Errorf("invalid n %d: must be at least 1", *f.N)
+		}
+		info.N = *f.N
+	}
+	info.StreamOptions = f.StreamOptions != nil
 	info.IncludeUsage = f.StreamOptions != nil && f.StreamOptions.IncludeUsage
+	chars := f.Prompt.chars
+	for i := range f.Messages {
+		chars += f.Messages[i].Content.chars
+	}
+	info.PromptTokens = (chars+3)/4 + f.Prompt.tokens
 	return info, nil
+}
+
+// messageContent measures a chat message's content: a string, null, or an
+// array of parts whose "text" strings count (image and audio parts count
+// nothing).
+type messageContent struct{ chars int }
+
+// UnmarshalJSON counts the content's characters without decoding them.
+func (c *messageContent) UnmarshalJSON(b []byte) error {
+	*c = messageContent{} // a repeated key: the last one counts
+	switch b[0] {
+	case 'n': // null: an assistant message with tool calls
+		return nil
+	case '"':
+		c.chars = jsonStringLen(b)
+		return nil
+	case '[':
+		var parts []struct {
+			Text *textLen `json:"text"`
+		}
+		if err := json.Unmarshal(b, &parts); err != nil {
+			return errors.New("content parts must be objects with a string text")
+		}
+		for _, p := range parts {
+			if p.Text != nil {
+				c.chars += int(*p.Text)
+			}
+		}
+		return nil
+	}
+	return errors.New("content must be a string or an array of parts")
+}
+
+// promptText measures a completions prompt: a string, an array of strings,
+// or token ids (an array of integers, or an array of such arrays).
+type promptText struct{ chars, tokens int }
+
+// UnmarshalJSON counts the prompt's characters (or token ids).
+func (p *promptText) UnmarshalJSON(b []byte) error {
+	*p = promptText{} // a repeated key: the last one counts
+	switch b[0] {
+	case 'n':
+		return nil
+	case '"':
+		p.chars = jsonStringLen(b)
+		return nil
+	case '[':
+		var elems []promptElem
+		if err := json.Unmarshal(b, &elems); err != nil {
+			return errors.New("prompt must be a string, an array of strings or token ids")
+		}
+		for _, e := range elems {
+			p.chars += e.chars
+			p.tokens += e.tokens
+		}
+		return nil
+	}
+	return errors.New("prompt must be a string, an array of strings or token ids")
+}
+
+// promptElem is one element of a prompt array: a string, a token id, or
+// an array of token ids.
+type promptElem struct{ chars, tokens int }
+
+// UnmarshalJSON counts one prompt element.
+func (e *promptElem) UnmarshalJSON(b []byte) error {
+	*e = promptElem{}
+	switch b[0] {
+	case '"':
+		e.chars = jsonStringLen(b)
+		return nil
+	case '[':
+		var ids []uint32
+		if err := json.Unmarshal(b, &ids); err != nil {
+			return err
+		}
+		e.tokens = len(ids)
+		return nil
+	}
+	var id uint32
+	if err := json.Unmarshal(b, &id); err != nil {
+		return err
+	}
+	e.tokens = 1
+	return nil
+}
+
+// textLen is the length in code points of a JSON string, measured in place.
+type textLen int
+
+// UnmarshalJSON measures a string; anything else is an error.
+func (t *textLen) UnmarshalJSON(b []byte) error {
+	*t = 0
+	switch b[0] {
+	case '"':
+		*t = textLen(jsonStringLen(b))
+		return nil
+	case 'n':
+		return nil
+	}
+	return errors.New("text must be a string")
+}
+
+// jsonStringLen returns the number of code points of the decoded value of
+// q, a JSON string literal (quotes included) that encoding/json has
+// already validated: an escape is one code point (a surrogate pair one),
+// and each byte of invalid UTF-8 is one (it decodes to U+FFFD), as
+// utf8.RuneCountInString of the decoded string.
+func jsonStringLen(q []byte) int {
+	n := 0
+	b := q[1 : len(q)-1]
+	for i := 0; i < len(b); {
+		c := b[i]
+		switch {
+		case c == '\\':
+			if b[i+1] == 'u' && i+12 <= len(b) && isHighSurrogate(b[i+2:i+6]) &&
+				b[i+6] == '\\' && b[i+7] == 'u' && isLowSurrogate(b[i+8:i+12]) {
+				i += 12
+			} else if b[i+1] == 'u' {
+				i += 6
+			} else {
+				i += 2
+			}
+		case c < utf8.RuneSelf:
+			i++
+		default:
+			_, size := utf8.DecodeRune(b[i:])
+			i += size
+		}
+		n++
+	}
+	return n
+}
+
+// isHighSurrogate and isLowSurrogate test the four hex digits of a \u
+// escape for U+D800–DBFF and U+DC00–DFFF.
+func isHighSurrogate(h []byte) bool {
+	return (h[0] == 'd' || h[0] == 'D') && strings.IndexByte("89abAB", h[1]) >= 0
+}
+
+func isLowSurrogate(h []byte) bool {
+	return (h[0] == 'd' || h[0] == 'D') && strings.IndexByte("cdefCDEF", h[1]) >= 0
 }
 
 func firstNonSpace(b []byte) byte {

@@ -1,9 +1,13 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/json"
+	"math"
 	"net/http"
+	"strconv"
 	"testing"
+	"unicode/utf8"
 )
 
 func TestParseRequest(t *testing.T) {
@@ -12,17 +16,33 @@ func TestParseRequest(t *testing.T) {
 		want RequestInfo
 		err  bool
 	}{
-		{``, RequestInfo{}, false},
-		{`{"model":"llama","stream":true,"max_tokens":128}`, RequestInfo{Model: "llama", Stream: true, MaxTokens: 128}, false},
-		{`{"max_tokens":10,"max_completion_tokens":20}`, RequestInfo{MaxTokens: 20}, false},
-		{`{"stream":true,"stream_options":{"include_usage":true}}`, RequestInfo{Stream: true, IncludeUsage: true}, false},
-		{` {"messages":[{"role":"user","content":"hé 🙂"}]} `, RequestInfo{}, false},
+		{``, RequestInfo{N: 1}, false},
+		{`{"model":"llama","stream":true,"max_tokens":128}`, RequestInfo{Model: "llama", Stream: true, MaxTokens: 128, MaxTokensSet: true, N: 1}, false},
+		{`{"max_tokens":10,"max_completion_tokens":20}`, RequestInfo{MaxTokens: 20, MaxTokensSet: true, N: 1}, false},
+		{`{"max_tokens":null}`, RequestInfo{N: 1}, false},
+		{`{"max_tokens":0}`, RequestInfo{MaxTokensSet: true, N: 1}, false},
+		{`{"n":3}`, RequestInfo{N: 3}, false},
+		{`{"stream":true,"stream_options":{"include_usage":true}}`, RequestInfo{Stream: true, IncludeUsage: true, StreamOptions: true, N: 1}, false},
+		{`{"stream":true,"stream_options":{}}`, RequestInfo{Stream: true, StreamOptions: true, N: 1}, false},
+		{`{"stream":true,"stream_options":null}`, RequestInfo{Stream: true, N: 1}, false},
+		{` {"messages":[{"role":"user","content":"hé 🙂"}]} `, RequestInfo{N: 1, PromptTokens: 1}, false},
 		{`{"model":`, RequestInfo{}, true},
 		{`null`, RequestInfo{}, true},
 		{`[]`, RequestInfo{}, true},
 		{`{"stream":"yes"}`, RequestInfo{}, true},
 		{`{"max_tokens":-1}`, RequestInfo{}, true},
 		{`{"a":1} {"b":2}`, RequestInfo{}, true},
+		{`{"n":0}`, RequestInfo{}, true},
+		{`{"n":"2"}`, RequestInfo{}, true},
+		{`{"stream_options":true}`, RequestInfo{}, true},
+		{`{"messages":"hi"}`, RequestInfo{}, true},
+		{`{"messages":["hi"]}`, RequestInfo{}, true},
+		{`{"messages":[{"content":7}]}`, RequestInfo{}, true},
+		{`{"messages":[{"content":[{"type":"text","text":5}]}]}`, RequestInfo{}, true},
+		{`{"messages":[{"content":["hi"]}]}`, RequestInfo{}, true},
+		{`{"prompt":{"text":"hi"}}`, RequestInfo{}, true},
+		{`{"prompt":[["a"]]}`, RequestInfo{}, true},
+		{`{"prompt":[-1]}`, RequestInfo{}, true},
 	}
 	for _, tc := range cases {
 		got, err := ParseRequest([]byte(tc.body))
@@ -32,13 +52,130 @@ func TestParseRequest(t *testing.T) {
 	}
 }
 
+// The prompt estimate is ⌈code points of all text content ÷ 4⌉, with no
+// per-message overhead.
+func TestPromptEstimate(t *testing.T) {
+	cases := []struct {
+		name string
+		body string
+		want int
+	}{
+		{"no text", `{"model":"m"}`, 0},
+		{"one string, exact", `{"messages":[{"role":"user","content":"12345678"}]}`, 2},
+		{"rounded up", `{"messages":[{"role":"user","content":"123456789"}]}`, 3},
+		{"one character", `{"messages":[{"role":"user","content":"x"}]}`, 1},
+		{"empty content", `{"messages":[{"role":"user","content":""}]}`, 0},
+		{"summed over messages before rounding", `{"messages":[{"role":"system","content":"ab"},{"role":"user","content":"cd"}]}`, 1},
+		{"null content (tool calls)", `{"messages":[{"role":"assistant","content":null,"tool_calls":[{"function":{"arguments":"xxxxxxxx"}}]},{"role":"user","content":"abcd"}]}`, 1},
+		{"text parts", `{"messages":[{"role":"user","content":[{"type":"text","text":"abcd"},{"type":"image_url","image_url":{"url":"data:xxxxxxxxxxxxxxxx"}},{"type":"text","text":"efgh"}]}]}`, 2},
+		{"parts and strings together", `{"messages":[{"content":"abcd"},{"content":[{"type":"text","text":"e"}]}]}`, 2},
+		{"completions prompt string", `{"prompt":"abcdefgh"}`, 2},
+		{"completions prompt array", `{"prompt":["abc","def","gh"]}`, 2},
+		{"completions prompt token ids", `{"prompt":[1,2,3]}`, 3},
+		{"completions prompt arrays of token ids", `{"prompt":[[1,2],[3]]}`, 3},
+		{"code points, not bytes", `{"messages":[{"content":"héllo wörld 世界!"}]}`, 4},              // 15 code points
+		{"an emoji is one code point", `{"messages":[{"content":"🙂🙂🙂🙂🙂"}]}`, 2},                    // 5
+		{"escapes are one code point", `{"messages":[{"content":"\n\t\"\\\u00e9"}]}`, 2},           // 5
+		{"a surrogate pair is one code point", `{"messages":[{"content":"\ud83d\ude42abcd"}]}`, 2}, // 5
+		{"a lone surrogate is one code point", `{"messages":[{"content":"\ud83dabc"}]}`, 1},        // 4
+		{"fields named like content elsewhere do not count", `{"content":"xxxxxxxx","text":"xxxx","messages":[{"name":"xxxxxxxx","content":"ab"}]}`, 1},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			info, err := ParseRequest([]byte(tc.body))
+			if err != nil || info.PromptTokens != tc.want {
+				t.Fatalf("PromptTokens = %d, %v; want %d", info.PromptTokens, err, tc.want)
+			}
+		})
+	}
+}
+
+// refPromptChars is the oracle of the prompt estimate: decode with
+// encoding/json and count code points.
+func refPromptChars(obj map[string]any) (chars, tokens int, ok bool) {
+	if msgs, present := obj["messages"]; present && msgs != nil {
+		list, isList := msgs.([]any)
+		if !isList {
+			return 0, 0, false
+		}
+		for _, m := range list {
+			mm, isObj := m.(map[string]any)
+			if !isObj {
+				return 0, 0, false
+			}
+			switch c := mm["content"].(type) {
+			case nil:
+			case string:
+				chars += utf8.RuneCountInString(c)
+			case []any:
+				for _, p := range c {
+					pm, isObj := p.(map[string]any)
+					if !isObj {
+						return 0, 0, false
+					}
+					switch tx := pm["text"].(type) {
+					case nil:
+					case string:
+						chars += utf8.RuneCountInString(tx)
+					default:
+						return 0, 0, false
+					}
+				}
+			default:
+				return 0, 0, false
+			}
+		}
+	}
+	isID := func(v any) bool {
+		n, isNum := v.(json.Number)
+		if !isNum {
+			return false
+		}
+		i, err := strconv.ParseUint(string(n), 10, 32)
+		return err == nil && i <= math.MaxUint32
+	}
+	switch p := obj["prompt"].(type) {
+	case nil:
+	case string:
+		chars += utf8.RuneCountInString(p)
+	case []any:
+		for _, e := range p {
+			switch e := e.(type) {
+			case string:
+				chars += utf8.RuneCountInString(e)
+			case []any:
+				for _, id := range e {
+					if !isID(id) {
+						return 0, 0, false
+					}
+				}
+				tokens += len(e)
+			default:
+				if !isID(e) {
+					return 0, 0, false
+				}
+				tokens++
+			}
+		}
+	default:
+		return 0, 0, false
+	}
+	return chars, tokens, true
+}
+
 // FuzzParseRequest: never panics; accepts exactly the JSON objects that
-// encoding/json accepts (when the listed fields have the right types).
+// encoding/json accepts (when the listed fields have the right types), and
+// its prompt estimate agrees with decoding and counting code points.
 func FuzzParseRequest(f *testing.F) {
 	for _, s := range []string{
 		`{"model":"m","stream":true,"max_tokens":16,"stream_options":{"include_usage":true}}`,
 		`{"messages":[{"role":"user","content":"\u00e9"}],"max_completion_tokens":1}`,
 		`{}`, `null`, `[]`, `{"model":1}`, `{"max_tokens":1e3}`, "{\"a\":\"\xff\"}", ``,
+		`{"n":2,"max_tokens":null,"stream_options":null}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"h\u00e9 \ud83d\ude42"},{"type":"image_url","image_url":{"url":"x"}}]},{"role":"assistant","content":null}]}`,
+		`{"prompt":["abc","d\u00e9f"]}`, `{"prompt":"\ud800x"}`, `{"prompt":[[1,2],3,"x"]}`,
+		"{\"messages\":[{\"content\":\"\xff\xfe\xe4\xb8\"}]}",
+		`{"messages":[{"content":7}]}`, `{"n":0}`, `{"prompt":[-1]}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -47,15 +184,24 @@ func FuzzParseRequest(f *testing.F) {
 		if err != nil || len(body) == 0 {
 			return
 		}
+		dec := json.NewDecoder(bytes.NewReader(body))
+		dec.UseNumber()
 		var obj map[string]any
-		if json.Unmarshal(body, &obj) != nil || obj == nil {
+		if dec.Decode(&obj) != nil || obj == nil {
 			t.Fatalf("accepted %q, which is not a JSON object", body)
 		}
 		if m, ok := obj["model"].(string); ok && m != info.Model {
 			t.Fatalf("model %q, want %q", info.Model, m)
 		}
-		if info.MaxTokens < 0 {
-			t.Fatalf("negative max tokens from %q", body)
+		if info.MaxTokens < 0 || info.N < 1 {
+			t.Fatalf("negative max tokens or n from %q: %+v", body, info)
+		}
+		chars, tokens, ok := refPromptChars(obj)
+		if !ok {
+			t.Fatalf("accepted %q, whose text content has an invalid shape", body)
+		}
+		if want := (chars+3)/4 + tokens; info.PromptTokens != want {
+			t.Fatalf("PromptTokens %d for %q, want %d", info.PromptTokens, body, want)
 		}
 	})
 }
