@@ -38,7 +38,8 @@ func init() {
 type Handler struct {
 	// Upstreams is the static list of inference servers. Each "dial" is a
 	// network address ("10.0.0.2:8000", "unix//run/vllm.sock"); placeholders
-	// are not supported. Either this or dynamic_upstreams is required.
+	// are not supported. Either this or dynamic_upstreams is required
+	// (no default).
 	Upstreams reverseproxy.UpstreamPool `json:"upstreams,omitempty"`
 
 	// DynamicUpstreamsRaw is a Caddy upstream source module

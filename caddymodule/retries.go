@@ -48,8 +48,10 @@ type RetryConfig struct {
 // TokenBucket is the token-bucket form of the retry budget.
 type TokenBucket struct {
 	// MaxTokens is the bucket's size: the largest burst of retries.
+	// Required, at least 1; no default.
 	MaxTokens float64 `json:"max_tokens"`
-	// RefillPerSec is the rate at which tokens come back.
+	// RefillPerSec is the rate at which tokens come back, per second.
+	// Required, above 0; no default.
 	RefillPerSec float64 `json:"refill_per_sec"`
 }
 
@@ -85,10 +87,11 @@ func (rc *RetryConfig) upstreamConfig() (upstream.RetryConfig, error) {
 // retry budget too, and go only to an upstream whose breaker is closed,
 // from a primary whose breaker is closed.
 type HedgeConfig struct {
-	// After is a fixed hedge delay. Exclusive with Percentile.
+	// After is a fixed hedge delay. Exclusive with Percentile; one of the
+	// two is required (no default).
 	After caddy.Duration `json:"after,omitempty"`
 
-	// Percentile sets the delay to this quantile (0.95 for p95) of the
+	// Percentile (no default; exclusive with After) sets the delay to this quantile (0.95 for p95) of the
 	// recently observed TTFT of the pool and model (a histogram with a 60s
 	// half-life), clamped to [Min, Max]. Dean and Barroso ("The Tail at
 	// Scale", CACM 2013) hedge at p95.

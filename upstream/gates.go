@@ -14,9 +14,12 @@ import (
 // RetryConfig configures a pool's retry budget and backoff. Zero fields take
 // the budget package's defaults.
 type RetryConfig struct {
-	// Ratio, Window and MinPerSec configure the ratio budget (budget.RatioConfig).
-	Ratio     float64
-	Window    time.Duration
+	// Ratio is the share of requests that may be retried (budget.RatioConfig.Ratio).
+	Ratio float64
+	// Window is the ratio budget's rolling window (budget.RatioConfig.Window).
+	Window time.Duration
+	// MinPerSec is the ratio budget's floor of retries per second
+	// (budget.RatioConfig.MinPerSec).
 	MinPerSec float64
 	// BucketMax and BucketRefill, when BucketMax > 0, replace the ratio
 	// budget with a token bucket of that size refilled at that rate per

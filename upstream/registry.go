@@ -90,8 +90,10 @@ func (r *Registry) ProbeLoops() int { return int(r.loops.Load()) }
 // BreakerView is one breaker with its upstream, for the admin API.
 type BreakerView struct {
 	breaker.Snapshot
+	// Upstream is the upstream's dial address.
 	Upstream string `json:"upstream"`
-	Model    string `json:"model,omitempty"`
+	// Model is the model under scope model, "" for a per-upstream breaker.
+	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
 }
