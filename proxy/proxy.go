@@ -249,6 +249,15 @@ type Config struct {
 	Observer Observer
 	// Logger receives debug and error logs; nil discards them.
 	Logger *zap.Logger
+	// RequestUsage asks upstreams for the real token usage of every stream:
+	// a streamed request whose client did not set
+	// stream_options.include_usage gets it set upstream (every other body
+	// byte as the client sent it), and the usage-only chunk this adds is
+	// read for Result.Usage and removed before it reaches that client. A
+	// client that asked for usage gets its stream untouched. The glue turns
+	// it on when tenants are configured, so that token limits settle on
+	// real usage.
+	RequestUsage bool
 	// TrustedProxy reports whether the request's peer is a trusted proxy,
 	// whose X-Forwarded-* headers are kept and extended. Nil trusts nobody.
 	TrustedProxy func(*http.Request) bool
@@ -364,6 +373,9 @@ type exchange struct {
 	start time.Time
 	res   *Result
 	body  []byte
+	// stripUsage: read asked the upstream for usage on the client's
+	// behalf, so the usage-only chunk is not relayed.
+	stripUsage bool
 	// outHeader is the outbound request header, prepared once and cloned
 	// for each attempt.
 	outHeader http.Header

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/tidwall/sjson"
 )
 
 // read is step 1: the body into memory, bounded by max_request_body, and
@@ -37,9 +39,34 @@ func (x *exchange) read() bool {
 			return false
 		}
 		x.res.Info = info
+		if x.p.cfg.RequestUsage && info.Stream && !info.IncludeUsage {
+			if edited, ok := requestUsage(body); ok {
+				x.body, x.stripUsage = edited, true
+			}
+		}
 	}
 	return true
 }
+
+// requestUsage returns body with stream_options.include_usage set to true,
+// every other byte as the client sent it: the upstream then reports the
+// stream's real usage in a usage-only chunk, which relay reads and keeps
+// from the client that did not ask for it. ok is false when the body
+// cannot be edited (it is then sent unchanged).
+func requestUsage(body []byte) (edited []byte, ok bool) {
+	// sjson drops what follows the object; keep it (a trailing newline).
+	end := len(body)
+	for end > 0 && isJSONSpace(body[end-1]) {
+		end--
+	}
+	out, err := sjson.SetBytes(body[:end:end], "stream_options.include_usage", true)
+	if err != nil {
+		return body, false
+	}
+	return append(out, body[end:]...), true
+}
+
+func isJSONSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\r' || c == '\n' }
 
 // DefaultMaxRequestBody is the request body limit when none is configured:
 // 16 MiB holds a 128K-token prompt with room to spare.

@@ -27,6 +27,16 @@ func (x *exchange) relay(a *attempt) {
 		// gateway writes, so a slow client is not blamed on the upstream.
 		idleTimer.Stop()
 		kind := ev.Kind()
+		var ci sse.ChunkInfo
+		if kind == sse.KindData {
+			ci = sse.InspectChunk(ev.Data)
+			res.Usage = chunkUsage(ci, res.Usage)
+			if ci.UsageOnly && x.stripUsage {
+				// Usage asked for on the client's behalf: read, not relayed.
+				idleTimer.Reset(idle)
+				continue
+			}
+		}
 		if !x.send(ev.Raw, 1) {
 			a.clientLeft()
 			return
@@ -35,9 +45,7 @@ func (x *exchange) relay(a *attempt) {
 		switch kind {
 		case sse.KindData:
 			res.ContentEvents++
-			ci := sse.InspectChunk(ev.Data)
 			a.finished = a.finished || ci.FinishReason
-			res.Usage = chunkUsage(ci, res.Usage)
 		case sse.KindDone:
 			// The stream is complete: end the client's response now, and
 			// let end() read the upstream's closing chunk in the

@@ -283,8 +283,11 @@ func (a *attempt) readFirstEvent() {
 			a.finished = true
 		case sse.KindData:
 			ci := sse.InspectChunk(ev.Data)
-			a.finished = ci.FinishReason
 			a.usage = chunkUsage(ci, a.usage)
+			if ci.UsageOnly && a.x.stripUsage {
+				continue // asked for on the client's behalf: not theirs to see
+			}
+			a.finished = ci.FinishReason
 			a.headContent = 1
 		}
 		a.head = append(a.head, ev.Raw...)
