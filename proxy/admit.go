@@ -1,6 +1,11 @@
 package proxy
 
-import "context"
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+)
 
 // Admitter admits a request before any upstream is picked (DESIGN §3 step
 // 3): tenant breaker, tenant limits, pool capacity, a token reservation
@@ -12,18 +17,40 @@ type Admitter interface {
 	// refusal reserves nothing; a *GatewayError is written as it is (429
 	// with Retry-After and x-ratelimit-* headers, 503 when shed), any other
 	// error is answered with 500 and the outcome internal_error. A nil
-	// Admission with a nil error admits with nothing to release.
+	// Admission with a nil error admits with nothing to release. A refusal
+	// error that implements QueueWaiter (directly or wrapped) reports the
+	// time the request waited before it was refused.
 	Admit(ctx context.Context, id Identity, info RequestInfo) (Admission, error)
 }
 
-// Admission is an admitted request's hold on its tenant's limits.
+// Admission is an admitted request's hold on its tenant's limits. It may
+// also implement HeaderAdmission and QueueWaiter.
 type Admission interface {
 	// Release settles the reservation with what the request really used
 	// and gives back its slot. finish calls it exactly once, on every path
-	// (client gone and panics included), after the outcome is classified:
-	// res carries Usage (Reported false: settle with an estimate, e.g. from
-	// ContentEvents), Outcome, Status and TTFT for the tenant breaker.
+	// (client gone and panics included), after the outcome is classified
+	// and before Observer.RequestDone: res carries Usage, Committed,
+	// ContentEvents (Result.Settlement turns them into what to charge),
+	// Outcome, TenantFault, Status and AttemptTTFT for the tenant breaker.
+	// Nothing uses the Admission after Release.
 	Release(res *Result)
+}
+
+// HeaderAdmission is implemented by an Admission whose responses carry
+// headers of their own: OpenAI's x-ratelimit-* for a tenant with limits.
+// SetHeader is called on every response the gateway sends for the admitted
+// request before its status is written: the committed response, an upstream
+// error passed through and the gateway's own errors. It must not allocate
+// more than the headers it sets.
+type HeaderAdmission interface {
+	// SetHeader sets the admission's headers on h, replacing any there.
+	SetHeader(h http.Header)
+}
+
+// QueueWaiter reports the time a request waited to be admitted (in a
+// pool's priority queue), for Result.QueueWait and {http.llm_proxy.queue_ms}.
+type QueueWaiter interface {
+	QueueWait() time.Duration
 }
 
 // nopAdmitter admits everything.
@@ -35,9 +62,27 @@ func (nopAdmitter) Admit(context.Context, Identity, RequestInfo) (Admission, err
 func (x *exchange) admit() bool {
 	adm, err := x.p.cfg.Admitter.Admit(x.ctx, x.res.Identity, x.res.Info)
 	if err != nil {
+		var qw QueueWaiter
+		if errors.As(err, &qw) {
+			x.res.QueueWait = qw.QueueWait()
+		}
 		x.refusal = err
 		return false
 	}
 	x.admission = adm
+	if adm != nil {
+		if qw, ok := adm.(QueueWaiter); ok {
+			x.res.QueueWait = qw.QueueWait()
+		}
+		x.admHeader, _ = adm.(HeaderAdmission)
+	}
 	return true
+}
+
+// setAdmissionHeader sets the admission's own response headers on h (the
+// client's response header, before its status is written).
+func (x *exchange) setAdmissionHeader(h http.Header) {
+	if x.admHeader != nil {
+		x.admHeader.SetHeader(h)
+	}
 }

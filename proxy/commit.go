@@ -35,11 +35,14 @@ func (x *exchange) commit(a *attempt) bool {
 	res := x.res
 	res.Upstream = a.up.Addr
 	res.TTFT = x.since(x.start)
+	res.AttemptTTFT = a.ttft
+	res.Committed = true
 	res.Status = a.resp.StatusCode
 	res.Usage = a.usage
 
 	h := x.w.Header()
 	copyResponseHeader(h, a.resp.Header)
+	x.setAdmissionHeader(h)
 	if !a.isSSE {
 		h.Set("Content-Length", strconv.Itoa(len(a.head)))
 		x.w.WriteHeader(a.resp.StatusCode)

@@ -35,6 +35,8 @@ func (x *exchange) finish() {
 		x.won.end()
 	}
 	res.Duration = x.since(x.start)
+	prompt, completion, _ := res.Settlement()
+	res.Tokens = prompt + completion
 	if x.admission != nil {
 		x.admission.Release(res)
 	}
@@ -125,6 +127,7 @@ func (x *exchange) answerFailure(f *failure) Outcome {
 	a := f.last
 	switch a.outcome {
 	case AttemptHTTP4xx:
+		res.TenantFault = tenantFaultStatus(a.resp.StatusCode)
 		x.passThrough(a)
 		return OutcomeClientError
 	case AttemptHTTP429:
@@ -140,6 +143,7 @@ func (x *exchange) answerFailure(f *failure) Outcome {
 		if a.inband.Status == http.StatusTooManyRequests {
 			typ = TypeRateLimit
 		}
+		res.TenantFault = true
 		x.writeError(&GatewayError{Status: a.inband.Status, Type: typ,
 			Code: orDefault(a.inband.Code, strconv.Itoa(a.inband.Status)), Message: a.inband.Message})
 		return OutcomeClientError
@@ -379,16 +383,31 @@ func (a *attempt) end() {
 func (x *exchange) passThrough(a *attempt) {
 	h := x.w.Header()
 	copyResponseHeader(h, a.resp.Header)
+	x.setAdmissionHeader(h)
 	h.Set("Content-Length", strconv.Itoa(len(a.errBody)))
 	x.res.Status = a.resp.StatusCode
 	x.w.WriteHeader(a.resp.StatusCode)
 	_, _ = x.w.Write(a.errBody)
 }
 
-// writeError writes a gateway error and records its status.
+// writeError writes a gateway error and records its status. An admitted
+// request's error carries the admission's headers (x-ratelimit-*).
 func (x *exchange) writeError(e *GatewayError) {
 	x.res.Status = e.Status
+	x.setAdmissionHeader(x.w.Header())
 	e.Write(x.w)
+}
+
+// tenantFaultStatus reports the upstream statuses that are the tenant's own
+// fault (DESIGN §4): a bad request, a bad key, a forbidden or unknown
+// model, a body or context too large, an invalid parameter.
+func tenantFaultStatus(code int) bool {
+	switch code {
+	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusForbidden, http.StatusNotFound,
+		http.StatusRequestEntityTooLarge, http.StatusUnprocessableEntity:
+		return true
+	}
+	return false
 }
 
 // clientGone reports whether the client's own context has ended.

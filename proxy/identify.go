@@ -9,7 +9,24 @@ type Identity struct {
 	// Tier is the tenant's tier, which carries its priority and limits;
 	// "" when tiers are not configured.
 	Tier string
+	// StripHeader, when set, is a client header that must not reach the
+	// upstream: the configured tenant header, sent by a peer that is not
+	// trusted to name a tenant.
+	StripHeader string
 }
+
+// Headers the gateway sets on the outbound request when the tenant is
+// known. Client copies are always removed: an upstream may trust them.
+const (
+	HeaderTenant = "X-LLM-Proxy-Tenant"
+	HeaderTier   = "X-LLM-Proxy-Tier"
+)
+
+// The header map's keys of HeaderTenant and HeaderTier.
+var (
+	canonicalTenant = http.CanonicalHeaderKey(HeaderTenant)
+	canonicalTier   = http.CanonicalHeaderKey(HeaderTier)
+)
 
 // Identifier finds out who sent a request (DESIGN §3 step 2): the tenant
 // from its credentials (API key → tenant), never from a client-supplied
@@ -42,10 +59,23 @@ func (x *exchange) identify() bool {
 }
 
 // prepareHeader computes the outbound header once per exchange: hop-by-hop
-// headers removed, X-Forwarded-* set by the trusted-proxy rule.
+// headers removed, X-Forwarded-* set by the trusted-proxy rule, client
+// copies of our tenant headers replaced by ours.
 func (x *exchange) prepareHeader() {
 	h := x.r.Header.Clone()
 	removeHopHeaders(h)
+	id := &x.res.Identity
+	delete(h, canonicalTenant)
+	delete(h, canonicalTier)
+	if id.StripHeader != "" {
+		h.Del(id.StripHeader)
+	}
+	if id.Tenant != "" {
+		h[canonicalTenant] = []string{id.Tenant}
+		if id.Tier != "" {
+			h[canonicalTier] = []string{id.Tier}
+		}
+	}
 	// The gateway must read the stream: ask for identity encoding (the
 	// transport may still negotiate gzip itself and decode it).
 	h.Del("Accept-Encoding")

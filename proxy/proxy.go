@@ -192,6 +192,25 @@ type Result struct {
 	// TTFT is the time from the request's arrival to the first event (or
 	// full body) written to the client; 0 when nothing was committed.
 	TTFT time.Duration
+	// AttemptTTFT is the committed attempt's time to first event (or full
+	// body), from that attempt's start: what the upstream took, without
+	// the queue wait, backoffs and failed attempts before it. The tenant
+	// breaker's TTFT objective is measured on it. 0 when nothing was
+	// committed.
+	AttemptTTFT time.Duration
+	// Committed is true when an upstream's response reached the client
+	// (its first event or whole body): an upstream produced tokens.
+	Committed bool
+	// QueueWait is the time the request waited to be admitted (the pool's
+	// priority queue), refused requests included; {http.llm_proxy.queue_ms}.
+	QueueWait time.Duration
+	// Tokens is what the request is charged, prompt plus completion, as
+	// Settlement computes it; {http.llm_proxy.tokens}.
+	Tokens int
+	// TenantFault is true when the request failed through its tenant's own
+	// fault (DESIGN §4, tenant column): an upstream 400, 401, 403, 404, 413
+	// or 422 passed through, or an in-band 4xx-like error before commit.
+	TenantFault bool
 	// Duration is the time from the request's arrival to the end of the response.
 	Duration time.Duration
 	// Events is the number of SSE events relayed to the client.
@@ -211,6 +230,22 @@ type Result struct {
 	Retries int
 	// Hedged is true when a backup attempt was started.
 	Hedged bool
+}
+
+// Settlement returns what the request used, as its tenant is charged: the
+// upstream's reported usage; else, for a committed response, the prompt
+// estimate (Info.PromptTokens) plus one completion token per content event
+// relayed (estimated is true; a non-streamed body without usage counts no
+// completion tokens); else, for a request that failed before any upstream
+// produced a token, nothing.
+func (r *Result) Settlement() (prompt, completion int, estimated bool) {
+	switch {
+	case r.Usage.Reported:
+		return r.Usage.PromptTokens, r.Usage.CompletionTokens, false
+	case r.Committed:
+		return r.Info.PromptTokens, r.ContentEvents, true
+	}
+	return 0, 0, false
 }
 
 // Usage is the token usage of a response, from the upstream's "usage"
@@ -384,8 +419,10 @@ type exchange struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 
-	// admission is what admit reserved, released by finish.
+	// admission is what admit reserved, released by finish; admHeader is
+	// it as a HeaderAdmission, if it is one.
 	admission Admission
+	admHeader HeaderAdmission
 	// out flushes the client's response once a stream is committed.
 	out *http.ResponseController
 
