@@ -1,0 +1,250 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+)
+
+// TenantAdmitter is the Admitter of DESIGN §3 step 3 over package
+// admission: the tenant's own limits and breaker (a Controller's
+// reservation), then the pool's capacity and priority queue (a Gate). A
+// refusal at either consumes nothing. Every response to an admitted tenant
+// with rate limits carries OpenAI's x-ratelimit-* headers, and so does a
+// refusal. Admitting and settling a request allocates nothing of its own.
+//
+// Either part may be absent: without a Controller requests are not charged
+// to a tenant (the Gate queues them by Identity.Tier alone); the zero
+// value admits everything.
+type TenantAdmitter struct {
+	c    *admission.Controller
+	g    *admission.Gate
+	pool sync.Pool // *tenantAdmission
+}
+
+// NewTenantAdmitter returns an admitter over c and g, either of which may
+// be nil.
+func NewTenantAdmitter(c *admission.Controller, g *admission.Gate) *TenantAdmitter {
+	return &TenantAdmitter{c: c, g: g}
+}
+
+// Admit reserves the request's share of its tenant's limits, then takes a
+// slot of the pool, waiting in its queue while the pool is saturated. A
+// refusal is a *GatewayError (429, 503 or 401, from the admission.Refusal);
+// when ctx ends while the request waits, ctx's error is returned (the
+// client-gone or stream_timeout answer).
+func (a *TenantAdmitter) Admit(ctx context.Context, id Identity, info RequestInfo) (Admission, error) {
+	if a.c == nil && a.g == nil {
+		return nil, nil
+	}
+	ad, _ := a.pool.Get().(*tenantAdmission)
+	if ad == nil {
+		ad = new(tenantAdmission)
+	}
+	ad.owner, ad.reserved, ad.release, ad.waited = a, false, nil, 0
+	admitted := false
+	defer func() {
+		if !admitted && ad.reserved {
+			ad.ticket.Cancel() // a panic in the gate: nothing stays taken
+		}
+	}()
+
+	tier := admission.Tier{Name: id.Tier}
+	if a.c != nil {
+		req := admission.Request{Tenant: id.Tenant, Tier: id.Tier, PromptTokens: info.PromptTokens, N: info.N}
+		if info.MaxTokensSet {
+			req.MaxTokens = info.MaxTokens
+		}
+		if r := a.c.ReserveInto(&ad.ticket, req); r != nil {
+			err := refusalError(r, r.Limits, 0)
+			a.pool.Put(ad)
+			admitted = true // nothing to cancel
+			return nil, err
+		}
+		ad.reserved = true
+		tier = ad.ticket.Tier()
+	}
+	if a.g != nil {
+		release, waited, err := a.g.Acquire(ctx, id.Tenant, tier)
+		if err != nil {
+			var lim admission.Limits
+			if ad.reserved {
+				ad.ticket.Cancel()
+				lim = unreserved(ad.ticket.Limits(), ad.ticket.Reserved())
+			}
+			if r, ok := errors.AsType[*admission.Refusal](err); ok {
+				if r.Limits.Requests != nil || r.Limits.Tokens != nil {
+					lim = r.Limits
+				}
+				err = refusalError(r, lim, waited)
+			} else {
+				err = &waitError{err: err, waited: waited}
+			}
+			admitted = true // cancelled above
+			a.pool.Put(ad)
+			return nil, err
+		}
+		ad.release, ad.waited = release, waited
+	}
+	admitted = true
+	return ad, nil
+}
+
+// tenantAdmission is an admitted request's ticket and pool slot. It is
+// pooled: finish calls Release exactly once and nothing uses it after.
+type tenantAdmission struct {
+	owner    *TenantAdmitter
+	ticket   admission.Ticket
+	reserved bool // ticket holds a reservation
+	release  func()
+	waited   time.Duration
+}
+
+// Release settles the ticket with what the request used (Result.Settlement),
+// the verdict its outcome says about the tenant, the committed attempt's
+// TTFT and the queue wait, then gives back the pool slot.
+func (ad *tenantAdmission) Release(res *Result) {
+	if ad.reserved {
+		prompt, completion, estimated := res.Settlement()
+		u := admission.Usage{PromptTokens: prompt, CompletionTokens: completion, Estimated: estimated,
+			Verdict: verdict(res)}
+		if res.Committed {
+			u.TTFT = res.AttemptTTFT
+		}
+		ad.ticket.Settle(u, ad.waited)
+	}
+	if ad.release != nil {
+		ad.release()
+	}
+	owner := ad.owner
+	ad.owner, ad.release, ad.reserved = nil, nil, false
+	owner.pool.Put(ad)
+}
+
+// QueueWait is the time the request waited in the pool's queue.
+func (ad *tenantAdmission) QueueWait() time.Duration { return ad.waited }
+
+// SetHeader sets the tenant's x-ratelimit-* headers, this request counted.
+func (ad *tenantAdmission) SetHeader(h http.Header) {
+	if ad.reserved {
+		setRateLimitHeaders(h, ad.ticket.Limits())
+	}
+}
+
+// verdict is what a finished request says of its tenant (DESIGN §4, tenant
+// column): its own 4xx is a failure, a complete response a success, and
+// everything else — upstream faults, the client leaving, stream_timeout,
+// a gateway panic — nothing.
+func verdict(res *Result) admission.Verdict {
+	switch {
+	case res.TenantFault:
+		return admission.VerdictFailure
+	case res.Outcome == OutcomeSuccess:
+		return admission.VerdictSuccess
+	}
+	return admission.VerdictNeutral
+}
+
+// unreserved returns lim as it is without a cancelled request: one request
+// and reserved tokens more remaining (never above the limit).
+func unreserved(lim admission.Limits, reserved int) admission.Limits {
+	if l := lim.Requests; l != nil {
+		c := *l
+		c.Remaining = min(c.Remaining+1, c.Limit)
+		lim.Requests = &c
+	}
+	if l := lim.Tokens; l != nil {
+		c := *l
+		c.Remaining = min(c.Remaining+reserved, c.Limit)
+		lim.Tokens = &c
+	}
+	return lim
+}
+
+// refusalError turns admission's no into the gateway's error response:
+// its status, code and message; Retry-After in whole seconds rounded up
+// when waiting helps; X-Circuit-Breaker: open for an open tenant breaker;
+// the x-ratelimit-* headers of lim.
+func refusalError(r *admission.Refusal, lim admission.Limits, waited time.Duration) error {
+	ge := &GatewayError{Status: r.Status, Code: r.Code, Message: r.Message, Header: http.Header{}}
+	if ge.Status == 0 {
+		ge.Status = http.StatusTooManyRequests
+	}
+	switch {
+	case ge.Status == http.StatusTooManyRequests:
+		ge.Type = TypeRateLimit
+	case ge.Status >= 500:
+		ge.Type = TypeServer
+	default:
+		ge.Type = TypeInvalidRequest
+	}
+	if r.RetryAfter > 0 {
+		ge.RetryAfter = int(ceilSeconds(r.RetryAfter) / time.Second)
+	}
+	if r.CircuitOpen {
+		ge.Header.Set("X-Circuit-Breaker", "open")
+	}
+	setRateLimitHeaders(ge.Header, lim)
+	if waited > 0 {
+		return &waitError{err: ge, waited: waited}
+	}
+	return ge
+}
+
+// waitError is a refusal that came after a wait in the queue.
+type waitError struct {
+	err    error
+	waited time.Duration
+}
+
+func (e *waitError) Error() string             { return e.err.Error() }
+func (e *waitError) Unwrap() error             { return e.err }
+func (e *waitError) QueueWait() time.Duration { return e.waited }
+
+// The x-ratelimit-* header keys, canonical.
+var (
+	hdrLimitRequests     = http.CanonicalHeaderKey("x-ratelimit-limit-requests")
+	hdrRemainingRequests = http.CanonicalHeaderKey("x-ratelimit-remaining-requests")
+	hdrResetRequests     = http.CanonicalHeaderKey("x-ratelimit-reset-requests")
+	hdrLimitTokens       = http.CanonicalHeaderKey("x-ratelimit-limit-tokens")
+	hdrRemainingTokens   = http.CanonicalHeaderKey("x-ratelimit-remaining-tokens")
+	hdrResetTokens       = http.CanonicalHeaderKey("x-ratelimit-reset-tokens")
+)
+
+// setRateLimitHeaders sets OpenAI's x-ratelimit-* headers for the limits
+// the tenant has (rpm: -requests, tpm: -tokens), none for one it has not:
+// the limit, what remains (never below 0) and the time until it is fully
+// available again as a Go duration rounded up to whole seconds ("1s",
+// "6m0s").
+func setRateLimitHeaders(h http.Header, lim admission.Limits) {
+	if l := lim.Requests; l != nil {
+		h[hdrLimitRequests] = []string{strconv.Itoa(l.Limit)}
+		h[hdrRemainingRequests] = []string{strconv.Itoa(max(l.Remaining, 0))}
+		h[hdrResetRequests] = []string{ceilSeconds(l.Reset).String()}
+	}
+	if l := lim.Tokens; l != nil {
+		h[hdrLimitTokens] = []string{strconv.Itoa(l.Limit)}
+		h[hdrRemainingTokens] = []string{strconv.Itoa(max(l.Remaining, 0))}
+		h[hdrResetTokens] = []string{ceilSeconds(l.Reset).String()}
+	}
+}
+
+// ceilSeconds rounds d up to whole seconds; 0 and below are 0.
+func ceilSeconds(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return (d + time.Second - 1) / time.Second * time.Second
+}
+
+// Interface guards.
+var (
+	_ Admitter        = (*TenantAdmitter)(nil)
+	_ HeaderAdmission = (*tenantAdmission)(nil)
+	_ QueueWaiter     = (*tenantAdmission)(nil)
+)
