@@ -202,8 +202,8 @@ type waitError struct {
 	waited time.Duration
 }
 
-func (e *waitError) Error() string             { return e.err.Error() }
-func (e *waitError) Unwrap() error             { return e.err }
+func (e *waitError) Error() string            { return e.err.Error() }
+func (e *waitError) Unwrap() error            { return e.err }
 func (e *waitError) QueueWait() time.Duration { return e.waited }
 
 // The x-ratelimit-* header keys, canonical.
