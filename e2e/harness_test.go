@@ -115,16 +115,21 @@ type gateway struct {
 	Dir string
 
 	port, adminPort int
-	logs            *lockedBuffer
-	cmd             *exec.Cmd
-	exited          chan struct{}
+	// globals are extra global options (e.g. an llm_proxy { … } block);
+	// env is added to the process's environment.
+	globals    string
+	env        []string
+	forceDebug bool
+	logs       *lockedBuffer
+	cmd        *exec.Cmd
+	exited     chan struct{}
 }
 
 // caddyfile is the whole Caddyfile for a site block body: global options
 // that keep caddy on loopback and quick to stop, and one plain-HTTP site.
 func (g *gateway) caddyfile(site string) string {
 	debug := ""
-	if testing.Verbose() {
+	if testing.Verbose() || g.forceDebug {
 		debug = "debug"
 	}
 	return fmt.Sprintf(`{
@@ -135,12 +140,13 @@ func (g *gateway) caddyfile(site string) string {
 	persist_config off
 	storage file_system %s
 	%s
+%s
 }
 
 http://127.0.0.1:%d {
 %s
 }
-`, g.adminPort, filepath.Join(g.Dir, "storage"), debug, g.port, site)
+`, g.adminPort, filepath.Join(g.Dir, "storage"), debug, g.globals, g.port, site)
 }
 
 // startGateway writes a Caddyfile with the given site block body, runs
@@ -149,7 +155,29 @@ http://127.0.0.1:%d {
 // the test output when the test failed.
 func startGateway(t *testing.T, site string) *gateway {
 	t.Helper()
-	g := &gateway{t: t, Dir: t.TempDir(), logs: new(lockedBuffer), exited: make(chan struct{})}
+	return startGatewayWith(t, gatewayOptions{Site: site})
+}
+
+// gatewayOptions are what startGatewayWith runs.
+type gatewayOptions struct {
+	// Site is the site block body.
+	Site string
+	// Globals are extra global options, e.g. "llm_proxy { tenants {…} }".
+	Globals string
+	// Env is added to caddy's environment ("NAME=value").
+	Env []string
+	// Debug turns on debug logging whatever -v says (so that a test that
+	// greps the log sees everything the gateway can write).
+	Debug bool
+}
+
+// startGatewayWith is startGateway with global options, environment and
+// log level.
+func startGatewayWith(t *testing.T, o gatewayOptions) *gateway {
+	t.Helper()
+	site := o.Site
+	g := &gateway{t: t, Dir: t.TempDir(), logs: new(lockedBuffer), exited: make(chan struct{}),
+		globals: o.Globals, env: o.Env, forceDebug: o.Debug}
 	g.port, g.adminPort = freePort(t), freePort(t)
 	for g.adminPort == g.port {
 		g.adminPort = freePort(t)
@@ -168,6 +196,7 @@ func startGateway(t *testing.T, site string) *gateway {
 		"XDG_CONFIG_HOME="+filepath.Join(g.Dir, "config"),
 		"XDG_DATA_HOME="+filepath.Join(g.Dir, "data"),
 	)
+	g.cmd.Env = append(g.cmd.Env, g.env...)
 	g.cmd.Stdout, g.cmd.Stderr = g.logs, g.logs
 	if err := g.cmd.Start(); err != nil {
 		t.Fatalf("starting caddy: %v", err)
