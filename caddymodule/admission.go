@@ -39,15 +39,26 @@ func (ac *AdmissionConfig) validate() error {
 	return nil
 }
 
-// gate builds the handler's gate; nil without a capacity.
+// gate builds the handler's gate: capacity and queue when configured, and
+// always when tenants are (the gate counts admission decisions); nil when
+// neither.
 func (ac *AdmissionConfig) gate(pool *upstream.Pool, ctl *admission.Controller) *admission.Gate {
-	if ac == nil || (ac.Capacity == 0 && ac.PerUpstream == 0) {
+	hasCapacity := ac != nil && (ac.Capacity > 0 || ac.PerUpstream > 0)
+	if !hasCapacity && ctl == nil {
 		return nil
 	}
-	capacity := func() int { return ac.Capacity }
-	if n := ac.PerUpstream; n > 0 {
-		capacity = func() int { return n * max(pool.ClosedUpstreams(), 1) }
+	capacity := func() int { return 0 } // unlimited
+	queue := 0
+	if ac != nil {
+		queue = ac.Queue
+		if ac.Capacity > 0 {
+			capacity = func() int { return ac.Capacity }
+		}
+		if n := ac.PerUpstream; n > 0 {
+			// At least one upstream's worth: 0 would mean unlimited.
+			capacity = func() int { return n * max(pool.ClosedUpstreams(), 1) }
+		}
 	}
-	return admission.NewGate(admission.GateConfig{Capacity: capacity, Queue: ac.Queue, Controller: ctl},
+	return admission.NewGate(admission.GateConfig{Capacity: capacity, Queue: queue, Controller: ctl},
 		admission.SystemClock{}, admissionObserver{})
 }

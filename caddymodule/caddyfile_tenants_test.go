@@ -123,45 +123,6 @@ func TestTenantsCaddyfileErrors(t *testing.T) {
 	}
 }
 
-func TestParseKeyLine(t *testing.T) {
-	for _, tc := range []struct {
-		line, tenant, tier string
-		ok                 bool
-	}{
-		{"sk-1 acme", "acme", "", true},
-		{"sk-1 acme gold", "acme", "gold", true},
-		{"sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 globex", "globex", "", true},
-		{"sha256:zz acme", "", "", false},
-		{"sk-1", "", "", false},
-		{"sk-1 acme gold extra", "", "", false},
-	} {
-		k, err := parseKeyLine(tc.line)
-		if (err == nil) != tc.ok || (tc.ok && (k.Tenant != tc.tenant || k.Tier != tc.tier)) {
-			t.Errorf("parseKeyLine(%q) = %+v, %v", tc.line, k, err)
-		}
-		if err != nil && strings.Contains(err.Error(), "sk-1") {
-			t.Errorf("error %q names the key", err)
-		}
-	}
-}
-
-// FuzzParseKeyLine: a keys-file line never panics the parser, and an error
-// never repeats the line's first field (the key).
-func FuzzParseKeyLine(f *testing.F) {
-	for _, s := range []string{"sk-1 acme", "sk-1 acme gold", "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 g", "sha256: x", "", "  a  b  c  d "} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, line string) {
-		_, err := parseKeyLine(line)
-		if err == nil {
-			return
-		}
-		if fs := strings.Fields(line); len(fs) > 0 && len(fs[0]) > 8 && !strings.HasPrefix(fs[0], "sha256:") && strings.Contains(err.Error(), fs[0]) {
-			t.Fatalf("error %q repeats the key %q", err, fs[0])
-		}
-	})
-}
-
 // FuzzTenantsOption feeds arbitrary global llm_proxy blocks to the parser.
 func FuzzTenantsOption(f *testing.F) {
 	for _, s := range []string{"llm_proxy {\n tenants {\n key sk-1 acme\n unknown free\n }\n tier free {\n priority -1\n }\n}", "llm_proxy {\n tier x {\n rpm 1\n }\n}", "llm_proxy {\n tenants {\n key a b tier c\n }\n}"} {

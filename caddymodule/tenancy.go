@@ -44,9 +44,19 @@ func newTenancy(a *App) (*tenancy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("llm_proxy: %w", err)
 	}
-	dir, err := a.Tenants.directory()
+	keys, dir, err := a.Tenants.directory()
 	if err != nil {
 		return nil, err
+	}
+	// Every key must lead to a tier, or its requests would all be 401s.
+	check, err := admission.NewController(cfg, admission.SystemClock{}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("llm_proxy: %w", err)
+	}
+	for _, k := range keys {
+		if _, ok := check.Tier(k.Tenant, k.Tier); !ok {
+			return nil, fmt.Errorf("llm_proxy: tenants: a key of tenant %s leads to no tier: give the tenant a tier, or define a tier named default", k.Tenant)
+		}
 	}
 	trusted, err := a.Tenants.trustedPrefixes()
 	if err != nil {

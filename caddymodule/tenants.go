@@ -1,7 +1,6 @@
 package caddymodule
 
 import (
-	"bufio"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -173,43 +172,44 @@ func (a *App) admissionConfig() (admission.Config, error) {
 
 // directory builds the key directory: literal and placeholder keys hashed
 // here, sha256 keys as given, and the keys file.
-func (tc *TenantsConfig) directory() (*admission.Directory, error) {
+func (tc *TenantsConfig) directory() ([]admission.Key, *admission.Directory, error) {
 	var keys []admission.Key
 	repl := caddy.NewReplacer()
 	for i, k := range tc.Keys {
 		if k.Tenant == "" {
-			return nil, fmt.Errorf("tenants: key %d: no tenant", i+1)
+			return nil, nil, fmt.Errorf("tenants: key %d: no tenant", i+1)
 		}
 		var h [32]byte
 		switch {
 		case k.SHA256 != "" && k.Key != "":
-			return nil, fmt.Errorf("tenants: key %d (tenant %s): sha256 and key are exclusive", i+1, k.Tenant)
+			return nil, nil, fmt.Errorf("tenants: key %d (tenant %s): sha256 and key are exclusive", i+1, k.Tenant)
 		case k.SHA256 != "":
 			b, err := hex.DecodeString(k.SHA256)
 			if err != nil || len(b) != 32 {
-				return nil, fmt.Errorf("tenants: key %d (tenant %s): sha256 must be 64 hex digits", i+1, k.Tenant)
+				return nil, nil, fmt.Errorf("tenants: key %d (tenant %s): sha256 must be 64 hex digits", i+1, k.Tenant)
 			}
 			copy(h[:], b)
 		case k.Key != "":
 			key := repl.ReplaceKnown(k.Key, "")
 			if key == "" {
 				// Never name the key: the placeholder is fine to show.
-				return nil, fmt.Errorf("tenants: key %d (tenant %s): %s is empty", i+1, k.Tenant, placeholderName(k.Key))
+				return nil, nil, fmt.Errorf("tenants: key %d (tenant %s): %s is empty", i+1, k.Tenant, placeholderName(k.Key))
 			}
 			h = admission.HashKey(key)
 		default:
-			return nil, fmt.Errorf("tenants: key %d (tenant %s): no key", i+1, k.Tenant)
+			return nil, nil, fmt.Errorf("tenants: key %d (tenant %s): no key", i+1, k.Tenant)
 		}
 		keys = append(keys, admission.Key{Hash: h, Tenant: k.Tenant, Tier: k.Tier})
 	}
 	if tc.KeysFile != "" {
 		fileKeys, err := readKeysFile(tc.KeysFile)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		keys = append(keys, fileKeys...)
 	}
-	return admission.NewDirectory(keys)
+	dir, err := admission.NewDirectory(keys)
+	return keys, dir, err
 }
 
 // placeholderName shows a key's placeholder, never a literal key.
@@ -220,53 +220,19 @@ func placeholderName(k string) string {
 	return "the key"
 }
 
-// readKeysFile reads a keys file; errors name the line, never the key.
+// readKeysFile reads a keys file (admission.ParseKeys: errors name the
+// file and line, never the key).
 func readKeysFile(path string) ([]admission.Key, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("tenants: keys_file: %w", err)
 	}
 	defer f.Close()
-	var keys []admission.Key
-	sc := bufio.NewScanner(f)
-	for n := 1; sc.Scan(); n++ {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		k, err := parseKeyLine(line)
-		if err != nil {
-			return nil, fmt.Errorf("tenants: keys_file %s:%d: %w", path, n, err)
-		}
-		keys = append(keys, k)
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("tenants: keys_file %s: %w", path, err)
+	keys, err := admission.ParseKeys(f, path)
+	if err != nil {
+		return nil, fmt.Errorf("tenants: keys_file %w", err)
 	}
 	return keys, nil
-}
-
-// parseKeyLine parses `<key>|sha256:<hex> <tenant> [<tier>]`. Its errors
-// never contain the key.
-func parseKeyLine(line string) (admission.Key, error) {
-	f := strings.Fields(line)
-	if len(f) < 2 || len(f) > 3 {
-		return admission.Key{}, errors.New("want: <key>|sha256:<hex> <tenant> [<tier>]")
-	}
-	k := admission.Key{Tenant: f[1]}
-	if len(f) == 3 {
-		k.Tier = f[2]
-	}
-	if hexKey, ok := strings.CutPrefix(f[0], "sha256:"); ok {
-		b, err := hex.DecodeString(hexKey)
-		if err != nil || len(b) != 32 {
-			return admission.Key{}, errors.New("sha256: must be 64 hex digits")
-		}
-		copy(k.Hash[:], b)
-		return k, nil
-	}
-	k.Hash = admission.HashKey(f[0])
-	return k, nil
 }
 
 // trustedPrefixes parses trusted_proxies.
