@@ -10,6 +10,8 @@
 //	llmload overhead --direct http://127.0.0.1:9201 --llm-proxy http://127.0.0.1:8091 \
 //	    --reverse-proxy http://127.0.0.1:8092 [--streams 1,100] [--requests-per-level N] [--json out.json]
 //	llmload compare [--target-speedup 5] [--target-max-extra 10] base.json hedged.json
+//	llmload isolation --plain http://127.0.0.1:8097 --admission http://127.0.0.1:8098 \
+//	    --noisy-key KA --victim-keys KB,KC,KD [--mock http://127.0.0.1:9401] [--access-log file] [--plot out.png]
 //
 // Every run is bounded (by duration and/or request count), and llmload only
 // targets this machine unless --allow-remote is given.
@@ -33,6 +35,8 @@ Usage:
   llmload overhead [flags]   compare TTFT and event gaps: direct vs llm_proxy vs reverse_proxy
   llmload compare [flags] base.json other.json
                              compare run reports (e.g. without and with hedging): markdown table, verdict
+  llmload isolation [flags]  noisy neighbour: victims' TTFT alone, with a noisy tenant without and with
+                             admission control; A's refusal latency; a PNG of the TTFT CDFs
 
 Run 'llmload <command> -h' for the flags of a command.
 `
@@ -50,6 +54,8 @@ func main() {
 		err = overheadCmd(os.Args[2:])
 	case "compare":
 		err = compareCmd(os.Args[2:])
+	case "isolation":
+		err = isolationCmd(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

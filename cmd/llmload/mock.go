@@ -38,6 +38,7 @@ type mockReplicaStats struct {
 	Completed int64              `json:"completed"`
 	Cancelled int64              `json:"cancelled"`
 	Faults    map[string]int64   `json:"faults"`
+	InFlight  int                `json:"in_flight"`
 	Recent    []mockRequestEntry `json:"recent"`
 }
 

@@ -46,6 +46,9 @@ type Result struct {
 	Outcome string
 	// Detail says what went wrong for outcomes other than ok.
 	Detail string
+	// Code is the "code" of an error response's OpenAI error body (e.g.
+	// tenant_concurrency), "" when none.
+	Code string
 	// TTFT is the time from sending the request to the first data event
 	// (streaming) or to the complete body (non-streaming); valid if HasTTFT.
 	TTFT    time.Duration
@@ -130,6 +133,7 @@ func (q *Requester) Do(ctx context.Context) (res Result) {
 		res.Total = time.Since(res.Start)
 		res.Outcome = fmt.Sprintf("http_%d", resp.StatusCode)
 		res.Detail = errorMessage(msg)
+		res.Code = errorCodeOf(msg)
 		return res
 	}
 	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
@@ -357,6 +361,19 @@ func inBandError(d []byte) (string, bool) {
 		return inner.Message, true
 	}
 	return string(e.Error), true
+}
+
+// errorCodeOf returns the "code" of an OpenAI error body, "" when none.
+func errorCodeOf(b []byte) string {
+	var e struct {
+		Error struct {
+			Code any `json:"code"`
+		} `json:"error"`
+	}
+	if json.Unmarshal(b, &e) != nil || e.Error.Code == nil {
+		return ""
+	}
+	return fmt.Sprint(e.Error.Code)
 }
 
 // errorMessage extracts a short message from an error response body.
