@@ -1,5 +1,5 @@
 # Developer entry points. See scripts/ for what demo and bench-overhead do.
-.PHONY: build demo bench-overhead bench-hedge test clean
+.PHONY: build demo bench-overhead bench-hedge bench-isolation test clean
 
 # ./caddy with the llm_proxy module (cached by source hash) and the tools.
 build:
@@ -17,6 +17,11 @@ bench-overhead:
 # The Tail at Scale's hedging experiment on TTFT: no hedging vs hedge at p95.
 bench-hedge:
 	scripts/bench-hedge.sh
+
+# Noisy neighbour: victims' p99 TTFT alone, with a noisy tenant without and
+# with admission control; A's refusal latency; a PNG of the TTFT CDFs.
+bench-isolation:
+	scripts/bench-isolation.sh
 
 # Installs what the tests need (scripts/setup-test.sh), then every test
 # with the race detector, end-to-end tests against the real caddy included.
