@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -225,20 +226,113 @@ func (c *messageContent) UnmarshalJSON(b []byte) error {
 		c.chars = jsonStringLen(b)
 		return nil
 	case '[':
-		var parts []struct {
-			Text *textLen `json:"text"`
-		}
-		if err := json.Unmarshal(b, &parts); err != nil {
-			return errors.New("content parts must be objects with a string text")
-		}
-		for _, p := range parts {
-			if p.Text != nil {
-				c.chars += int(*p.Text)
-			}
-		}
-		return nil
+		n, err := partsChars(b)
+		c.chars = n
+		return err
 	}
 	return errors.New("content must be a string or an array of parts")
+}
+
+// errParts is the error of content parts of the wrong shape.
+var errParts = errors.New("content parts must be objects whose text is a string")
+
+// partsChars counts the code points of the "text" strings of an array of
+// content parts, walking it in place: b is valid JSON (encoding/json
+// checked the whole body before handing it over), so the walk only
+// checks the shape. When an object repeats "text", the last one counts.
+func partsChars(b []byte) (int, error) {
+	n := 0
+	i := skipSpace(b, 1)
+	for i < len(b) && b[i] != ']' {
+		if b[i] == ',' {
+			i = skipSpace(b, i+1)
+			continue
+		}
+		if b[i] != '{' {
+			return 0, errParts
+		}
+		text := 0
+		i = skipSpace(b, i+1)
+		for i < len(b) && b[i] != '}' {
+			if b[i] == ',' {
+				i = skipSpace(b, i+1)
+				continue
+			}
+			ke := skipJSON(b, i) // the key
+			key := b[i:ke]
+			i = skipSpace(b, skipSpace(b, ke)+1) // past the colon
+			ve := skipJSON(b, i)
+			if isTextKey(key) {
+				switch b[i] {
+				case '"':
+					text = jsonStringLen(b[i:ve])
+				case 'n':
+					text = 0
+				default:
+					return 0, errParts
+				}
+			}
+			i = skipSpace(b, ve)
+		}
+		n += text
+		i = skipSpace(b, i+1)
+	}
+	return n, nil
+}
+
+// isTextKey reports whether the quoted JSON key q decodes to "text".
+func isTextKey(q []byte) bool {
+	if string(q) == `"text"` {
+		return true
+	}
+	if bytes.IndexByte(q, '\\') < 0 {
+		return false
+	}
+	var k string // an escaped key: rare, decode it
+	return json.Unmarshal(q, &k) == nil && k == "text"
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && isJSONSpace(b[i]) {
+		i++
+	}
+	return i
+}
+
+// skipJSON returns the index after the valid JSON value at b[i].
+func skipJSON(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		for j := i + 1; j < len(b); j++ {
+			switch b[j] {
+			case '\\':
+				j++
+			case '"':
+				return j + 1
+			}
+		}
+		return len(b)
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				j = skipJSON(b, j) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return j + 1
+				}
+			}
+		}
+		return len(b)
+	}
+	j := i
+	for j < len(b) && !isJSONSpace(b[j]) && b[j] != ',' && b[j] != '}' && b[j] != ']' {
+		j++
+	}
+	return j
 }
 
 // promptText measures a completions prompt: a string, an array of strings,
@@ -293,22 +387,6 @@ func (e *promptElem) UnmarshalJSON(b []byte) error {
 	}
 	e.tokens = 1
 	return nil
-}
-
-// textLen is the length in code points of a JSON string, measured in place.
-type textLen int
-
-// UnmarshalJSON measures a string; anything else is an error.
-func (t *textLen) UnmarshalJSON(b []byte) error {
-	*t = 0
-	switch b[0] {
-	case '"':
-		*t = textLen(jsonStringLen(b))
-		return nil
-	case 'n':
-		return nil
-	}
-	return errors.New("text must be a string")
 }
 
 // jsonStringLen returns the number of code points of the decoded value of

@@ -6,6 +6,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"unicode/utf8"
 )
@@ -223,6 +224,22 @@ func TestWhichBodiesAreParsedAsJSON(t *testing.T) {
 		}
 		if got := isJSONRequest(r); got != want {
 			t.Errorf("Content-Type %q: parsed %v, want %v", ct, got, want)
+		}
+	}
+}
+
+// BenchmarkParseRequest parses a typical chat request: a system prompt, a
+// few turns and a 4 KiB user message.
+func BenchmarkParseRequest(b *testing.B) {
+	body := []byte(`{"model":"llama-3-70b","stream":true,"max_tokens":512,"temperature":0.7,"messages":[` +
+		`{"role":"system","content":"You are a helpful assistant. Answer briefly."},` +
+		`{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello! How can I help?"},` +
+		`{"role":"user","content":[{"type":"text","text":"` + strings.Repeat("Summarise this text, please. ", 140) + `"}]}]}`)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := ParseRequest(body); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

@@ -222,15 +222,30 @@ var (
 // available again as a Go duration rounded up to whole seconds ("1s",
 // "6m0s").
 func setRateLimitHeaders(h http.Header, lim admission.Limits) {
+	n := 0
+	if lim.Requests != nil {
+		n += 3
+	}
+	if lim.Tokens != nil {
+		n += 3
+	}
+	if n == 0 {
+		return
+	}
+	vals := make([]string, 0, n) // one backing array for every value
+	set := func(key, v string) {
+		vals = append(vals, v)
+		h[key] = vals[len(vals)-1 : len(vals) : len(vals)]
+	}
 	if l := lim.Requests; l != nil {
-		h[hdrLimitRequests] = []string{strconv.Itoa(l.Limit)}
-		h[hdrRemainingRequests] = []string{strconv.Itoa(max(l.Remaining, 0))}
-		h[hdrResetRequests] = []string{ceilSeconds(l.Reset).String()}
+		set(hdrLimitRequests, strconv.Itoa(l.Limit))
+		set(hdrRemainingRequests, strconv.Itoa(max(l.Remaining, 0)))
+		set(hdrResetRequests, ceilSeconds(l.Reset).String())
 	}
 	if l := lim.Tokens; l != nil {
-		h[hdrLimitTokens] = []string{strconv.Itoa(l.Limit)}
-		h[hdrRemainingTokens] = []string{strconv.Itoa(max(l.Remaining, 0))}
-		h[hdrResetTokens] = []string{ceilSeconds(l.Reset).String()}
+		set(hdrLimitTokens, strconv.Itoa(l.Limit))
+		set(hdrRemainingTokens, strconv.Itoa(max(l.Remaining, 0)))
+		set(hdrResetTokens, ceilSeconds(l.Reset).String())
 	}
 }
 
