@@ -50,6 +50,7 @@ type HeaderAdmission interface {
 // QueueWaiter reports the time a request waited to be admitted (in a
 // pool's priority queue), for Result.QueueWait and {http.llm_proxy.queue_ms}.
 type QueueWaiter interface {
+	// QueueWait returns the time waited.
 	QueueWait() time.Duration
 }
 

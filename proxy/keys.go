@@ -13,6 +13,7 @@ import (
 // time). Implementations must be safe for concurrent use, allocate nothing
 // and never keep or log the key.
 type KeyLookup interface {
+	// Lookup returns the tenant and tier of key, ok false when unknown.
 	Lookup(key string) (tenant, tier string, ok bool)
 }
 

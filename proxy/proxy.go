@@ -222,7 +222,8 @@ type Result struct {
 	ContentEvents int
 	// Usage is the token usage the upstream reported, if it did.
 	Usage Usage
-	// Identity is who sent the request, as the Identifier found out.
+	// Identity is who sent the request, as the Identifier found out
+	// ({http.llm_proxy.tenant}, {http.llm_proxy.tier}).
 	Identity Identity
 	// Streamed is true when the response was an SSE stream.
 	Streamed bool
@@ -272,11 +273,11 @@ type Config struct {
 	// Clock is the source of time and timers for every timeout, the hedge
 	// delay and backoff sleeps; nil is the real clock.
 	Clock Clock
-	// Identifier finds out who sent a request (step 2); nil identifies
-	// everyone as the zero Identity.
+	// Identifier finds out who sent a request (step 2), e.g. a
+	// *KeyIdentifier; nil identifies everyone as the zero Identity.
 	Identifier Identifier
 	// Admitter admits or refuses a request before any upstream is picked
-	// (step 3); nil admits everything.
+	// (step 3), e.g. a *TenantAdmitter; nil admits everything.
 	Admitter Admitter
 	// Balancer picks upstreams. Required.
 	Balancer Balancer
