@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"errors"
+	"sync"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
@@ -61,4 +62,17 @@ func (ac *AdmissionConfig) gate(pool *upstream.Pool, ctl *admission.Controller) 
 	}
 	return admission.NewGate(admission.GateConfig{Capacity: capacity, Queue: queue, Controller: ctl},
 		admission.SystemClock{}, admissionObserver{})
+}
+
+// perUpstreamGates holds the gates whose capacity follows their pools'
+// closed breakers: when a breaker closes, capacity grows, and the gate must
+// admit waiting requests now rather than at the next release.
+var perUpstreamGates sync.Map // *admission.Gate → struct{}
+
+// capacityChanged re-checks the per_upstream gates (a breaker closed or opened).
+func capacityChanged() {
+	perUpstreamGates.Range(func(k, _ any) bool {
+		k.(*admission.Gate).Saturated()
+		return true
+	})
 }

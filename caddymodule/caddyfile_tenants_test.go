@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -34,6 +35,9 @@ const tenantsSite = `{
 		tier free {
 			priority -1
 			rpm 10
+		}
+		tier default {
+			rpm 60
 		}
 		tenant acme {
 			tier gold
@@ -132,4 +136,31 @@ func FuzzTenantsOption(f *testing.F) {
 		var a App
 		_ = a.UnmarshalCaddyfile(caddyfile.NewTestDispenser(src))
 	})
+}
+
+// TestTenantsProvision: the adapted tenants config provisions (keys from
+// the environment resolved), and a key whose tenant leads to no tier, or a
+// tier that names an unknown one, is refused at load.
+func TestTenantsProvision(t *testing.T) {
+	t.Setenv("BETA_KEY", "sk-from-env")
+	out, err := adapt(t, tenantsSite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Validate(mustConfig(t, out)); err != nil {
+		t.Fatalf("provisioning: %v", err)
+	}
+	t.Setenv("BETA_KEY", "")
+	if err := caddy.Validate(mustConfig(t, out)); err == nil || !strings.Contains(err.Error(), "{env.BETA_KEY} is empty") {
+		t.Fatalf("an empty env key: %v, want it refused by name", err)
+	}
+	noTier := "{\n\tllm_proxy {\n\t\ttenants {\n\t\t\tkey sk-1 acme\n\t\t}\n\t\ttier gold {\n\t\t}\n\t}\n}\n:8080 {\n\tllm_proxy 127.0.0.1:9000\n}\n"
+	out, err = adapt(t, noTier)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = caddy.Validate(mustConfig(t, out))
+	if err == nil || !strings.Contains(err.Error(), "tenant acme leads to no tier") || strings.Contains(err.Error(), "sk-1") {
+		t.Fatalf("a key without a tier: %v", err)
+	}
 }

@@ -225,6 +225,10 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 	initMetrics()
 	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(float64(tr.To))
 	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
+	if tr.To == breaker.Closed {
+		// Asynchronously: this runs under the upstream entry's lock.
+		go capacityChanged()
+	}
 	app := newestApp()
 	if app == nil {
 		return

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -101,6 +102,7 @@ type Handler struct {
 	Admission *AdmissionConfig `json:"admission,omitempty"`
 
 	pool         *upstream.Pool
+	gate         *admission.Gate // with per_upstream capacity, nil otherwise
 	proxy        *proxy.Proxy
 	transport    *transport
 	ownTransport bool // the default transport, cleaned up by the handler
@@ -199,7 +201,34 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	app.adopt(h.pool)
 
+	var identifier proxy.Identifier
+	var admitter proxy.Admitter
+	var ctl *admission.Controller
+	if t := app.tenancy; t != nil {
+		ctl = t.ctl
+		identifier = &proxy.KeyIdentifier{
+			Keys:           t.dir,
+			TenantHeader:   t.header,
+			TrustedProxies: t.trusted,
+			UnknownTier:    t.unknown,
+			Resolve: func(tenant, tier string) (string, bool) {
+				ti, ok := ctl.Tier(tenant, tier)
+				return ti.Name, ok
+			},
+		}
+	}
+	if g := h.Admission.gate(h.pool, ctl); g != nil || ctl != nil {
+		admitter = proxy.NewTenantAdmitter(ctl, g)
+		if g != nil && h.Admission != nil && h.Admission.PerUpstream > 0 {
+			h.gate = g
+			perUpstreamGates.Store(g, struct{}{})
+		}
+	}
+
 	p, err := proxy.New(proxy.Config{
+		Identifier:        identifier,
+		Admitter:          admitter,
+		RequestUsage:      app.tenancy != nil,
 		Transport:         h.transport,
 		FreshTransport:    freshRoundTripper{h.transport},
 		Balancer:          h.pool,
@@ -278,6 +307,9 @@ func (h *Handler) firstByteTimeout() time.Duration {
 // running on this handler keep working: they hold what they picked, and
 // their contexts come from their requests.
 func (h *Handler) Cleanup() error {
+	if h.gate != nil {
+		perUpstreamGates.Delete(h.gate)
+	}
 	if h.pool != nil {
 		h.pool.Release()
 	}
@@ -299,6 +331,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.outcome", res.Outcome.String())
 		repl.Set("http.llm_proxy.model", res.Info.Model)
 		repl.Set("http.llm_proxy.breaker_state", h.pool.BreakerState(res.Upstream, res.Info.Model))
+		repl.Set("http.llm_proxy.tenant", res.Identity.Tenant)
+		repl.Set("http.llm_proxy.tier", res.Identity.Tier)
+		repl.Set("http.llm_proxy.queue_ms", res.QueueWait.Milliseconds())
+		repl.Set("http.llm_proxy.tokens", res.Tokens)
 	}
 	h.logResult(res)
 	return nil
@@ -317,6 +353,8 @@ func (h *Handler) logResult(res *proxy.Result) {
 		ce.Write(
 			zap.String("upstream", res.Upstream),
 			zap.String("model", res.Info.Model),
+			zap.String("tenant", res.Identity.Tenant),
+			zap.String("tier", res.Identity.Tier),
 			zap.String("outcome", res.Outcome.String()),
 			zap.Int("status", res.Status),
 			zap.Int("attempts", res.Attempts),
