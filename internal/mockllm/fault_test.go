@@ -42,7 +42,11 @@ func TestStatusFaultAlwaysWithRetryAfter(t *testing.T) {
 			t.Errorf("%s: headers %v", tc.spec, resp.Header)
 		}
 	}
+	// The replica records a request's end after the client has its answer.
 	s := f.Replica(0).Stats()
+	for deadline := time.Now().Add(5 * time.Second); s.InFlight != 0 && time.Now().Before(deadline); s = f.Replica(0).Stats() {
+		time.Sleep(time.Millisecond)
+	}
 	if s.Faults["status"] != 3 || s.Recent[0].Outcome != "fault:status" || s.Recent[0].Status != 503 {
 		t.Errorf("stats %+v", s)
 	}
