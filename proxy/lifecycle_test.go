@@ -11,12 +11,19 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // closingUpstream is a raw HTTP/1.1 server that answers the first request
 // on each connection and closes the connection when a second one arrives
 // on it, as uvicorn does with a keep-alive connection it is timing out.
 func closingUpstream(t *testing.T) (addr string, requests *atomic.Int64) {
+	return closingUpstreamAfter(t, 0)
+}
+
+// closingUpstreamAfter is closingUpstream whose second request on a
+// connection is worked on for work before the connection dies.
+func closingUpstreamAfter(t *testing.T, work time.Duration) (addr string, requests *atomic.Int64) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -40,7 +47,8 @@ func closingUpstream(t *testing.T) (addr string, requests *atomic.Int64) {
 					_, _ = io.Copy(io.Discard, req.Body)
 					requests.Add(1)
 					if n > 0 {
-						return // closed as the request went out
+						time.Sleep(work) // the upstream at work, then it dies
+						return           // closed as the request went out (work 0)
 					}
 					body := `{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`
 					_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "+
@@ -247,5 +255,28 @@ func TestRefusalsAreWrittenWithoutCallingAnUpstream(t *testing.T) {
 				t.Fatalf("headers %v", w.Header())
 			}
 		})
+	}
+}
+
+// A reused connection that dies after the upstream worked on the request is
+// the upstream's failure: it is not resent (that would run the generation
+// twice) and counts against the upstream.
+func TestConnectionDyingAfterTheUpstreamWorkedIsNotResent(t *testing.T) {
+	addr, requests := closingUpstreamAfter(t, 300*time.Millisecond)
+	pooled := &http.Transport{}
+	t.Cleanup(pooled.CloseIdleConnections)
+	obs := &recordingObserver{}
+	p, err := New(Config{Transport: schemeTransport{pooled}, Balancer: &listBalancer{addrs: []string{addr}}, Observer: obs, MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		p.ServeHTTP(httptest.NewRecorder(), post(`{"model":"m"}`))
+	}
+	if obs.stale != 0 || requests.Load() != 2 {
+		t.Fatalf("stale connections %d, upstream requests %d; want 0 and 2 (no resend)", obs.stale, requests.Load())
+	}
+	if got := strings.Join(obs.outcomes(), " "); got != addr+"=success "+addr+"=connect_error" {
+		t.Fatalf("attempt reports %q, want success then connect_error", got)
 	}
 }

@@ -26,6 +26,14 @@ const maxPreCommitComments = 64 << 10
 // a reused connection turned out to be closed.
 const maxStaleRetries = 2
 
+// staleWindow bounds the time from writing a request to the failure of its
+// reused connection for that failure to count as a stale connection: the
+// server's close races the write within a round trip (it had decided to
+// close before the request arrived), while a failure later than this may
+// follow work the upstream did on the request. Wall clock, as the
+// transport's own timing is.
+const staleWindow = 100 * time.Millisecond
+
 // attempt is one request to one upstream. It runs its pre-commit phase in
 // its own goroutine with its own context, derived from the request's, so it
 // can be cancelled without touching any other attempt. It records what
@@ -182,12 +190,20 @@ func (a *attempt) preCommit() {
 func (a *attempt) roundTrip() (*http.Response, error) {
 	rt := a.x.p.cfg.Transport
 	ct := &a.conn
-	ct.hooks.GotConn, ct.hooks.GotFirstResponseByte = ct.gotConn, ct.gotFirstByte
+	ct.hooks.GotConn, ct.hooks.GotFirstResponseByte, ct.hooks.WroteRequest = ct.gotConn, ct.gotFirstByte, ct.wroteRequest
 	for n := 0; ; n++ {
 		ct.reused.Store(false)
 		ct.gotByte.Store(false)
+		ct.wroteAt.Store(0)
 		resp, err := rt.RoundTrip(a.request(&ct.hooks))
 		if err == nil || !ct.reused.Load() || ct.gotByte.Load() || a.ctx.Err() != nil || n == maxStaleRetries {
+			return resp, err
+		}
+		// A connection the server was closing fails as the request goes
+		// out. One that dies later may have carried a request the upstream
+		// worked on: that is the upstream's failure, not a stale connection,
+		// and resending it would run the generation twice.
+		if w := ct.wroteAt.Load(); w != 0 && time.Since(time.Unix(0, w)) > staleWindow {
 			return resp, err
 		}
 		a.x.p.obs.StaleConnection(a.up.Addr)
@@ -205,8 +221,12 @@ func (a *attempt) roundTrip() (*http.Response, error) {
 // trace costs two method values per attempt, not a fresh set per try.
 type connTrace struct {
 	reused, gotByte atomic.Bool
-	hooks           httptrace.ClientTrace
+	// wroteAt is when the request was written (unix ns), 0 before.
+	wroteAt atomic.Int64
+	hooks   httptrace.ClientTrace
 }
+
+func (c *connTrace) wroteRequest(httptrace.WroteRequestInfo) { c.wroteAt.Store(time.Now().UnixNano()) }
 
 func (c *connTrace) gotConn(i httptrace.GotConnInfo) { c.reused.Store(i.Reused) }
 func (c *connTrace) gotFirstByte()                   { c.gotByte.Store(true) }
