@@ -334,6 +334,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.tenant", res.Identity.Tenant)
 		repl.Set("http.llm_proxy.tier", res.Identity.Tier)
 		repl.Set("http.llm_proxy.queue_ms", res.QueueWait.Milliseconds())
+		repl.Set("http.llm_proxy.admission_us", res.Decision.Microseconds())
 		repl.Set("http.llm_proxy.tokens", res.Tokens)
 	}
 	h.logResult(res)

@@ -204,6 +204,9 @@ type Result struct {
 	// QueueWait is the time the request waited to be admitted (the pool's
 	// priority queue), refused requests included; {http.llm_proxy.queue_ms}.
 	QueueWait time.Duration
+	// Decision is the time identify and admit took, queue wait excluded:
+	// what deciding to admit or refuse costs the gateway.
+	Decision time.Duration
 	// Tokens is what the request is charged, prompt plus completion, as
 	// Settlement computes it; {http.llm_proxy.tokens}.
 	Tokens int
@@ -451,7 +454,15 @@ func (x *exchange) run() {
 	}
 	defer x.finish()
 
-	if !x.read() || !x.identify() || !x.admit() {
+	if !x.read() {
+		return
+	}
+	decided := x.p.clock.Now()
+	ok := x.identify() && x.admit()
+	// The admission decision's own cost: identify and admit, less any
+	// time spent waiting in the queue.
+	x.res.Decision = max(x.since(decided)-x.res.QueueWait, 0)
+	if !ok {
 		return
 	}
 	a := x.attempt()

@@ -114,6 +114,7 @@ http://127.0.0.1:$ADMISSION_PORT {
 		format json
 	}
 	log_append llm_tenant {http.llm_proxy.tenant}
+	log_append llm_admission_us {http.llm_proxy.admission_us}
 	llm_proxy$ups {
 		lb_policy least_conn
 		admission {

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -163,6 +164,9 @@ func parseAccessLog429(r io.Reader, tenant string) ([]time.Duration, error) {
 			Status   int      `json:"status"`
 			Duration *float64 `json:"duration"`
 			Tenant   any      `json:"llm_tenant"`
+			// Decision is {http.llm_proxy.admission_us}: the gateway's
+			// own decision time, without Caddy's request handling.
+			Decision any `json:"llm_admission_us"`
 		}
 		if json.Unmarshal(line[i:], &e) != nil || !strings.HasPrefix(e.Logger, "http.log.access") || e.Duration == nil {
 			continue
@@ -171,6 +175,10 @@ func parseAccessLog429(r io.Reader, tenant string) ([]time.Duration, error) {
 			continue
 		}
 		if tenant != "" && fmt.Sprint(e.Tenant) != tenant {
+			continue
+		}
+		if us, err := strconv.ParseFloat(fmt.Sprint(e.Decision), 64); e.Decision != nil && err == nil {
+			out = append(out, time.Duration(us*float64(time.Microsecond)))
 			continue
 		}
 		out = append(out, time.Duration(*e.Duration*float64(time.Second)))
@@ -248,7 +256,7 @@ func judgeIsolation(arms []ArmResult, t IsolationTarget) IsolationVerdict {
 		if n := with.Noisy; n != nil {
 			switch {
 			case n.GatewayDecision != nil && n.GatewayDecision.Count > 0:
-				v.DecisionP99US, v.DecisionSource = n.GatewayDecision.P99*1000, "gateway-side (access log duration of the 429s)"
+				v.DecisionP99US, v.DecisionSource = n.GatewayDecision.P99*1000, "gateway-side (the 429s' admission_us in the access log: identify + admit)"
 			case n.RefusalLatency.Count > 0:
 				v.DecisionP99US, v.DecisionSource = n.RefusalLatency.P99*1000, "client-side latency of the 429s (an upper bound)"
 			default:

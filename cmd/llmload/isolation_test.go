@@ -107,13 +107,15 @@ func TestParseAccessLog429(t *testing.T) {
 		`{"level":"warn","logger":"http.handlers.llm_proxy","msg":"something","status":429,"duration":1}`,
 		`not json`,
 		`2026/12/01 11:00:00.000 INFO http.log.access {"logger":"http.log.access","status":429,"duration":0.00006}`,
+		`{"logger":"http.log.access","status":429,"duration":0.0009,"llm_admission_us":7}`,
+		`{"logger":"http.log.access","status":429,"duration":0.0009,"llm_admission_us":"11"}`,
 	}, "\n")
 	all, err := parseAccessLog429(strings.NewReader(log), "")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(all) != 3 || all[0] != 42*time.Microsecond || all[2] != 60*time.Microsecond {
-		t.Errorf("every 429: %v, want 42µs, 80µs, 60µs", all)
+	if len(all) != 5 || all[0] != 42*time.Microsecond || all[2] != 60*time.Microsecond || all[3] != 7*time.Microsecond || all[4] != 11*time.Microsecond {
+		t.Errorf("every 429: %v, want 42µs, 80µs, 60µs, then the decision times 7µs and 11µs", all)
 	}
 	a, _ := parseAccessLog429(strings.NewReader(log), "a")
 	if len(a) != 1 || a[0] != 42*time.Microsecond {
@@ -125,8 +127,8 @@ func TestParseAccessLog429(t *testing.T) {
 		t.Fatal(err)
 	}
 	from, err := readAccessLog429(f, int64(strings.Index(log, "\n")+1), "")
-	if err != nil || len(from) != 2 {
-		t.Errorf("from the second line: %v, %v; want the 2 later 429s", from, err)
+	if err != nil || len(from) != 4 {
+		t.Errorf("from the second line: %v, %v; want the 4 later 429s", from, err)
 	}
 }
 
