@@ -282,13 +282,19 @@ func (c *Controller) tenantViews() []TenantView {
 		if ti, l, ok := snap.resolve(t.id, ""); ok {
 			v.Tier, lim = ti.Name, l
 		} else if ti := t.tier.Load(); ti != nil {
-			// Named with a key's tier only: show that tier's limits.
-			v.Tier, lim = ti.Name, ti.lim
+			// Named with a key's tier only: show that tier's limits, as
+			// the current config has them (a reload may have changed them).
+			if cur, l, ok := snap.resolve(t.id, ti.Name); ok {
+				v.Tier, lim = cur.Name, l
+			} else {
+				v.Tier, lim = ti.Name, ti.lim
+			}
 		}
 		v.MaxConcurrent, v.RPM, v.TPM = lim.maxConc, lim.rpm, lim.tpm
 		t.mu.Lock()
 		t.win.advance(now)
-		v.Inflight = t.inflight
+		// A queued request holds its tenant's slot but is not running.
+		v.Inflight = max(t.inflight-v.Queued, 0)
 		v.RequestsInWindow, v.TokensInWindow = int(t.win.reqs), int(t.win.toks)
 		t.mu.Unlock()
 		if b := t.brk.Load(); b != nil {
