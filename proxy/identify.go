@@ -50,12 +50,33 @@ func (nopIdentifier) Identify(*http.Request, RequestInfo) (Identity, error) { re
 func (x *exchange) identify() bool {
 	id, err := x.p.cfg.Identifier.Identify(x.r, x.res.Info)
 	if err != nil {
+		x.redactKeys()
 		x.refusal = err
 		return false
 	}
 	x.res.Identity = id
 	x.prepareHeader()
+	x.redactKeys()
 	return true
+}
+
+// keyHeaders are the request headers besides Authorization that carry API
+// keys (OpenAI's Azure form and Anthropic's).
+var keyHeaders = []string{"Api-Key", "X-Api-Key"}
+
+// redactKeys hides the key headers of the client's request once the
+// outbound copy is made: Caddy's access log records the request's headers
+// as they arrived after the handler ran, and redacts Authorization itself
+// but not these. Only when keys identify tenants (a real Identifier).
+func (x *exchange) redactKeys() {
+	if _, nop := x.p.cfg.Identifier.(nopIdentifier); nop {
+		return
+	}
+	for _, h := range keyHeaders {
+		if _, ok := x.r.Header[h]; ok {
+			x.r.Header[h] = []string{"REDACTED"}
+		}
+	}
 }
 
 // prepareHeader computes the outbound header once per exchange: hop-by-hop
