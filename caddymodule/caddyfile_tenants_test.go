@@ -160,7 +160,15 @@ func TestTenantsProvision(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = caddy.Validate(mustConfig(t, out))
-	if err == nil || !strings.Contains(err.Error(), "tenant acme leads to no tier") || strings.Contains(err.Error(), "sk-1") {
+	if err == nil || !strings.Contains(err.Error(), "tenant acme has no tier") || strings.Contains(err.Error(), "sk-1") {
 		t.Fatalf("a key without a tier: %v", err)
+	}
+	typo := "{\n\tllm_proxy {\n\t\ttenants {\n\t\t\tkey sk-1 hobby tier fre\n\t\t}\n\t\ttier free {\n\t\t}\n\t}\n}\n:8080 {\n\tllm_proxy 127.0.0.1:9000\n}\n"
+	out, err = adapt(t, typo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Validate(mustConfig(t, out)); err == nil || !strings.Contains(err.Error(), `names tier "fre", which no tier block defines`) {
+		t.Fatalf("a key naming an undefined tier: %v, want the tier named", err)
 	}
 }

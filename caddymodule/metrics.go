@@ -183,6 +183,10 @@ func (requestObserver) StaleConnection(upstream string) {
 }
 
 func (o requestObserver) RequestDone(r *proxy.Result) {
+	if r.Outcome == proxy.OutcomeRefused && r.Status == 401 {
+		// Refused by identify, before admission: still an admission decision.
+		metrics.admissions.WithLabelValues(r.Identity.Tier, admission.CodeUnknownKey, "").Inc()
+	}
 	model := o.models.Label(r.Info.Model)
 	metrics.requests.WithLabelValues(r.Upstream, model, r.Outcome.String()).Inc()
 	if r.Streamed {

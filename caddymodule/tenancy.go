@@ -55,7 +55,10 @@ func newTenancy(a *App) (*tenancy, error) {
 	}
 	for _, k := range keys {
 		if _, ok := check.Tier(k.Tenant, k.Tier); !ok {
-			return nil, fmt.Errorf("llm_proxy: tenants: a key of tenant %s leads to no tier: give the tenant a tier, or define a tier named default", k.Tenant)
+			if k.Tier != "" {
+				return nil, fmt.Errorf("llm_proxy: tenants: a key of tenant %s names tier %q, which no tier block defines", k.Tenant, k.Tier)
+			}
+			return nil, fmt.Errorf("llm_proxy: tenants: tenant %s has no tier: give it one (key … tier <name>, or a tenant block), or define a tier named default", k.Tenant)
 		}
 	}
 	trusted, err := a.Tenants.trustedPrefixes()
