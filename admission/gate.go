@@ -115,6 +115,23 @@ func timeoutRefusal(w *waiter) *Refusal {
 		Message: fmt.Sprintf("tier %s: queued longer than its queue_timeout of %s; retry in %s", w.tier, w.timeout, retryIn(refusalRetry))}
 }
 
+// Slot is one admitted request's place in a gate, for AcquireSlot: the
+// caller keeps it in its own per-request state, so that taking a place
+// allocates nothing. The zero Slot is ready; a Slot is used for one
+// request at a time (Release before the next AcquireSlot).
+type Slot struct{ s slotRelease }
+
+// Release gives the place back; later calls do nothing.
+func (s *Slot) Release() { s.s.release() }
+
+// AcquireSlot is Acquire with the place kept in slot instead of a release
+// func: on success, slot.Release must be called exactly once.
+func (g *Gate) AcquireSlot(ctx context.Context, tenant string, tier Tier, slot *Slot) (waited time.Duration, err error) {
+	slot.s = slotRelease{}
+	_, waited, err = g.acquireInto(ctx, tenant, tier, &slot.s)
+	return waited, err
+}
+
 // slotRelease is the release of one admitted request.
 type slotRelease struct {
 	g    *Gate
@@ -123,7 +140,7 @@ type slotRelease struct {
 }
 
 func (s *slotRelease) release() {
-	if !s.done.CompareAndSwap(false, true) {
+	if s.g == nil || !s.done.CompareAndSwap(false, true) {
 		return
 	}
 	g := s.g
@@ -136,11 +153,23 @@ func (s *slotRelease) release() {
 	g.mu.Unlock()
 }
 
-func (g *Gate) releaseFunc(tier string) func() {
-	return (&slotRelease{g: g, tier: tier}).release
+// releaseFunc arms slot (a new one when nil) for tier and returns its
+// release.
+func (g *Gate) releaseFunc(tier string, slot *slotRelease) func() {
+	if slot == nil {
+		slot = new(slotRelease)
+		slot.g, slot.tier = g, tier
+		return slot.release
+	}
+	slot.g, slot.tier = g, tier
+	return nil // the caller releases through its Slot
 }
 
 func (g *Gate) acquire(ctx context.Context, tenant string, tier Tier) (func(), time.Duration, error) {
+	return g.acquireInto(ctx, tenant, tier, nil)
+}
+
+func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *slotRelease) (func(), time.Duration, error) {
 	if tier.Queue <= 0 {
 		tier.Queue = DefaultQueue
 	}
@@ -166,7 +195,7 @@ func (g *Gate) acquire(ctx context.Context, tenant string, tier Tier) (func(), t
 		g.mu.Unlock()
 		g.obs.QueueWait(tenant, name, 0)
 		g.obs.Decision(tenant, name, DecisionAdmitted)
-		return g.releaseFunc(name), 0, nil
+		return g.releaseFunc(name, slot), 0, nil
 	}
 	if tier.Priority < 0 {
 		g.mu.Unlock()
@@ -218,7 +247,11 @@ func (g *Gate) acquire(ctx context.Context, tenant string, tier Tier) (func(), t
 		if w.refusal == nil {
 			// Admitted as the client left: give the slot to the next.
 			waited := g.clock.Now().Sub(w.enq)
-			g.releaseFunc(name)()
+			if rel := g.releaseFunc(name, slot); rel != nil {
+				rel()
+			} else {
+				slot.release()
+			}
 			g.obs.QueueWait(tenant, name, waited)
 			return nil, waited, ctx.Err()
 		}
@@ -229,7 +262,7 @@ func (g *Gate) acquire(ctx context.Context, tenant string, tier Tier) (func(), t
 	}
 	g.obs.QueueWait(tenant, name, waited)
 	g.obs.Decision(tenant, name, DecisionQueuedAdmitted)
-	return g.releaseFunc(name), waited, nil
+	return g.releaseFunc(name, slot), waited, nil
 }
 
 // expire refuses w when its queue timeout fires, if it still waits.

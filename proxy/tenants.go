@@ -46,7 +46,7 @@ func (a *TenantAdmitter) Admit(ctx context.Context, id Identity, info RequestInf
 	if ad == nil {
 		ad = new(tenantAdmission)
 	}
-	ad.owner, ad.reserved, ad.release, ad.waited = a, false, nil, 0
+	ad.owner, ad.reserved, ad.slotted, ad.waited = a, false, false, 0
 	admitted := false
 	defer func() {
 		if !admitted && ad.reserved {
@@ -70,7 +70,7 @@ func (a *TenantAdmitter) Admit(ctx context.Context, id Identity, info RequestInf
 		tier = ad.ticket.Tier()
 	}
 	if a.g != nil {
-		release, waited, err := a.g.Acquire(ctx, id.Tenant, tier)
+		waited, err := a.g.AcquireSlot(ctx, id.Tenant, tier, &ad.slot)
 		if err != nil {
 			var lim admission.Limits
 			if ad.reserved {
@@ -89,7 +89,7 @@ func (a *TenantAdmitter) Admit(ctx context.Context, id Identity, info RequestInf
 			a.pool.Put(ad)
 			return nil, err
 		}
-		ad.release, ad.waited = release, waited
+		ad.slotted, ad.waited = true, waited
 	}
 	admitted = true
 	return ad, nil
@@ -101,8 +101,10 @@ type tenantAdmission struct {
 	owner    *TenantAdmitter
 	ticket   admission.Ticket
 	reserved bool // ticket holds a reservation
-	release  func()
-	waited   time.Duration
+	// slot is the pool gate's place, held while slotted.
+	slot    admission.Slot
+	slotted bool
+	waited  time.Duration
 }
 
 // Release settles the ticket with what the request used (Result.Settlement),
@@ -118,11 +120,11 @@ func (ad *tenantAdmission) Release(res *Result) {
 		}
 		ad.ticket.Settle(u, ad.waited)
 	}
-	if ad.release != nil {
-		ad.release()
+	if ad.slotted {
+		ad.slot.Release()
 	}
 	owner := ad.owner
-	ad.owner, ad.release, ad.reserved = nil, nil, false
+	ad.owner, ad.slotted, ad.reserved = nil, false, false
 	owner.pool.Put(ad)
 }
 
