@@ -114,6 +114,14 @@ func (a *App) Stop() error {
 		p.Deactivate()
 	}
 	current.pop(a)
+	// This config's tiers may have been applied by its Start: hand the
+	// controller back to the newest config still running (after a failed
+	// start, the old one).
+	if a.tenancy != nil {
+		if prev := newestApp(); prev != nil && prev.tenancy != nil {
+			return prev.tenancy.start()
+		}
+	}
 	return nil
 }
 

@@ -45,8 +45,8 @@ func parseTenants(d *caddyfile.Dispenser, tc *TenantsConfig) error {
 					return d.Errf("key for tenant %s: sha256 must be 64 hex digits", k.Tenant)
 				}
 				k.SHA256 = strings.ToLower(hexKey)
-			case strings.HasPrefix(v, "{") && strings.HasSuffix(v, "}"):
-				k.Key = v // a placeholder, resolved when the config loads
+			case strings.HasPrefix(v, "{env.") && strings.HasSuffix(v, "}"):
+				k.Key = v // from the environment when the config loads; anything else is hashed
 			case v == "":
 				return d.Errf("key for tenant %s is empty", k.Tenant)
 			default:

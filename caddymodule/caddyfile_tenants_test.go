@@ -6,6 +6,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
 )
 
 const tenantsSite = `{
@@ -170,5 +171,65 @@ func TestTenantsProvision(t *testing.T) {
 	}
 	if err := caddy.Validate(mustConfig(t, out)); err == nil || !strings.Contains(err.Error(), `names tier "fre", which no tier block defines`) {
 		t.Fatalf("a key naming an undefined tier: %v, want the tier named", err)
+	}
+}
+
+// TestOnlyEnvPlaceholdersAreKeptAsKeys: a key that merely looks like a
+// placeholder is hashed like any literal (it used to be kept as given, and
+// shown by /config/); a literal key in JSON is refused.
+func TestOnlyEnvPlaceholdersAreKeptAsKeys(t *testing.T) {
+	out, err := adapt(t, "{\n\tllm_proxy {\n\t\ttenants {\n\t\t\tkey {not-a-placeholder} acme\n\t\t}\n\t\ttier default {\n\t\t}\n\t}\n}\n:8080 {\n\tllm_proxy 127.0.0.1:9000\n}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(out), "not-a-placeholder") {
+		t.Fatalf("the adapted JSON holds the key: %s", out)
+	}
+	cfg := `{"admin":{"disabled":true},"apps":{"llm_proxy":{"tenants":{"keys":[{"key":"sk-literal","tenant":"acme"}]},"tiers":[{"name":"default"}]},` +
+		`"http":{"servers":{"s":{"listen":["127.0.0.1:0"],"routes":[{"handle":[{"handler":"llm_proxy","upstreams":[{"dial":"127.0.0.1:9000"}]}]}]}}}}}`
+	err = caddy.Validate(mustConfig(t, []byte(cfg)))
+	if err == nil || !strings.Contains(err.Error(), "give a literal key as sha256") || strings.Contains(err.Error(), "sk-literal") {
+		t.Fatalf("a literal key in JSON: %v", err)
+	}
+}
+
+// TestAppStopHandsTiersBack: a config whose start failed elsewhere (its
+// app is stopped while the old one runs) leaves the old config's limits in
+// force, not its own.
+func TestAppStopHandsTiersBack(t *testing.T) {
+	build := func(rpm int) *App {
+		a := &App{Tenants: &TenantsConfig{Keys: []TenantKey{{SHA256: strings.Repeat("ab", 32), Tenant: "acme"}}},
+			Tiers: []TierConfig{{Name: "default", RPM: rpm}}}
+		tn, err := newTenancy(a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.tenancy, a.logger = tn, zap.NewNop()
+		return a
+	}
+	rpm := func() int {
+		ti, ok := liveController().Tier("acme", "")
+		if !ok {
+			t.Fatal("no tier")
+		}
+		return ti.RPM
+	}
+	old := build(100)
+	if err := old.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer old.Stop()
+	failed := build(7)
+	if err := failed.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if rpm() != 7 {
+		t.Fatalf("after the new config started: rpm %d, want 7", rpm())
+	}
+	if err := failed.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if rpm() != 100 {
+		t.Fatalf("after the new config stopped: rpm %d, want the running config's 100", rpm())
 	}
 }

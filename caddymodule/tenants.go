@@ -50,8 +50,10 @@ type TenantKey struct {
 	// /config/) never holds a key. Exclusive with Key.
 	SHA256 string `json:"sha256,omitempty"`
 
-	// Key is the key itself or a placeholder such as {env.TENANT_KEY},
-	// resolved when the config loads. Prefer SHA256 for literal keys.
+	// Key is an environment placeholder such as {env.TENANT_KEY}, read
+	// when the config loads; a literal key must be given as SHA256 (the
+	// Caddyfile adapter hashes literal keys itself), so that no config
+	// holds one.
 	Key string `json:"key,omitempty"`
 
 	// Tenant is the tenant id. Required.
@@ -190,6 +192,10 @@ func (tc *TenantsConfig) directory() ([]admission.Key, *admission.Directory, err
 			}
 			copy(h[:], b)
 		case k.Key != "":
+			if !strings.HasPrefix(k.Key, "{env.") || !strings.HasSuffix(k.Key, "}") {
+				// A literal key in JSON would be shown by /config/.
+				return nil, nil, fmt.Errorf("tenants: key %d (tenant %s): give a literal key as sha256 (the Caddyfile adapter does this itself); key takes only {env.NAME}", i+1, k.Tenant)
+			}
 			key := repl.ReplaceKnown(k.Key, "")
 			if key == "" {
 				// Never name the key: the placeholder is fine to show.

@@ -44,6 +44,7 @@ func (x *exchange) commit(a *attempt) bool {
 	copyResponseHeader(h, a.resp.Header)
 	x.setAdmissionHeader(h)
 	if !a.isSSE {
+		res.ResponseBytes = len(a.head)
 		h.Set("Content-Length", strconv.Itoa(len(a.head)))
 		x.w.WriteHeader(a.resp.StatusCode)
 		if _, err := x.w.Write(a.head); err != nil {

@@ -23,6 +23,17 @@ import (
 // admission and reports the Result. A panic is re-raised afterwards.
 func (x *exchange) finish() {
 	x.panicked = recover()
+	// Whatever happens below, the admission is settled (its slot and
+	// reservation given back) and no key header is left for the access
+	// log, on every path: a read that failed never reached identify.
+	defer x.redactKeys()
+	released := false
+	defer func() {
+		if !released && x.admission != nil {
+			released = true
+			x.admission.Release(x.res)
+		}
+	}()
 	if rc := x.rc; rc != nil && rc.inflight > 0 {
 		// Only a panic leaves attempts unaccounted for: the loop and the
 		// commit abandon theirs.
@@ -38,6 +49,7 @@ func (x *exchange) finish() {
 	prompt, completion, _ := res.Settlement()
 	res.Tokens = prompt + completion
 	if x.admission != nil {
+		released = true
 		x.admission.Release(res)
 	}
 	x.p.obs.RequestDone(res)

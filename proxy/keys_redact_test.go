@@ -33,3 +33,20 @@ func TestKeyHeadersAreRedactedForTheAccessLog(t *testing.T) {
 		}
 	}
 }
+
+// TestKeyHeadersAreRedactedWhenTheReadFails: a request refused before
+// identify (invalid JSON) leaves no key for the access log either.
+func TestKeyHeadersAreRedactedWhenTheReadFails(t *testing.T) {
+	p, err := New(Config{Transport: schemeTransport{nil}, Balancer: &listBalancer{addrs: []string{"u:1"}},
+		Identifier: &KeyIdentifier{Keys: keyOnly{}, Resolve: func(_, tier string) (string, bool) { return tier, true }}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := post(`{not json`)
+	r.Header.Set("X-Api-Key", "sk-secret")
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, r)
+	if w.Code != 400 || r.Header.Get("X-Api-Key") != "REDACTED" {
+		t.Fatalf("status %d, x-api-key left %q; want 400 and REDACTED", w.Code, r.Header.Get("X-Api-Key"))
+	}
+}

@@ -204,6 +204,10 @@ type Result struct {
 	// QueueWait is the time the request waited to be admitted (the pool's
 	// priority queue), refused requests included; {http.llm_proxy.queue_ms}.
 	QueueWait time.Duration
+	// ResponseBytes is the size of a non-streamed response body sent to
+	// the client (for the token estimate when the upstream reports no
+	// usage); 0 for streams.
+	ResponseBytes int
 	// Decision is the time identify and admit took, queue wait excluded:
 	// what deciding to admit or refuse costs the gateway.
 	Decision time.Duration
@@ -246,6 +250,10 @@ func (r *Result) Settlement() (prompt, completion int, estimated bool) {
 	switch {
 	case r.Usage.Reported:
 		return r.Usage.PromptTokens, r.Usage.CompletionTokens, false
+	case r.Committed && !r.Streamed:
+		// A whole body without usage: a token per four bytes of it (JSON
+		// overhead included, so never under the text it holds).
+		return r.Info.PromptTokens, (r.ResponseBytes + 3) / 4, true
 	case r.Committed:
 		return r.Info.PromptTokens, r.ContentEvents, true
 	}

@@ -209,6 +209,9 @@ func TestRateLimitHeadersOnEveryResponse(t *testing.T) {
 	var status atomic.Int64
 	status.Store(200)
 	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		// The shared account's own figures, which no tenant may see.
+		w.Header().Set("X-Ratelimit-Limit-Requests", "999999")
+		w.Header().Set("X-Ratelimit-Remaining-Tokens", "123456")
 		if code := int(status.Load()); code != 200 {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(code)
@@ -595,7 +598,10 @@ func TestSettlement(t *testing.T) {
 		estimated bool
 	}{
 		{"usage reported", Result{Committed: true, ContentEvents: 9, Usage: Usage{PromptTokens: 5, CompletionTokens: 3, Reported: true}, Info: RequestInfo{PromptTokens: 50}}, 5, 3, false},
-		{"committed without usage", Result{Committed: true, ContentEvents: 9, Info: RequestInfo{PromptTokens: 50}}, 50, 9, true},
+		{"stream without usage", Result{Committed: true, Streamed: true, ContentEvents: 9, Info: RequestInfo{PromptTokens: 50}}, 50, 9, true},
+		// A whole body without usage used to settle 0 completion tokens,
+		// however long the answer: a tpm hole.
+		{"body without usage", Result{Committed: true, ResponseBytes: 16001, Info: RequestInfo{PromptTokens: 50}}, 50, 4001, true},
 		{"failed before a token", Result{ContentEvents: 0, Info: RequestInfo{PromptTokens: 50}}, 0, 0, false},
 	}
 	for _, tc := range cases {
