@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/tidwall/gjson"
 	"github.com/tidwall/sjson"
 )
 
@@ -184,10 +185,15 @@ func ParseRequest(body []byte) (RequestInfo, error) {
 	if first := firstNonSpace(body); first != '{' {
 		return RequestInfo{}, errors.New("invalid JSON body: expected a JSON object")
 	}
+	if key := ambiguousField(body); key != "" {
+		return RequestInfo{}, fmt.Errorf("invalid JSON body: field %q repeats or differs only in case from a field the gateway reads; send each of %s once, in lower case",
+			key, strings.Join(readFields[:], ", "))
+	}
 	info.Model = f.Model
 	info.Stream = f.Stream
 	switch {
-	case f.MaxCompletionTokens != nil:
+	case f.MaxCompletionTokens != nil && (*f.MaxCompletionTokens != 0 || f.MaxTokens == nil):
+		// vLLM takes max_completion_tokens, else (absent or 0) max_tokens.
 		info.MaxTokens, info.MaxTokensSet = *f.MaxCompletionTokens, true
 	case f.MaxTokens != nil:
 		info.MaxTokens, info.MaxTokensSet = *f.MaxTokens, true
@@ -209,6 +215,33 @@ func ParseRequest(body []byte) (RequestInfo, error) {
 	}
 	info.PromptTokens = (chars+3)/4 + f.Prompt.tokens
 	return info, nil
+}
+
+// readFields are the top-level fields the gateway reads from a body.
+var readFields = [...]string{"model", "stream", "max_tokens", "max_completion_tokens", "n", "messages", "prompt", "stream_options"}
+
+// ambiguousField returns a top-level key that repeats one of readFields or
+// differs from it only in case, "" when there is none. encoding/json
+// matches names case-insensitively and keeps the last duplicate, while the
+// inference servers (Python) read the exact key: {"max_tokens":100000,
+// "MAX_TOKENS":1} would be reserved as 1 token and generate 100,000.
+func ambiguousField(body []byte) string {
+	var seen [len(readFields)]bool
+	bad := ""
+	gjson.ParseBytes(body).ForEach(func(k, _ gjson.Result) bool {
+		for i, f := range readFields {
+			if !strings.EqualFold(k.Str, f) {
+				continue
+			}
+			if k.Str != f || seen[i] {
+				bad = k.Str
+				return false
+			}
+			seen[i] = true
+		}
+		return true
+	})
+	return bad
 }
 
 // messageContent measures a chat message's content: a string, null, or an

@@ -243,3 +243,24 @@ func BenchmarkParseRequest(b *testing.B) {
 		}
 	}
 }
+
+// TestFieldsThatDifferOnlyInCaseAreRefused: Go's JSON decoder matches names
+// case-insensitively and keeps the last duplicate; Python servers read the
+// exact key. A client could otherwise reserve 1 token and generate 100,000.
+func TestFieldsThatDifferOnlyInCaseAreRefused(t *testing.T) {
+	for _, body := range []string{
+		`{"max_tokens":100000,"MAX_TOKENS":1}`,
+		`{"messages":[{"role":"user","content":"long"}],"Messages":[]}`,
+		`{"n":64,"N":1}`,
+		`{"max_tokens":100000,"max_to\u212aens":1}`, // the Kelvin sign folds to k
+		`{"max_tokens":5,"max_tokens":1}`,
+	} {
+		if _, err := ParseRequest([]byte(body)); err == nil {
+			t.Errorf("ParseRequest(%s) accepted an ambiguous field", body)
+		}
+	}
+	info, err := ParseRequest([]byte(`{"max_completion_tokens":0,"max_tokens":300,"Model_name":"x","Temperature":1}`))
+	if err != nil || info.MaxTokens != 300 || !info.MaxTokensSet {
+		t.Fatalf("max_completion_tokens 0 with max_tokens 300: %+v, %v; want 300, as vLLM reads it", info, err)
+	}
+}
