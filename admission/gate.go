@@ -281,3 +281,17 @@ func (g *Gate) saturated() bool {
 	g.pumpLocked()
 	return !g.freeLocked(g.capLocked())
 }
+
+// SetQueue changes the bound of the pool queue (default DefaultQueue when
+// n <= 0): a reloaded config's setting for a gate kept across the reload.
+// Requests already queued stay; a lower bound only refuses new arrivals.
+// It then re-checks capacity, which may have changed too.
+func (g *Gate) SetQueue(n int) {
+	if n <= 0 {
+		n = DefaultQueue
+	}
+	g.mu.Lock()
+	g.bound = n
+	g.pumpLocked()
+	g.mu.Unlock()
+}

@@ -2,9 +2,10 @@ package caddymodule
 
 import (
 	"errors"
-	"sync"
+	"sync/atomic"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -40,39 +41,73 @@ func (ac *AdmissionConfig) validate() error {
 	return nil
 }
 
-// gate builds the handler's gate: capacity and queue when configured, and
-// always when tenants are (the gate counts admission decisions); nil when
-// neither.
-func (ac *AdmissionConfig) gate(pool *upstream.Pool, ctl *admission.Controller) *admission.Gate {
-	hasCapacity := ac != nil && (ac.Capacity > 0 || ac.PerUpstream > 0)
-	if !hasCapacity && ctl == nil {
-		return nil
-	}
-	capacity := func() int { return 0 } // unlimited
-	queue := 0
-	if ac != nil {
-		queue = ac.Queue
-		if ac.Capacity > 0 {
-			capacity = func() int { return ac.Capacity }
-		}
-		if n := ac.PerUpstream; n > 0 {
-			// At least one upstream's worth: 0 would mean unlimited.
-			capacity = func() int { return n * max(pool.ClosedUpstreams(), 1) }
-		}
-	}
-	return admission.NewGate(admission.GateConfig{Capacity: capacity, Queue: queue, Controller: ctl},
-		admission.SystemClock{}, admissionObserver{})
+// sharedGate is a pool's gate, kept across reloads by the pool's identity
+// (its upstream set): the requests in flight and queued through the old
+// config's handler still count against the new one's capacity. The newest
+// started config's capacity and queue apply.
+type sharedGate struct {
+	g   *admission.Gate
+	cap atomic.Pointer[gateCapacity]
 }
 
-// perUpstreamGates holds the gates whose capacity follows their pools'
-// closed breakers: when a breaker closes, capacity grows, and the gate must
-// admit waiting requests now rather than at the next release.
-var perUpstreamGates sync.Map // *admission.Gate → struct{}
+// gateCapacity is one config's capacity setting for a shared gate.
+type gateCapacity struct {
+	fixed, perUpstream, queue int
+	pool                      *upstream.Pool
+}
 
-// capacityChanged re-checks the per_upstream gates (a breaker closed or opened).
+// capacity is the gate's capacity now; 0 is unlimited.
+func (s *sharedGate) capacity() int {
+	c := s.cap.Load()
+	switch {
+	case c == nil:
+		return 0
+	case c.perUpstream > 0:
+		// At least one upstream's worth: 0 would mean unlimited.
+		return c.perUpstream * max(c.pool.ClosedUpstreams(), 1)
+	}
+	return c.fixed
+}
+
+// apply makes c the gate's capacity (the config starts).
+func (s *sharedGate) apply(c *gateCapacity) {
+	s.cap.Store(c)
+	s.g.SetQueue(c.queue)
+}
+
+// gates holds the shared gates by pool identity.
+var gates = registry.NewTable[*sharedGate](nil)
+
+// gate takes the handler's reference to its pool's shared gate and returns
+// it with the capacity this config will apply when it starts: a gate
+// whenever capacity or tenants are configured (the gate counts admission
+// decisions), nil when neither.
+func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller) (*sharedGate, *gateCapacity, error) {
+	hasCapacity := ac != nil && (ac.Capacity > 0 || ac.PerUpstream > 0)
+	if !hasCapacity && ctl == nil {
+		return nil, nil, nil
+	}
+	want := &gateCapacity{pool: pool}
+	if ac != nil {
+		want.fixed, want.perUpstream, want.queue = ac.Capacity, ac.PerUpstream, ac.Queue
+	}
+	sg, err := gates.Acquire(claims, poolKey, func() (*sharedGate, error) {
+		sg := new(sharedGate)
+		// A new gate is not live yet: its capacity applies now.
+		sg.cap.Store(want)
+		sg.g = admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Queue: want.queue, Controller: ctl},
+			admission.SystemClock{}, admissionObserver{})
+		return sg, nil
+	}, nil)
+	return sg, want, err
+}
+
+// capacityChanged re-checks every gate's capacity (a breaker closed, so a
+// per_upstream capacity grew): waiting requests are admitted now rather
+// than at the next release.
 func capacityChanged() {
-	perUpstreamGates.Range(func(k, _ any) bool {
-		k.(*admission.Gate).Saturated()
-		return true
-	})
+	_, gs := gates.Snapshot()
+	for _, g := range gs {
+		g.g.Saturated()
+	}
 }

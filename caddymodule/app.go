@@ -50,6 +50,7 @@ type App struct {
 	tenancy *tenancy
 
 	pools  []*upstream.Pool
+	gates  []adoptedGate
 	logger *zap.Logger
 	events *caddyevents.App
 	ctx    caddy.Context
@@ -85,6 +86,17 @@ func (a *App) Provision(ctx caddy.Context) error {
 
 func (a *App) registry() *upstream.Registry { return reg }
 
+// adoptedGate is a shared gate with the capacity this config gives it.
+type adoptedGate struct {
+	g    *sharedGate
+	want *gateCapacity
+}
+
+// adoptGate records a gate whose capacity this config sets when it starts.
+func (a *App) adoptGate(g *sharedGate, want *gateCapacity) {
+	a.gates = append(a.gates, adoptedGate{g, want})
+}
+
 // adopt records a pool provisioned in this config, to be activated when the
 // config starts. Caddy provisions, starts and stops a config from one
 // goroutine, so pools needs no lock.
@@ -103,6 +115,9 @@ func (a *App) Start() error {
 	for _, p := range a.pools {
 		p.Activate()
 	}
+	for _, g := range a.gates {
+		g.g.apply(g.want)
+	}
 	return nil
 }
 
@@ -117,8 +132,11 @@ func (a *App) Stop() error {
 	// This config's tiers may have been applied by its Start: hand the
 	// controller back to the newest config still running (after a failed
 	// start, the old one).
-	if a.tenancy != nil {
-		if prev := newestApp(); prev != nil && prev.tenancy != nil {
+	if prev := newestApp(); prev != nil {
+		for _, g := range prev.gates {
+			g.g.apply(g.want)
+		}
+		if a.tenancy != nil && prev.tenancy != nil {
 			return prev.tenancy.start()
 		}
 	}

@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -101,8 +102,9 @@ type Handler struct {
 	// pool capacity; tenants' own limits still apply when configured).
 	Admission *AdmissionConfig `json:"admission,omitempty"`
 
-	pool         *upstream.Pool
-	gate         *admission.Gate // with per_upstream capacity, nil otherwise
+	pool *upstream.Pool
+	// claims holds the handler's references outside its pool (its gate).
+	claims       *registry.Claims
 	proxy        *proxy.Proxy
 	transport    *transport
 	ownTransport bool // the default transport, cleaned up by the handler
@@ -217,12 +219,16 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			},
 		}
 	}
-	if g := h.Admission.gate(h.pool, ctl); g != nil || ctl != nil {
-		admitter = proxy.NewTenantAdmitter(ctl, g)
-		if g != nil && h.Admission != nil && h.Admission.PerUpstream > 0 {
-			h.gate = g
-			perUpstreamGates.Store(g, struct{}{})
-		}
+	h.claims = new(registry.Claims)
+	sg, want, err := h.Admission.gate(h.claims, key, h.pool, ctl)
+	if err != nil {
+		return err
+	}
+	if sg != nil {
+		admitter = proxy.NewTenantAdmitter(ctl, sg.g)
+		app.adoptGate(sg, want)
+	} else if ctl != nil {
+		admitter = proxy.NewTenantAdmitter(ctl, nil)
 	}
 
 	p, err := proxy.New(proxy.Config{
@@ -307,8 +313,8 @@ func (h *Handler) firstByteTimeout() time.Duration {
 // running on this handler keep working: they hold what they picked, and
 // their contexts come from their requests.
 func (h *Handler) Cleanup() error {
-	if h.gate != nil {
-		perUpstreamGates.Delete(h.gate)
+	if h.claims != nil {
+		h.claims.Release()
 	}
 	if h.pool != nil {
 		h.pool.Release()

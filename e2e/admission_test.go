@@ -256,3 +256,40 @@ func TestAdmissionQueueBoundsTimeoutAndDisplacement(t *testing.T) {
 		}
 	}
 }
+
+// TestAdmissionCapacitySurvivesReload: a reload keeps the pool's gate, so
+// a request in flight through the old config still counts against the new
+// config's capacity (a new gate per config admitted past capacity 1), and
+// the new config's capacity applies once it starts.
+func TestAdmissionCapacitySurvivesReload(t *testing.T) {
+	t.Parallel()
+	keyB := newKey("batch")
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 1, TokenInterval: mockllm.NoDelay}})
+	// Each config differs (an identical one is not reloaded at all).
+	site := func(capacity, attempts int) string {
+		return fmt.Sprintf("\tllm_proxy %s {\n\t\tmax_attempts %d\n\t\tadmission {\n\t\t\tcapacity %d\n\t\t}\n\t}", upstreams(fleet), attempts, capacity)
+	}
+	gw := startTenantGateway(t, gatewayOptions{
+		Globals: fmt.Sprintf("\tllm_proxy {\n\t\ttenants {\n\t\t\tkey %s batchy tier batch\n\t\t}\n\t\ttier batch {\n\t\t\tpriority -1\n\t\t}\n\t}", keyB),
+		Site:    site(1, 2),
+	}, keyB)
+	c := newClient(t)
+	ctx := testContext(t, 20*time.Second)
+	url := gw.URL + "/v1/chat/completions"
+	body := chatOf("reload", false, nil)
+
+	held := asyncSend(ctx, c, url, body, bearer(keyB), "X-Mock-TTFT: 3s")
+	waitInFlight(t, fleet, 1, 3*time.Second)
+	gw.gateway.reload(site(1, 3))
+	r := mustSend(ctx, t, c, url, body, bearer(keyB))
+	checkRefusal(t, "after a reload, with the old config's request in flight", r, http.StatusTooManyRequests, "saturated", true, 60)
+
+	gw.gateway.reload(site(2, 3))
+	r = mustSend(ctx, t, c, url, body, bearer(keyB))
+	if r.Status != http.StatusOK {
+		t.Errorf("after a reload to capacity 2: status %d: %s; want the new capacity in force", r.Status, r.Body)
+	}
+	if r := held(); r.Err != nil || r.Status != http.StatusOK {
+		t.Errorf("the request held across the reloads: status %d, %v", r.Status, r.Err)
+	}
+}
