@@ -129,7 +129,8 @@ type RequestInfo struct {
 	// present (and not null): MaxTokens is the client's own bound, not a
 	// default.
 	MaxTokensSet bool
-	// N is the number of choices asked for ("n"); 1 when absent.
+	// N is the number of sequences generated: "n", or "best_of" when
+	// larger (the server generates best_of and returns n); 1 when absent.
 	N int
 	// PromptTokens is the prompt estimate: ⌈characters ÷ 4⌉, where the
 	// characters are the Unicode code points of all text content, with no
@@ -153,6 +154,7 @@ type requestFields struct {
 	MaxTokens           *int   `json:"max_tokens"`
 	MaxCompletionTokens *int   `json:"max_completion_tokens"`
 	N                   *int   `json:"n"`
+	BestOf              *int   `json:"best_of"`
 	StreamOptions       *struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
@@ -207,6 +209,14 @@ func ParseRequest(body []byte) (RequestInfo, error) {
 		}
 		info.N = *f.N
 	}
+	if f.BestOf != nil {
+		// /v1/completions' best_of: the server generates that many
+		// sequences and returns n of them; reserve for what it generates.
+		if *f.BestOf < 1 {
+			return RequestInfo{}, fmt.Errorf("invalid best_of %d: must be at least 1", *f.BestOf)
+		}
+		info.N = max(info.N, *f.BestOf)
+	}
 	info.StreamOptions = f.StreamOptions != nil
 	info.IncludeUsage = f.StreamOptions != nil && f.StreamOptions.IncludeUsage
 	chars := f.Prompt.chars
@@ -218,7 +228,7 @@ func ParseRequest(body []byte) (RequestInfo, error) {
 }
 
 // readFields are the top-level fields the gateway reads from a body.
-var readFields = [...]string{"model", "stream", "max_tokens", "max_completion_tokens", "n", "messages", "prompt", "stream_options"}
+var readFields = [...]string{"model", "stream", "max_tokens", "max_completion_tokens", "n", "best_of", "messages", "prompt", "stream_options"}
 
 // ambiguousField returns a top-level key that repeats one of readFields or
 // differs from it only in case, "" when there is none. encoding/json

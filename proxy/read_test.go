@@ -264,3 +264,15 @@ func TestFieldsThatDifferOnlyInCaseAreRefused(t *testing.T) {
 		t.Fatalf("max_completion_tokens 0 with max_tokens 300: %+v, %v; want 300, as vLLM reads it", info, err)
 	}
 }
+
+// TestBestOfIsReserved: best_of generates that many sequences, so the
+// reservation counts them (n alone under-reserved best_of requests).
+func TestBestOfIsReserved(t *testing.T) {
+	info, err := ParseRequest([]byte(`{"prompt":"x","n":2,"best_of":5,"max_tokens":10}`))
+	if err != nil || info.N != 5 {
+		t.Fatalf("n 2, best_of 5: N %d, %v; want 5", info.N, err)
+	}
+	if _, err := ParseRequest([]byte(`{"best_of":0}`)); err == nil {
+		t.Fatal("best_of 0 accepted")
+	}
+}
