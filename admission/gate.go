@@ -295,3 +295,14 @@ func (g *Gate) SetQueue(n int) {
 	g.pumpLocked()
 	g.mu.Unlock()
 }
+
+// PoolCapacity is a pool's in-flight capacity for a GateConfig.Capacity
+// func: fixed, or perUpstream × healthy upstreams (those whose breaker is
+// closed) when perUpstream > 0 — at least one upstream's worth, since 0
+// would mean unlimited; 0 (unlimited) when neither is set.
+func PoolCapacity(fixed, perUpstream, healthy int) int {
+	if perUpstream > 0 {
+		return perUpstream * max(healthy, 1)
+	}
+	return max(fixed, 0)
+}

@@ -380,3 +380,16 @@ func TestAcquireSlotAllocatesNothing(t *testing.T) {
 		t.Fatal("slots leaked: the gate is saturated after every release")
 	}
 }
+
+func TestPoolCapacity(t *testing.T) {
+	for _, tc := range []struct{ fixed, per, healthy, want int }{
+		{0, 0, 3, 0},  // unlimited
+		{8, 0, 3, 8},  // fixed
+		{0, 4, 3, 12}, // per upstream
+		{0, 4, 0, 4},  // every breaker open: one upstream's worth, never unlimited
+	} {
+		if got := PoolCapacity(tc.fixed, tc.per, tc.healthy); got != tc.want {
+			t.Errorf("PoolCapacity(%d, %d, %d) = %d, want %d", tc.fixed, tc.per, tc.healthy, got, tc.want)
+		}
+	}
+}

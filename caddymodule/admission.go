@@ -59,14 +59,14 @@ type gateCapacity struct {
 // capacity is the gate's capacity now; 0 is unlimited.
 func (s *sharedGate) capacity() int {
 	c := s.cap.Load()
-	switch {
-	case c == nil:
+	if c == nil {
 		return 0
-	case c.perUpstream > 0:
-		// At least one upstream's worth: 0 would mean unlimited.
-		return c.perUpstream * max(c.pool.ClosedUpstreams(), 1)
 	}
-	return c.fixed
+	healthy := 0
+	if c.perUpstream > 0 {
+		healthy = c.pool.ClosedUpstreams()
+	}
+	return admission.PoolCapacity(c.fixed, c.perUpstream, healthy)
 }
 
 // apply makes c the gate's capacity (the config starts).
