@@ -3,6 +3,8 @@ package upstream
 import (
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
 
 // TestProbeLoopRunsOnlyForAStartedConfig: background loops start and stop
@@ -22,4 +24,22 @@ func TestProbeLoopRunsOnlyForAStartedConfig(t *testing.T) {
 	eventually(t, 5*time.Second, "no probe after the config started", func() bool { return probes() > 0 })
 	p.Deactivate()
 	eventually(t, 5*time.Second, "the probe loop outlived its config's stop", func() bool { return reg.ProbeLoops() == 0 })
+}
+
+// TestClosedUpstreamsCountsModelBreakers: under scope model an upstream
+// counts as healthy while one of its model breakers is closed, and not when
+// all are open (it used to count every upstream as closed: the
+// per-upstream breaker it looked for does not exist under scope model).
+func TestClosedUpstreamsCountsModelBreakers(t *testing.T) {
+	reg := NewRegistry(nil)
+	s := breaker.Settings{ConsecutiveFailures: 1}
+	p := startPool(t, reg, Config{Static: targets("10.88.0.1:8000", "10.88.0.2:8000"), Breaker: &s, ScopeModel: true, Selector: firstSelector{}})
+	reg.Models.Learn("m")
+	if n := p.ClosedUpstreams(); n != 2 {
+		t.Fatalf("before any traffic: %d healthy, want 2", n)
+	}
+	fail(mustPick(t, p, "m")) // opens 10.88.0.1|m, its only breaker
+	if n := p.ClosedUpstreams(); n != 1 {
+		t.Fatalf("after the only model breaker of one upstream opened: %d healthy, want 1", n)
+	}
 }

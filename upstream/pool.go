@@ -337,12 +337,28 @@ func (p *Pool) BreakerState(addr, model string) string {
 // Registry returns the registry the pool belongs to.
 func (p *Pool) Registry() *Registry { return p.reg }
 
-// ClosedUpstreams returns how many of the pool's known upstreams have their
-// per-upstream breaker closed (all of them when breakers are off), for a
-// capacity of per_upstream × healthy upstreams.
+// ClosedUpstreams returns how many of the pool's known upstreams are
+// healthy: their per-upstream breaker closed, or under scope model at least
+// one of their model breakers closed (all of them when breakers are off),
+// for a capacity of per_upstream × healthy upstreams.
 func (p *Pool) ClosedUpstreams() int {
 	n := 0
 	count := func(m *member) {
+		if p.cfg.ScopeModel {
+			// Per-model breakers: the server is unhealthy only when
+			// none of its breakers is closed.
+			bs := m.e.Breakers()
+			for _, b := range bs {
+				if b.State() == breaker.Closed {
+					n++
+					return
+				}
+			}
+			if len(bs) == 0 {
+				n++
+			}
+			return
+		}
 		if b := m.e.lookupBreaker(""); b == nil || b.State() == breaker.Closed {
 			n++
 		}
