@@ -110,6 +110,7 @@ func (rc *race) launch(up Upstream, hedge bool) {
 	rc.tried = append(rc.tried, up.Addr)
 	x.res.Attempts++
 	x.res.Upstream = up.Addr
+	x.res.Saturation = up.Saturation
 	if !hedge {
 		rc.primaryClosed = up.Closed
 		if rc.hedging && rc.hedges < x.p.cfg.Hedging.MaxHedges() {

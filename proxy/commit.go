@@ -34,6 +34,7 @@ func (x *exchange) commit(a *attempt) bool {
 	}
 	res := x.res
 	res.Upstream = a.up.Addr
+	res.Saturation = a.up.Saturation
 	res.TTFT = x.since(x.start)
 	res.AttemptTTFT = a.ttft
 	res.Committed = true

@@ -36,6 +36,9 @@ type Upstream struct {
 	// every path, with the attempt's report (the balancer releases its
 	// in-flight count and records the outcome on the upstream's breaker).
 	Done func(*AttemptReport)
+	// Saturation is the upstream's saturation score when it was picked
+	// (1 is saturated), 0 when the balancer does not score.
+	Saturation float64
 }
 
 // ErrNoUpstream is returned by a Balancer that has no upstream to offer.
@@ -183,6 +186,9 @@ type Result struct {
 	// Upstream is the upstream that served the response, or the last one
 	// tried; "" when none was.
 	Upstream string
+	// Saturation is that upstream's saturation score when it was picked
+	// ({http.llm_proxy.saturation}).
+	Saturation float64
 	// Attempts is the number of upstream attempts started.
 	Attempts int
 	// Status is the HTTP status sent to the client.

@@ -25,6 +25,12 @@ type Entry struct {
 
 	// inflight counts this gateway's attempts in progress to the server.
 	inflight atomic.Int64
+	// since counts the attempts started since the latest successful
+	// scrape that are still in flight: the scrape epoch in the high 32
+	// bits, the count in the low 32 (see score.go).
+	since atomic.Uint64
+	// sat is the latest scrape's snapshot, nil before the first.
+	sat atomic.Pointer[satSnapshot]
 
 	// ctx is cancelled when the entry is destroyed: an active probe in
 	// flight ends with it.
@@ -42,8 +48,8 @@ type Entry struct {
 	// eff is the claim whose settings apply (nil: none wants breakers).
 	eff       *claim
 	probing   bool // a probe loop runs
+	scraping  bool // a scrape loop runs
 	destroyed bool
-	// Saturation snapshots and fleet bindings join the entry here.
 }
 
 // claim is one config's wishes for the entries it holds.
@@ -53,6 +59,9 @@ type claim struct {
 	// settings is nil when the config turns breakers off.
 	settings *breaker.Settings
 	prober   *Prober
+	// sat is the config's saturation settings (defaults applied), nil
+	// when it reads no signals.
+	sat *Saturation
 }
 
 func newEntry(reg *Registry, addr string) *Entry {
@@ -159,6 +168,7 @@ func (e *Entry) reconcile() {
 		b.SetSettings(*eff.settings)
 	}
 	e.maybeProbe()
+	e.maybeScrape()
 }
 
 // breakerFor returns the breaker for a model key ("" per upstream), creating
@@ -233,6 +243,10 @@ func (e *Entry) destroy() {
 	for _, k := range keys {
 		e.reg.obs.BreakerGone(e.addr, k)
 	}
+	scraped := e.sat.Load() != nil
 	e.mu.Unlock()
 	e.cancel()
+	if scraped {
+		e.reg.obs.ScraperGone(e.addr)
+	}
 }

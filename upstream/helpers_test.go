@@ -22,10 +22,44 @@ type fakeObserver struct {
 	events []string
 	short  map[string]int
 	hedge  map[string]time.Duration // by "model|stream"
+	// scrapes counts Scraped by upstream, scrapeErrs its failures;
+	// signals holds the latest SignalUpdated by "addr|signal".
+	scrapes, scrapeErrs map[string]int
+	signals             map[string]signalReport
+}
+
+type signalReport struct {
+	last        Value
+	state, prev SignalState
+}
+
+func (o *fakeObserver) Scraped(upstream string, _ time.Duration, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.scrapes[upstream]++
+	if err != nil {
+		o.scrapeErrs[upstream]++
+	}
+}
+
+func (o *fakeObserver) SignalUpdated(upstream string, sig Signal, last Value, state, prev SignalState) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.signals[upstream+"|"+sig.String()] = signalReport{last, state, prev}
+	if state != prev {
+		o.events = append(o.events, fmt.Sprintf("signal %s|%s %v→%v", upstream, sig, prev, state))
+	}
+}
+
+func (o *fakeObserver) ScraperGone(upstream string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.events = append(o.events, "scraper gone "+upstream)
 }
 
 func newFakeObserver() *fakeObserver {
-	return &fakeObserver{gauges: map[string]breaker.State{}, short: map[string]int{}, hedge: map[string]time.Duration{}}
+	return &fakeObserver{gauges: map[string]breaker.State{}, short: map[string]int{}, hedge: map[string]time.Duration{},
+		scrapes: map[string]int{}, scrapeErrs: map[string]int{}, signals: map[string]signalReport{}}
 }
 
 func gaugeKey(upstream, key string) string { return upstream + "|" + key }

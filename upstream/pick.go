@@ -17,6 +17,10 @@ type Candidate struct {
 	Target *Target
 	// Entry is its shared state (Inflight for count-aware policies).
 	Entry *Entry
+	// Score is its saturation score (see Entry.Score; 1 is saturated)
+	// when the pool reads saturation signals or the selector is
+	// LeastQueue, else 0.
+	Score float64
 
 	br *breaker.Breaker // nil when breakers are off
 }
@@ -81,6 +85,14 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		// hedge only ever goes to another upstream.
 		fresh = retried
 	}
+	if p.scored && len(fresh) > 0 {
+		for i := range fresh {
+			fresh[i].Score, _ = fresh[i].Entry.Score(now, p.sat, p.scoreModel(req.Info.Model))
+		}
+		if p.sat != nil {
+			fresh = keepUnsaturated(fresh)
+		}
+	}
 	for len(fresh) > 0 {
 		i := p.sel.Select(fresh, r, w)
 		if i < 0 || i >= len(fresh) {
@@ -122,10 +134,12 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 // given back exactly once, by Done.
 func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 	e, br, t := c.Entry, c.br, c.Target
+	epoch := e.startAttempt()
 	return proxy.Upstream{
-		Addr:    t.Addr,
-		Closed:  br == nil || br.State() == breaker.Closed,
-		Context: t.Dial,
+		Addr:       t.Addr,
+		Closed:     br == nil || br.State() == breaker.Closed,
+		Context:    t.Dial,
+		Saturation: c.Score,
 		// A half-open probe is settled by its first token: a healthy
 		// stream longer than the probe timeout must not count as a hung
 		// probe. Later, Done on a settled permit does nothing.
@@ -135,6 +149,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			}
 		},
 		Done: func(rep *proxy.AttemptReport) {
+			e.endAttempt(epoch)
 			e.releaseSlot()
 			if permit != nil {
 				record(br, permit, rep)

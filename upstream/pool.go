@@ -56,6 +56,9 @@ type Config struct {
 	Retry RetryConfig
 	// Hedge configures hedging; nil turns it off.
 	Hedge *HedgeConfig
+	// Saturation reads the upstreams' load signals; nil turns it off.
+	// Defaults are applied by NewPool; Transport is required.
+	Saturation *Saturation
 }
 
 // Bounds on the dynamic upstreams a pool remembers: addresses a source
@@ -89,6 +92,10 @@ type Pool struct {
 
 	retries *retryGate
 	hedger  *hedger
+	// sat is cfg.Saturation with defaults; scored says Pick computes
+	// Candidate.Score (saturation on, or a selector that reads it).
+	sat    *Saturation
+	scored bool
 }
 
 // member is one upstream of a pool with its shared entry.
@@ -114,6 +121,18 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if cfg.Breaker == nil {
 		p.claim.prober = nil
 	}
+	if cfg.Saturation != nil {
+		s := cfg.Saturation.Defaults()
+		if err := s.Validate(); err != nil {
+			return nil, fmt.Errorf("saturation: %w", err)
+		}
+		if s.Transport == nil {
+			return nil, errors.New("saturation: a transport is required")
+		}
+		p.sat, p.claim.sat = &s, &s
+	}
+	_, p.scored = p.sel.(interface{ wantsScores() })
+	p.scored = p.scored || p.sat != nil
 	if err := p.build(); err != nil {
 		p.Release()
 		return nil, err
@@ -343,32 +362,35 @@ func (p *Pool) Registry() *Registry { return p.reg }
 // for a capacity of per_upstream × healthy upstreams.
 func (p *Pool) ClosedUpstreams() int {
 	n := 0
-	count := func(m *member) {
-		if p.cfg.ScopeModel {
-			// Per-model breakers: the server is unhealthy only when
-			// none of its breakers is closed.
-			bs := m.e.Breakers()
-			for _, b := range bs {
-				if b.State() == breaker.Closed {
-					n++
-					return
-				}
-			}
-			if len(bs) == 0 {
-				n++
-			}
-			return
-		}
-		if b := m.e.lookupBreaker(""); b == nil || b.State() == breaker.Closed {
+	for _, m := range p.static {
+		if p.healthy(m) {
 			n++
 		}
 	}
-	for _, m := range p.static {
-		count(m)
-	}
 	p.dynamic.Range(func(_, v any) bool {
-		count(v.(*member))
+		if p.healthy(v.(*member)) {
+			n++
+		}
 		return true
 	})
 	return n
+}
+
+// healthy reports whether m counts as a healthy upstream: its per-upstream
+// breaker closed (or none), or under scope model at least one of its model
+// breakers closed (or none yet).
+func (p *Pool) healthy(m *member) bool {
+	if p.cfg.ScopeModel {
+		// Per-model breakers: the server is unhealthy only when none of
+		// its breakers is closed.
+		bs := m.e.Breakers()
+		for _, b := range bs {
+			if b.State() == breaker.Closed {
+				return true
+			}
+		}
+		return len(bs) == 0
+	}
+	b := m.e.lookupBreaker("")
+	return b == nil || b.State() == breaker.Closed
 }

@@ -33,16 +33,31 @@ type Observer interface {
 	ShortCircuited(upstream string)
 	// HedgeDelay reports the hedge delay computed for a request.
 	HedgeDelay(model string, stream bool, d time.Duration)
+	// Scraped reports one scrape of the upstream's metrics: how long it
+	// took and its error (nil when it succeeded). The pool signal may
+	// have changed with it.
+	Scraped(upstream string, took time.Duration, err error)
+	// SignalUpdated reports a signal after each scrape: its last known
+	// value (Known false: never known) and its state, with the state
+	// after the previous scrape (SignalFresh before the first), so that
+	// a change is logged once, not every scrape.
+	SignalUpdated(upstream string, sig Signal, last Value, state, prev SignalState)
+	// ScraperGone is called when a scraped upstream is released: its
+	// saturation series should go.
+	ScraperGone(upstream string)
 }
 
 // NopObserver discards every event.
 type NopObserver struct{}
 
-func (NopObserver) BreakerCreated(string, string)                        {}
-func (NopObserver) BreakerTransition(string, string, breaker.Transition) {}
-func (NopObserver) BreakerGone(string, string)                           {}
-func (NopObserver) ShortCircuited(string)                                {}
-func (NopObserver) HedgeDelay(string, bool, time.Duration)               {}
+func (NopObserver) BreakerCreated(string, string)                                 {}
+func (NopObserver) BreakerTransition(string, string, breaker.Transition)          {}
+func (NopObserver) BreakerGone(string, string)                                    {}
+func (NopObserver) ShortCircuited(string)                                         {}
+func (NopObserver) HedgeDelay(string, bool, time.Duration)                        {}
+func (NopObserver) Scraped(string, time.Duration, error)                          {}
+func (NopObserver) SignalUpdated(string, Signal, Value, SignalState, SignalState) {}
+func (NopObserver) ScraperGone(string)                                            {}
 
 // Registry is the process-wide home of upstream entries and pool state,
 // keyed by identities that do not change across reloads: entries by dial
@@ -57,8 +72,8 @@ type Registry struct {
 	Models *ModelNames
 	// gen numbers pools, newest highest.
 	gen atomic.Uint64
-	// loops counts the probe loops running.
-	loops atomic.Int64
+	// loops counts the probe loops running; scrapers the scrape loops.
+	loops, scrapers atomic.Int64
 }
 
 // NewRegistry returns an empty registry reporting to obs (nil: NopObserver).

@@ -255,9 +255,81 @@ func (s Sample) hist(h Histogram, now time.Time, staleAfter time.Duration) Histo
 // A body that does not parse is an error; the caller counts the scrape as
 // failed (its signals unknown) rather than using a partial one.
 func ParseSignals(r io.Reader, contentType string, names SignalNames, model string, at time.Time) (Sample, error) {
-	format, err := scrapeFormat(contentType)
+	fams, err := decodeFamilies(r, contentType)
 	if err != nil {
 		return Sample{}, err
+	}
+	return Sample{at: at, r: readings(fams, names, model)}, nil
+}
+
+// Scrape is one /metrics response read for the whole server and for each
+// model it serves.
+type Scrape struct {
+	// Server holds the signals of every model's series combined.
+	Server Sample
+	// Models holds each model's signals (its series plus those without a
+	// model_name label), keyed by model_name, when the server exposes more
+	// than one model; nil otherwise (the server's signals are the model's).
+	Models map[string]Sample
+}
+
+// Model returns the sample for model: its own when the server labels
+// several models and model is one of them, else the server's.
+func (s Scrape) Model(model string) Sample {
+	if m, ok := s.Models[model]; ok && model != "" {
+		return m
+	}
+	return s.Server
+}
+
+// ParseScrape reads one /metrics response body as ParseSignals does, once
+// for the whole server and once per model_name found on the signals'
+// families, so that one parse answers requests for any model.
+func ParseScrape(r io.Reader, contentType string, names SignalNames, at time.Time) (Scrape, error) {
+	fams, err := decodeFamilies(r, contentType)
+	if err != nil {
+		return Scrape{}, err
+	}
+	out := Scrape{Server: Sample{at: at, r: readings(fams, names, "")}}
+	models := modelNames(fams, names)
+	if len(models) > 1 {
+		out.Models = make(map[string]Sample, len(models))
+		for _, m := range models {
+			out.Models[m] = Sample{at: at, r: readings(fams, names, m)}
+		}
+	}
+	return out, nil
+}
+
+// maxScrapeModels bounds the models read per server, so a server labelling
+// junk cannot make every scrape allocate without bound.
+const maxScrapeModels = 64
+
+// modelNames returns the distinct model_name values on the families the
+// signals read, sorted, at most maxScrapeModels.
+func modelNames(fams map[string]*dto.MetricFamily, names SignalNames) []string {
+	var out []string
+	for _, list := range [][]string{names.Waiting, names.Running, names.KVUsage, names.QueueTime, names.TTFT} {
+		for _, n := range list {
+			mf, ok := fams[n]
+			if !ok {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				if v, ok := label(m, ModelLabel); ok && v != "" && !slices.Contains(out, v) && len(out) < maxScrapeModels {
+					out = append(out, v)
+				}
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func decodeFamilies(r io.Reader, contentType string) (map[string]*dto.MetricFamily, error) {
+	format, err := scrapeFormat(contentType)
+	if err != nil {
+		return nil, err
 	}
 	fams := make(map[string]*dto.MetricFamily)
 	dec := expfmt.NewDecoder(r, format)
@@ -267,7 +339,7 @@ func ParseSignals(r io.Reader, contentType string, names SignalNames, model stri
 			if errors.Is(err, io.EOF) {
 				break
 			}
-			return Sample{}, fmt.Errorf("parsing metrics as %s: %w", format, err)
+			return nil, fmt.Errorf("parsing metrics as %s: %w", format, err)
 		}
 		name := mf.GetName()
 		if prev, ok := fams[name]; ok {
@@ -277,13 +349,17 @@ func ParseSignals(r io.Reader, contentType string, names SignalNames, model stri
 		}
 		fams[name] = &mf
 	}
-	return Sample{at: at, r: Readings{
+	return fams, nil
+}
+
+func readings(fams map[string]*dto.MetricFamily, names SignalNames, model string) Readings {
+	return Readings{
 		Waiting:   scalar(fams, names.Waiting, model, sumValues),
 		Running:   scalar(fams, names.Running, model, sumValues),
 		KVUsage:   scalar(fams, names.KVUsage, model, maxValues),
 		QueueTime: histogram(fams, names.QueueTime, model),
 		TTFT:      histogram(fams, names.TTFT, model),
-	}}, nil
+	}
 }
 
 // scrapeFormat maps a Content-Type to the decoder's format.
