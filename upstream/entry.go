@@ -192,7 +192,8 @@ func (e *Entry) breakerFor(key string) *breaker.Breaker {
 		name += "|" + key
 	}
 	var b *breaker.Breaker
-	b = breaker.New(name, *e.eff.settings, breaker.WithListener(func(tr breaker.Transition) { e.transition(key, b, tr) }))
+	opts := append([]breaker.Option{breaker.WithListener(func(tr breaker.Transition) { e.transition(key, b, tr) })}, e.reg.breakerOpts...)
+	b = breaker.New(name, *e.eff.settings, opts...)
 	m := make(map[string]*breaker.Breaker, len(old)+1)
 	for k, v := range old {
 		m[k] = v

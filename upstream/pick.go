@@ -85,14 +85,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		// hedge only ever goes to another upstream.
 		fresh = retried
 	}
-	if p.scored && len(fresh) > 0 {
-		for i := range fresh {
-			fresh[i].Score, _ = fresh[i].Entry.Score(now, p.sat, p.scoreModel(req.Info.Model))
-		}
-		if p.sat != nil {
-			fresh = keepUnsaturated(fresh)
-		}
-	}
+	fresh = p.rank(fresh, now, req.Info.Model)
 	for len(fresh) > 0 {
 		i := p.sel.Select(fresh, r, w)
 		if i < 0 || i >= len(fresh) {

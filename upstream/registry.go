@@ -74,6 +74,8 @@ type Registry struct {
 	gen atomic.Uint64
 	// loops counts the probe loops running; scrapers the scrape loops.
 	loops, scrapers atomic.Int64
+	// breakerOpts are added to every breaker's options (tests inject a clock).
+	breakerOpts []breaker.Option
 }
 
 // NewRegistry returns an empty registry reporting to obs (nil: NopObserver).

@@ -79,6 +79,23 @@ func (e *Entry) Score(now time.Time, s *Saturation, model string) (score float64
 	return score, known
 }
 
+// rank scores the candidates when the pool or its selector uses scores,
+// and with saturation on removes the saturated ones (see keepUnsaturated).
+// It works in place and allocates nothing.
+func (p *Pool) rank(cs []Candidate, now time.Time, model string) []Candidate {
+	if !p.scored || len(cs) == 0 {
+		return cs
+	}
+	model = p.scoreModel(model)
+	for i := range cs {
+		cs[i].Score, _ = cs[i].Entry.Score(now, p.sat, model)
+	}
+	if p.sat != nil {
+		cs = keepUnsaturated(cs)
+	}
+	return cs
+}
+
 // keepUnsaturated removes the saturated candidates (score ≥ 1) while an
 // unsaturated one exists; when every one is saturated it keeps those with
 // the lowest score: saturation alone never refuses a request (item 4). It

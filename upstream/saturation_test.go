@@ -1,0 +1,676 @@
+package upstream
+
+import (
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// satPool builds and starts a pool with saturation on (defaults, scraping
+// through a transport that fails: tests feed scrapes with feed).
+func satPool(t *testing.T, reg *Registry, sel Selector, trip *TripRules, addrs ...string) *Pool {
+	t.Helper()
+	s := breaker.Settings{}
+	return startPool(t, reg, Config{Key: "sat|" + strings.Join(addrs, ","), Static: targets(addrs...), Selector: sel, Breaker: &s,
+		Saturation: &Saturation{Transport: refusingTransport{}, Trip: trip, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
+}
+
+// refusingTransport fails every scrape, so the loop's own scrapes never
+// race the ones a test feeds.
+type refusingTransport struct{}
+
+func (refusingTransport) RoundTrip(*http.Request) (*http.Response, error) {
+	return nil, http.ErrServerClosed
+}
+
+// feeder applies scrapes to one entry as its loop would, on a test clock.
+type feeder struct {
+	t   *testing.T
+	e   *Entry
+	cfg *Saturation
+	st  scrapeState
+	now time.Time
+}
+
+func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
+	t.Helper()
+	e, ok := p.reg.Entry(addr)
+	if !ok {
+		t.Fatalf("no entry %s", addr)
+	}
+	// Wait for the loop's first (failing) scrape, so it cannot land after ours.
+	eventually(t, 5*time.Second, "first scrape", func() bool { return e.sat.Load() != nil })
+	return &feeder{t: t, e: e, cfg: p.sat, now: time.Now()}
+}
+
+// scrape applies a successful scrape of r taken d after the previous one.
+func (f *feeder) scrape(d time.Duration, r Readings) {
+	f.now = f.now.Add(d)
+	f.e.applyScrape(f.cfg, &f.st, Scrape{Server: NewSample(f.now, r)}, nil, f.now, time.Millisecond)
+}
+
+func (f *feeder) fail(d time.Duration) {
+	f.now = f.now.Add(d)
+	f.e.applyScrape(f.cfg, &f.st, Scrape{}, http.ErrHandlerTimeout, f.now, f.cfg.Timeout)
+}
+
+func idle() Readings { return Readings{Waiting: Known(0), Running: Known(0), KVUsage: Known(0)} }
+
+func TestScoreUnknownReadsInflightNeverIdle(t *testing.T) {
+	reg := NewRegistry(nil)
+	p := satPool(t, reg, nil, nil, "10.9.0.1:8000")
+	f := newFeeder(t, p, "10.9.0.1:8000")
+	var ups []proxy.Upstream
+	for range 3 {
+		ups = append(ups, mustPick(t, p, ""))
+	}
+	// Never scraped successfully: in-flight / queue_threshold.
+	if s, known := f.e.Score(time.Now(), p.sat, ""); known || s != 3.0/DefaultQueueThreshold {
+		t.Fatalf("unscraped score = %v known=%v, want %v unknown", s, known, 3.0/DefaultQueueThreshold)
+	}
+	f.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(3), KVUsage: Known(0.2)})
+	if s, known := f.e.Score(f.now, p.sat, ""); !known || s != max(1.0/5, 0.2/0.8) {
+		t.Fatalf("fresh score = %v known=%v, want 0.25 known", s, known)
+	}
+	// Stale: past stale_after the value is unknown, not idle.
+	if s, known := f.e.Score(f.now.Add(p.sat.StaleAfter+time.Nanosecond), p.sat, ""); known || s != 3.0/5 {
+		t.Fatalf("stale score = %v known=%v, want 0.6 unknown", s, known)
+	}
+	// A failed scrape makes every signal unknown at once.
+	f.fail(time.Second)
+	if s, known := f.e.Score(f.now, p.sat, ""); known || s != 3.0/5 {
+		t.Fatalf("score after a failed scrape = %v known=%v, want 0.6 unknown", s, known)
+	}
+	for _, up := range ups {
+		finish(up, proxy.AttemptSuccess)
+	}
+}
+
+func TestScoreDropsUnknownKVAndMissingQueue(t *testing.T) {
+	reg := NewRegistry(nil)
+	p := satPool(t, reg, nil, nil, "10.9.0.2:8000")
+	f := newFeeder(t, p, "10.9.0.2:8000")
+	// KV unknown (a TGI server): the queue alone.
+	f.scrape(time.Second, Readings{Waiting: Known(4), Running: Known(0)})
+	if s, _ := f.e.Score(f.now, p.sat, ""); s != 4.0/5 {
+		t.Fatalf("score without KV = %v, want 0.8", s)
+	}
+	// Queue not exposed but KV known: in-flight (0) and KV.
+	f.scrape(time.Second, Readings{KVUsage: Known(0.4)})
+	if s, known := f.e.Score(f.now, p.sat, ""); known || s != 0.5 {
+		t.Fatalf("score without a queue signal = %v known=%v, want 0.5 unknown", s, known)
+	}
+}
+
+func TestEffectiveQueueSpreadsABurstBetweenScrapes(t *testing.T) {
+	reg := NewRegistry(nil)
+	addrs := []string{"10.9.1.1:8000", "10.9.1.2:8000", "10.9.1.3:8000"}
+	p := satPool(t, reg, LeastQueue{}, nil, addrs...)
+	for _, a := range addrs {
+		newFeeder(t, p, a).scrape(time.Second, idle())
+	}
+	counts := map[string]int{}
+	var ups []proxy.Upstream
+	for range 60 {
+		up := mustPick(t, p, "")
+		counts[up.Addr]++
+		ups = append(ups, up)
+	}
+	for _, a := range addrs {
+		if counts[a] != 20 {
+			t.Errorf("%s took %d of 60 requests picked within one scrape interval, want 20: %v", a, counts[a], counts)
+		}
+	}
+	for _, up := range ups {
+		finish(up, proxy.AttemptSuccess)
+	}
+	for _, a := range addrs {
+		e, _ := reg.Entry(a)
+		if n := e.SinceScrape(); n != 0 {
+			t.Errorf("%s: %d attempts since the scrape after all ended, want 0", a, n)
+		}
+	}
+}
+
+func TestSinceScrapeCountsOnlyItsEpochAndNeverGoesNegative(t *testing.T) {
+	reg := NewRegistry(nil)
+	p := satPool(t, reg, nil, nil, "10.9.2.1:8000")
+	f := newFeeder(t, p, "10.9.2.1:8000")
+	f.scrape(time.Second, idle())
+	old := []proxy.Upstream{mustPick(t, p, ""), mustPick(t, p, "")}
+	if n := f.e.SinceScrape(); n != 2 {
+		t.Fatalf("since scrape = %d, want 2", n)
+	}
+	f.scrape(time.Second, Readings{Waiting: Known(2), Running: Known(0)}) // the server now counts them
+	if n := f.e.SinceScrape(); n != 0 {
+		t.Fatalf("since scrape after a new scrape = %d, want 0", n)
+	}
+	fresh := mustPick(t, p, "")
+	for _, up := range old {
+		finish(up, proxy.AttemptSuccess) // ended in a later epoch: takes nothing back
+	}
+	if n := f.e.SinceScrape(); n != 1 {
+		t.Fatalf("since scrape = %d after older attempts ended, want 1 (the newer one)", n)
+	}
+	finish(fresh, proxy.AttemptSuccess)
+	if n := f.e.SinceScrape(); n != 0 {
+		t.Fatalf("since scrape = %d, want 0", n)
+	}
+	// A failed scrape keeps counting against the last good one.
+	up := mustPick(t, p, "")
+	f.fail(time.Second)
+	if n := f.e.SinceScrape(); n != 1 {
+		t.Fatalf("since scrape after a failed scrape = %d, want 1", n)
+	}
+	finish(up, proxy.AttemptSuccess)
+	if n := f.e.SinceScrape(); n != 0 || f.e.Inflight() != 0 {
+		t.Fatalf("since=%d inflight=%d, want 0 and 0", n, f.e.Inflight())
+	}
+}
+
+func TestSinceScrapeConcurrentNeverNegative(t *testing.T) {
+	reg := NewRegistry(nil)
+	p := satPool(t, reg, nil, nil, "10.9.2.2:8000")
+	f := newFeeder(t, p, "10.9.2.2:8000")
+	var wg sync.WaitGroup
+	var stop atomic.Bool
+	wg.Go(func() {
+		for !stop.Load() {
+			f.e.epochReset(true)
+		}
+	})
+	for range 4 {
+		wg.Go(func() {
+			for range 2000 {
+				up := mustPick(t, p, "")
+				if n := int32(uint32(f.e.since.Load())); n < 0 {
+					t.Errorf("since count %d", n)
+				}
+				finish(up, proxy.AttemptSuccess)
+			}
+		})
+	}
+	time.Sleep(50 * time.Millisecond)
+	stop.Store(true)
+	wg.Wait()
+	if n := f.e.SinceScrape(); n != 0 {
+		t.Fatalf("since scrape = %d with nothing in flight, want 0", n)
+	}
+}
+
+// A server whose /metrics froze while idle must not attract everything:
+// this gateway's requests the server is not running count as waiting.
+func TestFrozenIdleMetricsDoNotHerd(t *testing.T) {
+	reg := NewRegistry(nil)
+	p := satPool(t, reg, nil, nil, "10.9.3.1:8000")
+	f := newFeeder(t, p, "10.9.3.1:8000")
+	var ups []proxy.Upstream
+	for range 10 {
+		ups = append(ups, mustPick(t, p, ""))
+	}
+	f.scrape(time.Second, idle()) // frozen: still says idle
+	if s, _ := f.e.Score(f.now, p.sat, ""); s != 10.0/5 {
+		t.Fatalf("score = %v with 10 of ours in flight and a frozen idle scrape, want 2", s)
+	}
+	for _, up := range ups {
+		finish(up, proxy.AttemptSuccess)
+	}
+}
+
+func TestKeepUnsaturated(t *testing.T) {
+	c := func(s ...float64) []Candidate {
+		out := make([]Candidate, len(s))
+		for i, x := range s {
+			out[i] = Candidate{Score: x}
+		}
+		return out
+	}
+	scores := func(cs []Candidate) []float64 {
+		var out []float64
+		for _, x := range cs {
+			out = append(out, x.Score)
+		}
+		return out
+	}
+	for _, tc := range []struct{ in, want []float64 }{
+		{[]float64{0.2, 1, 3, 0.99}, []float64{0.2, 0.99}},
+		{[]float64{1, 3, 1, 2}, []float64{1, 1}},
+		{[]float64{4}, []float64{4}},
+		{[]float64{0, 0}, []float64{0, 0}},
+	} {
+		got := scores(keepUnsaturated(c(tc.in...)))
+		if len(got) != len(tc.want) {
+			t.Errorf("keepUnsaturated(%v) = %v, want %v", tc.in, got, tc.want)
+			continue
+		}
+		for i := range got {
+			if got[i] != tc.want[i] {
+				t.Errorf("keepUnsaturated(%v) = %v, want %v", tc.in, got, tc.want)
+			}
+		}
+	}
+}
+
+func TestLeastQueueBreaksTiesAtRandom(t *testing.T) {
+	cs := []Candidate{{Score: 0.4}, {Score: 0.2}, {Score: 0.2}, {Score: 0.2}, {Score: 0.9}}
+	n := map[int]int{}
+	for range 3000 {
+		n[LeastQueue{}.Select(cs, nil, nil)]++
+	}
+	if n[0] != 0 || n[4] != 0 {
+		t.Fatalf("picked a higher score: %v", n)
+	}
+	for _, i := range []int{1, 2, 3} {
+		if n[i] < 850 || n[i] > 1150 {
+			t.Errorf("tie %d picked %d of 3000 times, want about 1000: %v", i, n[i], n)
+		}
+	}
+}
+
+func TestPickRemovesSaturatedUpstreamsForAnyPolicy(t *testing.T) {
+	reg := NewRegistry(nil)
+	addrs := []string{"10.9.4.1:8000", "10.9.4.2:8000"}
+	p := satPool(t, reg, firstSelector{}, nil, addrs...)
+	deep, calm := newFeeder(t, p, addrs[0]), newFeeder(t, p, addrs[1])
+	deep.scrape(time.Second, Readings{Waiting: Known(12), Running: Known(8), KVUsage: Known(0.5)})
+	calm.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(8), KVUsage: Known(0.5)})
+	for range 5 {
+		up := mustPick(t, p, "")
+		if up.Addr != addrs[1] {
+			t.Fatalf("first policy picked the saturated %s", up.Addr)
+		}
+		if up.Saturation != max(1.0/5, 0.5/0.8) {
+			t.Fatalf("picked upstream's score = %v, want 0.625", up.Saturation)
+		}
+		finish(up, proxy.AttemptSuccess)
+	}
+	// Both saturated: the least saturated still gets the request.
+	calm.scrape(time.Second, Readings{Waiting: Known(7), Running: Known(8), KVUsage: Known(0.5)})
+	up := mustPick(t, p, "")
+	if up.Addr != addrs[1] {
+		t.Fatalf("with every upstream saturated picked %s, want the least saturated %s", up.Addr, addrs[1])
+	}
+	finish(up, proxy.AttemptSuccess)
+}
+
+func TestPoolSaturated(t *testing.T) {
+	reg := NewRegistry(nil)
+	addrs := []string{"10.9.5.1:8000", "10.9.5.2:8000"}
+	p := satPool(t, reg, nil, nil, addrs...)
+	a, b := newFeeder(t, p, addrs[0]), newFeeder(t, p, addrs[1])
+	if p.Saturated() {
+		t.Fatal("saturated before any good scrape (unknown is not full)")
+	}
+	a.scrape(time.Second, Readings{Waiting: Known(9), Running: Known(8)})
+	b.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(8)})
+	if p.Saturated() {
+		t.Fatal("saturated with one upstream under its threshold")
+	}
+	b.scrape(time.Second, Readings{Waiting: Known(0), Running: Known(4), KVUsage: Known(0.85)})
+	if !p.Saturated() {
+		t.Fatal("not saturated with every upstream at its threshold (queue or KV)")
+	}
+	b.fail(time.Second)
+	if p.Saturated() {
+		t.Fatal("saturated while one upstream's signals are unknown")
+	}
+	// An open breaker takes its upstream out of the count.
+	breakerOf(t, reg, addrs[1], "").ForceOpen(0, "test")
+	if !p.Saturated() {
+		t.Fatal("not saturated with the only healthy upstream saturated")
+	}
+	breakerOf(t, reg, addrs[0], "").ForceOpen(0, "test")
+	if p.Saturated() {
+		t.Fatal("saturated with no healthy upstream (that is unavailable, not saturated)")
+	}
+}
+
+func TestScopeModelScoresTheModelsSeries(t *testing.T) {
+	reg := NewRegistry(nil)
+	s := breaker.Settings{}
+	p := startPool(t, reg, Config{Key: "sat-model", Static: targets("10.9.6.1:8000"), Breaker: &s, ScopeModel: true,
+		Saturation: &Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
+	e, _ := reg.Entry("10.9.6.1:8000")
+	eventually(t, 5*time.Second, "first scrape", func() bool { return e.sat.Load() != nil })
+	body := `# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="big"} 10
+vllm:num_requests_waiting{model_name="small"} 1
+`
+	now := time.Now()
+	sc, err := ParseScrape(strings.NewReader(body), "", VLLMSignals, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st scrapeState
+	e.applyScrape(p.sat, &st, sc, nil, now, 0)
+	for model, want := range map[string]float64{"big": 2, "small": 0.2, "": 11.0 / 5, "other": 11.0 / 5} {
+		if s, _ := e.Score(now, p.sat, model); math.Abs(s-want) > 1e-9 {
+			t.Errorf("score for model %q = %v, want %v", model, s, want)
+		}
+	}
+}
+
+func TestTripMonitorHoldsForItsDuration(t *testing.T) {
+	rules := &TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: 60 * time.Second}
+	var m tripMonitor
+	t0 := time.Unix(1000, 0)
+	above := signalsNow{ok: true, queueWait: Known(7)}
+	for i := 0; i < 30; i++ {
+		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, above); trip {
+			t.Fatalf("tripped after %ds of a 30s rule", i)
+		}
+	}
+	reason, trip := m.update(t0.Add(30*time.Second), rules, above)
+	if !trip || !strings.Contains(reason, "queue wait p99 7s above 5s for 30s") {
+		t.Fatalf("at 30s: trip=%v reason=%q", trip, reason)
+	}
+	// Unknown restarts the count; unknown never trips.
+	m = tripMonitor{}
+	m.update(t0, rules, above)
+	m.update(t0.Add(20*time.Second), rules, signalsNow{ok: true})
+	if _, trip := m.update(t0.Add(40*time.Second), rules, above); trip {
+		t.Fatal("tripped across an unknown reading")
+	}
+	for i := 0; i <= 120; i++ {
+		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, signalsNow{ok: false, queueWait: Known(100), kv: Known(1)}); trip {
+			t.Fatal("a failed scrape tripped the breaker")
+		}
+	}
+	// KV has its own duration.
+	m = tripMonitor{}
+	kv := signalsNow{ok: true, kv: Known(0.95)}
+	if _, trip := m.update(t0, rules, kv); trip {
+		t.Fatal("kv tripped at once")
+	}
+	if _, trip := m.update(t0.Add(59*time.Second), rules, kv); trip {
+		t.Fatal("kv tripped before 60s")
+	}
+	if r, trip := m.update(t0.Add(60*time.Second), rules, kv); !trip || !strings.Contains(r, "KV-cache usage 0.95 above 0.92") {
+		t.Fatalf("kv at 60s: trip=%v %q", trip, r)
+	}
+}
+
+// queueHist is a vLLM-like queue-time histogram with n observations of
+// about v seconds each, on top of base.
+func queueHist(base Histogram, n float64, v float64) Histogram {
+	bounds := []float64{0.3, 0.5, 1, 2.5, 5, 10, 20, math.Inf(1)}
+	out := Histogram{}
+	for i, ub := range bounds {
+		c := 0.0
+		if len(base.Buckets) > 0 {
+			c = base.Buckets[i].Count
+		}
+		if v <= ub {
+			c += n
+		}
+		out.Buckets = append(out.Buckets, Bucket{UpperBound: ub, Count: c})
+	}
+	return out
+}
+
+// feederClock is the breakers' clock: the feeder's.
+type feederClock struct{ f **feeder }
+
+func (c feederClock) Now() time.Time { return (*c.f).now }
+
+func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *testing.T) {
+	reg := NewRegistry(nil)
+	var f *feeder
+	f = &feeder{now: time.Now()}
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	rules := &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 5 * time.Second}
+	p := satPool(t, reg, nil, rules, "10.9.7.1:8000", "10.9.7.2:8000")
+	f = newFeeder(t, p, "10.9.7.1:8000")
+	f.cfg.Window = 10 * time.Second
+	b := breakerOf(t, reg, "10.9.7.1:8000", "")
+	h := queueHist(Histogram{}, 0, 0)
+	f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+	for i := 0; i < 6 && b.State() == breaker.Closed; i++ {
+		h = queueHist(h, 10, 8) // ten requests a second leave the queue after 8s
+		f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+	}
+	if b.State() != breaker.Open || !b.Observed() {
+		t.Fatalf("breaker %v observed=%v after queue wait p99 8s for over 5s, want open by observation", b.State(), b.Observed())
+	}
+	// No user request goes there while it is open or half-open.
+	for range 5 {
+		up := mustPick(t, p, "")
+		if up.Addr == "10.9.7.1:8000" {
+			t.Fatal("picked the saturation-tripped upstream")
+		}
+		finish(up, proxy.AttemptSuccess)
+	}
+	// The queue drains: no new queue-time observations, nothing waiting.
+	// Nothing happens before the cooldown (default 10s, ±jitter) is over;
+	// then recovery_successes (2) healthy scrapes close it.
+	drained := Readings{Waiting: Known(0), Running: Known(2), QueueTime: h}
+	for range 5 {
+		f.scrape(time.Second, drained)
+	}
+	if b.State() != breaker.Open {
+		t.Fatalf("breaker %v during its cooldown, want open", b.State())
+	}
+	// A scrape with requests still waiting at the threshold is no
+	// verdict, even with no new queue-time observations.
+	f.scrape(20*time.Second, Readings{Waiting: Known(5), Running: Known(8), QueueTime: h})
+	if b.State() != breaker.HalfOpen {
+		t.Fatalf("breaker %v after its cooldown, want half_open (observing)", b.State())
+	}
+	f.scrape(time.Second, drained)
+	if b.State() != breaker.HalfOpen {
+		t.Fatalf("breaker %v after one healthy scrape, want half_open", b.State())
+	}
+	f.scrape(time.Second, drained)
+	if b.State() != breaker.Closed {
+		t.Fatalf("breaker %v after two healthy scrapes, want closed: %+v", b.State(), b.Snapshot())
+	}
+	if b.Snapshot().Observed {
+		t.Fatal("closed breaker still marked observed")
+	}
+}
+
+func TestSaturationBreakerReopensWhenStillSaturated(t *testing.T) {
+	reg := NewRegistry(nil)
+	var f *feeder
+	f = &feeder{now: time.Now()}
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	p := satPool(t, reg, nil, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, "10.9.7.3:8000")
+	f = newFeeder(t, p, "10.9.7.3:8000")
+	b := breakerOf(t, reg, "10.9.7.3:8000", "")
+	full := Readings{Waiting: Known(0), Running: Known(8), KVUsage: Known(0.97)}
+	for range 3 {
+		f.scrape(time.Second, full)
+	}
+	if b.State() != breaker.Open {
+		t.Fatalf("breaker %v after KV 0.97 for 2s, want open", b.State())
+	}
+	first := b.Snapshot().OpenUntil.Sub(f.now)
+	f.scrape(first+time.Millisecond, full) // cooldown over, still full: re-open, longer
+	if b.State() != breaker.Open || b.Snapshot().Reopens != 1 {
+		t.Fatalf("breaker %v reopens=%d, want open after one unhealthy observation", b.State(), b.Snapshot().Reopens)
+	}
+	if second := b.Snapshot().OpenUntil.Sub(f.now); second < first*3/2 {
+		t.Fatalf("second cooldown %v not grown from %v", second, first)
+	}
+}
+
+func TestSignalStateChangesAreReportedOnce(t *testing.T) {
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	p := satPool(t, reg, nil, nil, "10.9.8.1:8000")
+	f := newFeeder(t, p, "10.9.8.1:8000")
+	start := obs.count()
+	for range 3 {
+		f.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(1)}) // no KV metric
+	}
+	f.fail(time.Second)
+	f.fail(time.Second)
+	f.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(1), KVUsage: Known(0.3)})
+	var got []string
+	for _, ev := range obs.eventsSince(start) {
+		if strings.Contains(ev, "|queue_depth ") || strings.Contains(ev, "|kv_usage ") {
+			got = append(got, strings.TrimPrefix(ev, "signal 10.9.8.1:8000|"))
+		}
+	}
+	want := []string{
+		"queue_depth stale→fresh", "kv_usage stale→missing", // first scrape: once, not three times
+		"queue_depth fresh→stale", "kv_usage missing→stale", // two failures: once
+		"queue_depth stale→fresh", "kv_usage stale→fresh",
+	}
+	if strings.Join(got, "; ") != strings.Join(want, "; ") {
+		t.Errorf("state changes:\n got %q\nwant %q", got, want)
+	}
+	if r := obs.signals["10.9.8.1:8000|kv_usage"]; r.state != SignalFresh || !r.last.Known || r.last.V != 0.3 {
+		t.Errorf("kv_usage report = %+v, want fresh 0.3", r)
+	}
+}
+
+// metricsServer serves body at /metrics and counts scrapes and the most in
+// flight at once; hang makes it wait until the client gives up.
+type metricsServer struct {
+	addr              string
+	mu                sync.Mutex
+	body              string
+	hang              bool
+	scrapes, inflight int
+	maxInflight       int
+}
+
+func newMetricsServer(t *testing.T, body string) *metricsServer {
+	t.Helper()
+	m := &metricsServer{body: body}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			http.NotFound(w, r)
+			return
+		}
+		m.mu.Lock()
+		m.scrapes++
+		m.inflight++
+		m.maxInflight = max(m.maxInflight, m.inflight)
+		body, hang := m.body, m.hang
+		m.mu.Unlock()
+		defer func() { m.mu.Lock(); m.inflight--; m.mu.Unlock() }()
+		if hang {
+			<-r.Context().Done()
+			return
+		}
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+		_, _ = w.Write([]byte(body))
+	}))
+	t.Cleanup(srv.Close)
+	m.addr = strings.TrimPrefix(srv.URL, "http://")
+	return m
+}
+
+func (m *metricsServer) counts() (scrapes, maxInflight int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.scrapes, m.maxInflight
+}
+
+const vllmBusy = `# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 8
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.5
+`
+
+func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	m := newMetricsServer(t, vllmBusy)
+	cfg := func() Config {
+		return Config{Key: "loop", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 20 * time.Millisecond}}
+	}
+	p := buildPool(t, reg, cfg())
+	time.Sleep(50 * time.Millisecond)
+	if n, _ := m.counts(); n != 0 || reg.ScrapeLoops() != 0 {
+		t.Fatalf("a config that has not started scraped %d times (%d loops)", n, reg.ScrapeLoops())
+	}
+	p.Activate()
+	e, _ := reg.Entry(m.addr)
+	eventually(t, 5*time.Second, "a scrape", func() bool { return e.sat.Load() != nil && e.sat.Load().ok })
+	if s, known := e.Score(time.Now(), p.sat, ""); !known || s != max(3.0/5, 0.5/0.8) {
+		t.Fatalf("score from the old KV name = %v known=%v, want 0.625", s, known)
+	}
+	q := p
+	for range 3 {
+		q = reload(t, q, cfg())
+		if n := reg.ScrapeLoops(); n != 1 {
+			t.Fatalf("%d scrape loops after a reload, want 1", n)
+		}
+	}
+	if e2, _ := reg.Entry(m.addr); e2 != e || e.sat.Load() == nil {
+		t.Fatal("the reload lost the upstream's snapshot")
+	}
+	before, _ := m.counts()
+	time.Sleep(200 * time.Millisecond)
+	after, maxIn := m.counts()
+	if rate := after - before; rate > 14 {
+		t.Fatalf("%d scrapes in 200ms at a 20ms interval: more than one loop", rate)
+	}
+	if maxIn != 1 {
+		t.Fatalf("%d scrapes in flight at once, want 1", maxIn)
+	}
+	q.Deactivate()
+	eventually(t, 5*time.Second, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
+}
+
+func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	m := newMetricsServer(t, vllmBusy)
+	m.hang = true
+	p := startPool(t, reg, Config{Key: "hang", Static: targets(m.addr),
+		Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 10 * time.Millisecond}})
+	e, _ := reg.Entry(m.addr)
+	eventually(t, 5*time.Second, "two failed scrapes", func() bool {
+		obs.mu.Lock()
+		defer obs.mu.Unlock()
+		return obs.scrapeErrs[m.addr] >= 2
+	})
+	up := mustPick(t, p, "")
+	if s, known := e.Score(time.Now(), p.sat, ""); known || s != 1.0/5 {
+		t.Fatalf("score with a hanging /metrics = %v known=%v, want 0.2 (in-flight) unknown", s, known)
+	}
+	finish(up, proxy.AttemptSuccess)
+	v := reg.Saturation(time.Now())
+	if len(v) != 1 || v[0].LastError == "" || v[0].ScrapedAt != nil || v[0].Signals[0].State != SignalStale {
+		t.Fatalf("admin view = %+v, want a stale upstream with its error", v)
+	}
+}
+
+func TestSaturationConfigDefaultsAndErrors(t *testing.T) {
+	s := Saturation{}.Defaults()
+	if s.MetricsPath != "/metrics" || s.Interval != time.Second || s.Timeout != 500*time.Millisecond || s.StaleAfter != 3*time.Second ||
+		s.QueueThreshold != 5 || s.KVThreshold != 0.8 || s.Window != 30*time.Second || s.Names.KVUsage[0] != "vllm:kv_cache_usage_perc" {
+		t.Fatalf("defaults = %+v", s)
+	}
+	if err := s.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if tr := (Saturation{Trip: &TripRules{QueueWaitP99: time.Second}}).Defaults().Trip; tr.QueueWaitFor != 30*time.Second || tr.KVUsage != 0 {
+		t.Fatalf("trip defaults = %+v", tr)
+	}
+	for _, bad := range []Saturation{
+		{Interval: time.Second, StaleAfter: 1500 * time.Millisecond},
+		{Interval: time.Second, Timeout: 2 * time.Second},
+		{MetricsPath: "metrics"},
+		{KVThreshold: 1.5},
+		{Interval: time.Second, Window: time.Second},
+	} {
+		if err := bad.Defaults().Validate(); err == nil {
+			t.Errorf("%+v: no error", bad)
+		}
+	}
+}
