@@ -42,6 +42,11 @@ var metrics = struct {
 	inflight      *prometheus.GaugeVec
 	tokens        *prometheus.CounterVec
 	tenantBreaker *prometheus.GaugeVec
+
+	saturation     *prometheus.GaugeVec
+	signalState    *prometheus.GaugeVec
+	scrapeDuration *prometheus.HistogramVec
+	scrapeErrors   *prometheus.CounterVec
 }{}
 
 // queueWaitBuckets span no wait to a tier's whole queue_timeout.
@@ -49,6 +54,10 @@ var queueWaitBuckets = []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 1
 
 // ttftBuckets span a warm GPU's 25 ms to a saturated queue's minute.
 var ttftBuckets = []float64{.025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40, 60}
+
+// scrapeBuckets span a local server's millisecond to the default 500ms
+// scrape timeout and past it.
+var scrapeBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}
 
 // durationBuckets span short answers to long generations.
 var durationBuckets = []float64{.1, .25, .5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640}
@@ -135,6 +144,23 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "tenant_breaker_state",
 			Help: "Tenant circuit breakers not closed (open or half-open), by tier.",
 		}, []string{"tier"})
+		metrics.saturation = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "upstream_saturation",
+			Help: "The last known value of an upstream's saturation signal scraped from its /metrics: queue_depth and running (requests), kv_usage (ratio 0-1), queue_time (recent queue-wait p99, seconds), ttft (recent server TTFT p95, seconds). No series until the value is known; see saturation_signal_state for whether it is current.",
+		}, []string{"upstream", "signal"})
+		metrics.signalState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "saturation_signal_state",
+			Help: "Whether an upstream's saturation signal can be used: 0 fresh, 1 stale (the last good value is older than stale_after, or scrapes fail), 2 missing (the latest successful scrape lacks it).",
+		}, []string{"upstream", "signal"})
+		metrics.scrapeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Subsystem: sub, Name: "scrape_duration_seconds",
+			Help:    "Time taken by each scrape of an upstream's /metrics, failed ones included.",
+			Buckets: scrapeBuckets,
+		}, []string{"upstream"})
+		metrics.scrapeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "scrape_errors_total",
+			Help: "Scrapes of an upstream's /metrics that failed (connection error, timeout, non-200 status, unparsable body).",
+		}, []string{"upstream"})
 	})
 }
 
@@ -144,7 +170,8 @@ func registerMetrics(reg *prometheus.Registry) error {
 	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
 		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
 		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
-		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker} {
+		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
+		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -266,6 +293,64 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 			"reason":   tr.Reason,
 		})
 	}
+}
+
+// Scraped records one scrape and pumps the gates: the pool signal may have
+// cleared, and queued requests are admitted now rather than at the next
+// release. It runs on the entry's scrape loop, outside its lock.
+func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
+	initMetrics()
+	metrics.scrapeDuration.WithLabelValues(addr).Observe(took.Seconds())
+	errs := metrics.scrapeErrors.WithLabelValues(addr) // at 0 from the first scrape
+	if err != nil {
+		errs.Inc()
+	}
+	capacityChanged()
+}
+
+// SignalUpdated sets a signal's gauges and logs a change of its state once:
+// warn when it goes stale or missing, info when it is fresh again.
+func (upstreamObserver) SignalUpdated(addr string, sig upstream.Signal, last upstream.Value, state, prev upstream.SignalState) {
+	initMetrics()
+	name := sig.String()
+	if last.Known {
+		metrics.saturation.WithLabelValues(addr, name).Set(last.V)
+	}
+	metrics.signalState.WithLabelValues(addr, name).Set(float64(state))
+	if state == prev {
+		return
+	}
+	app := newestApp()
+	if app == nil {
+		return
+	}
+	level := zapcore.WarnLevel
+	if state == upstream.SignalFresh {
+		level = zapcore.InfoLevel
+	}
+	if ce := app.logger.Check(level, "saturation signal "+state.String()); ce != nil {
+		fields := []zap.Field{
+			zap.String("upstream", addr),
+			zap.String("signal", name),
+			zap.String("from", prev.String()),
+			zap.String("to", state.String()),
+		}
+		if last.Known {
+			fields = append(fields, zap.Float64("last_value", last.V))
+		}
+		ce.Write(fields...)
+	}
+}
+
+// ScraperGone deletes the upstream's saturation series.
+func (upstreamObserver) ScraperGone(addr string) {
+	initMetrics()
+	for _, sig := range upstream.Signals {
+		metrics.saturation.DeleteLabelValues(addr, sig.String())
+		metrics.signalState.DeleteLabelValues(addr, sig.String())
+	}
+	metrics.scrapeDuration.DeleteLabelValues(addr)
+	metrics.scrapeErrors.DeleteLabelValues(addr)
 }
 
 // admissionObserver turns admission's measurements into metrics. The
