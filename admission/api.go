@@ -338,6 +338,16 @@ type GateConfig struct {
 	// per_upstream n × upstreams whose breaker is closed); <= 0 means
 	// unlimited.
 	Capacity func() int
+	// Saturated is the pool signal: true while every healthy upstream is
+	// at its saturation threshold (upstream.Pool.Saturated). A saturated
+	// pool is treated like a full Capacity, even an unlimited one:
+	// sheddable tiers are refused (CodeSaturated), the others queue by
+	// priority. nil means never saturated. It is consulted wherever the
+	// gate decides whether a slot is free (Acquire, release, queue
+	// timeout, Saturated), so the glue calls Saturated when the signal
+	// may have cleared (after each scrape) and the queue's head is
+	// admitted at once. It must be cheap and allocation-free.
+	Saturated func() bool
 	// Queue bounds the requests waiting; default DefaultQueue.
 	Queue int
 	// Controller, when set, is told of each tenant's queued requests, so
@@ -352,10 +362,12 @@ type GateConfig struct {
 // queue displaces the newest queued request of a lower tier. Safe for
 // concurrent use.
 //
-// Capacity is re-read on every Acquire, release and queue timeout, and on
-// every Saturated call: when capacity grows without any of these (upstreams
-// recover), the glue calls Saturated (e.g. from its upstream breaker
-// listener) and the queue's head is admitted at once.
+// Capacity and the pool signal are re-read on every Acquire, release and
+// queue timeout, and on every Saturated call: when capacity grows or the
+// pool signal clears without any of these (upstreams recover, a scrape
+// shows the queues drained), the glue calls Saturated (e.g. from its
+// upstream breaker listener and after each scrape) and the queue's head is
+// admitted at once.
 type Gate struct{ gateState }
 
 // NewGate returns a gate.
@@ -387,8 +399,9 @@ func (g *Gate) Acquire(ctx context.Context, tenant string, tier Tier) (release f
 	return g.acquire(ctx, tenant, tier)
 }
 
-// Saturated reports whether the pool is at capacity now.
-// It first admits queued requests for which capacity has grown.
+// Saturated reports whether the pool is at capacity, or saturated by its
+// pool signal (GateConfig.Saturated), now. It first admits queued requests
+// for which capacity has grown or the signal has cleared.
 func (g *Gate) Saturated() bool { return g.saturated() }
 
 // TenantView is one tenant's state for the admin API (no keys).

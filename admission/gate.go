@@ -15,10 +15,12 @@ const refusalRetry = time.Second
 // gateState is the Gate's fields (the type is declared in api.go).
 type gateState struct {
 	capacity func() int
-	bound    int // the pool queue's bound
-	ctl      *Controller
-	clock    Clock
-	obs      Observer
+	// poolSaturated is GateConfig.Saturated (nil: never).
+	poolSaturated func() bool
+	bound         int // the pool queue's bound
+	ctl           *Controller
+	clock         Clock
+	obs           Observer
 
 	mu       sync.Mutex
 	inflight int
@@ -38,7 +40,7 @@ func newGate(cfg GateConfig, clock Clock, obs Observer) *Gate {
 		obs = nopObserver{}
 	}
 	g := &Gate{}
-	g.capacity, g.bound, g.ctl = cfg.Capacity, cfg.Queue, cfg.Controller
+	g.capacity, g.poolSaturated, g.bound, g.ctl = cfg.Capacity, cfg.Saturated, cfg.Queue, cfg.Controller
 	if g.bound <= 0 {
 		g.bound = DefaultQueue
 	}
@@ -55,8 +57,14 @@ func (g *Gate) capLocked() int {
 	return g.capacity()
 }
 
-// freeLocked reports whether a slot is free under capacity n.
-func (g *Gate) freeLocked(n int) bool { return n <= 0 || g.inflight < n }
+// freeLocked reports whether a slot is free under capacity n: below it
+// (or unlimited), and the pool signal does not say saturated.
+func (g *Gate) freeLocked(n int) bool {
+	return (n <= 0 || g.inflight < n) && !g.signalLocked()
+}
+
+// signalLocked reports the pool signal (false without one).
+func (g *Gate) signalLocked() bool { return g.poolSaturated != nil && g.poolSaturated() }
 
 func (g *Gate) countLocked(tier string) *tierCount {
 	tc := g.tiers[tier]
@@ -198,10 +206,14 @@ func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *
 		return g.releaseFunc(name, slot), 0, nil
 	}
 	if tier.Priority < 0 {
+		why := fmt.Sprintf("%d of %d requests in flight", g.inflight, n)
+		if n <= 0 || g.inflight < n {
+			why = "every upstream at its queue or KV-cache threshold"
+		}
 		g.mu.Unlock()
 		return refuse(&Refusal{Status: 429, Code: CodeSaturated, RetryAfter: refusalRetry,
-			Message: fmt.Sprintf("pool saturated (%d of %d requests in flight); tier %s (priority %d) is not queued; retry in %s",
-				g.inflight, n, name, tier.Priority, retryIn(refusalRetry))}, 0)
+			Message: fmt.Sprintf("pool saturated (%s); tier %s (priority %d) is not queued; retry in %s",
+				why, name, tier.Priority, retryIn(refusalRetry))}, 0)
 	}
 	tc := g.countLocked(name)
 	if tc.queued >= tier.Queue {
