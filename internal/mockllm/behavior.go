@@ -62,7 +62,8 @@ type Behavior struct {
 
 	// TTFT is the time from the moment a request holds a generation slot
 	// to its first token. Zero means DefaultTTFT; a negative median means
-	// no delay. Queueing time (FleetConfig.Capacity) comes on top.
+	// no delay. Queueing time (FleetConfig.Capacity, FleetConfig.KVBlocks)
+	// comes on top.
 	TTFT Latency
 
 	// Straggler makes a fraction of requests wait a delay drawn uniformly

@@ -56,6 +56,8 @@ type exchange struct {
 	start   time.Time
 	created int64
 	seed    uint64
+	promptN int       // prompt tokens, as usage.prompt_tokens reports them
+	job     *schedReq // the request's place in the scheduler, once acquired
 
 	headersSent bool
 	writeErr    error
@@ -192,6 +194,7 @@ func (x *exchange) run() {
 	}
 	x.update(func(rec *RequestRecord) { rec.Model, rec.Stream = x.cr.Model, x.cr.Stream })
 	x.seed = contentSeed(x.prompt())
+	x.promptN = promptTokens(x.prompt())
 	b, err := x.r.Behavior().WithHeaders(x.req.Header)
 	if err != nil {
 		x.fail(http.StatusBadRequest, "mockllm: "+err.Error())
@@ -232,7 +235,7 @@ func (x *exchange) run() {
 		x.end(OutcomeCancelled, FaultNone)
 		return
 	}
-	defer x.r.queue.release()
+	defer x.r.queue.release(x.job)
 	if x.wait(x.p.ttft) != nil {
 		x.end(OutcomeCancelled, FaultNone)
 		return
@@ -296,18 +299,25 @@ func (x *exchange) writeError(status int, msg string) {
 	x.writeBody(marshal(errorBody{Error: apiError{Message: msg, Type: errorType(status), Code: status}}))
 }
 
-// acquire waits for a generation slot; false when the client went away.
+// acquire waits until the scheduler runs the request (a capacity slot and
+// KV blocks for its prompt) and observes the queue time; false when the
+// client went away first.
 func (x *exchange) acquire() bool {
-	w := x.r.queue.enqueue()
-	if w == nil {
-		return true
+	s := x.r.queue.enqueue(x.promptN)
+	if s.ready != nil {
+		if err := x.waitUntil(time.Time{}, s.ready); err != nil {
+			x.r.queue.abandon(s)
+			return false
+		}
 	}
-	if err := x.waitUntil(time.Time{}, w.ready); err != nil {
-		x.r.queue.abandon(w)
-		return false
-	}
+	x.job = s
+	x.r.metrics.queueTime.WithLabelValues(x.p.served).Observe(s.waited.Seconds())
 	return true
 }
+
+// generated records that the first n tokens have been generated: the
+// request's KV-cache blocks grow to hold them.
+func (x *exchange) generated(n int) { x.r.queue.grow(x.job, x.promptN+n) }
 
 // wait sleeps for d, or less if the client goes away.
 func (x *exchange) wait(d time.Duration) error {
@@ -506,7 +516,7 @@ func (x *exchange) recordUsage(u usage) {
 }
 
 func (x *exchange) usage() usage {
-	u := usage{PromptTokens: promptTokens(x.prompt()), CompletionTokens: x.p.tokens}
+	u := usage{PromptTokens: x.promptN, CompletionTokens: x.p.tokens}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
 	return u
 }
@@ -540,6 +550,7 @@ func (x *exchange) stream() {
 		}
 		text := ""
 		if n > 0 {
+			x.generated(i + 1)
 			text = tokenText(x.seed, i, x.p.tokenBytes)
 		}
 		var finish *string
@@ -610,10 +621,19 @@ func (x *exchange) finished() {
 // respond sends a non-streaming response once all tokens would have been
 // generated.
 func (x *exchange) respond() {
-	x.firstToken(time.Now())
-	if n := x.p.tokens; n > 1 && x.wait(time.Duration(n-1)*x.p.interval) != nil {
-		x.end(OutcomeCancelled, FaultNone)
-		return
+	first := time.Now()
+	x.firstToken(first)
+	if n := x.p.tokens; x.p.interval == 0 {
+		x.generated(n)
+	} else {
+		x.generated(min(n, 1))
+		for i := 1; i < n; i++ {
+			if x.waitUntil(first.Add(time.Duration(i)*x.p.interval), nil) != nil {
+				x.end(OutcomeCancelled, FaultNone)
+				return
+			}
+			x.generated(i + 1)
+		}
 	}
 	text := completionText(x.seed, x.p.tokens, x.p.tokenBytes)
 	c := completion{ID: x.rec.ID, Created: x.created, Model: x.p.model, Usage: x.usage()}

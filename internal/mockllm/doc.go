@@ -8,11 +8,13 @@
 //	POST /v1/completions        text_completion (JSON or SSE)
 //	GET  /v1/models             the served model
 //	GET  /health                200, or Behavior.HealthStatus
-//	GET  /metrics               vllm:* Prometheus metrics, labelled model_name
+//	GET  /metrics               vllm:* Prometheus metrics, labelled model_name (or a MetricsMode fault)
 //	GET  /mock/stats            FleetStats JSON (every replica of the fleet)
 //	POST /mock/reset            reset the statistics of every replica
 //	GET  /mock/behavior         this replica's Behavior as a spec string
 //	PUT  /mock/behavior         replace this replica's Behavior (spec or JSON body)
+//	GET  /mock/metrics          this replica's MetricsMode as a spec string
+//	PUT  /mock/metrics          replace this replica's MetricsMode (spec body, see ParseMetricsMode)
 //
 // Every response carries X-Mock-Replica with the replica's address.
 //
@@ -29,6 +31,24 @@
 //	X-Mock-TPS: 50                          (tokens per second; sets the interval)
 //	X-Mock-Token-Bytes: 1024                (pad each token's content to about N bytes)
 //	X-Mock-Fault: status=503,every=3        (see ParseFault; "none" clears a replica fault)
+//
+// Each replica schedules requests as vLLM does: a request runs when one of
+// [FleetConfig.Capacity] slots is free and its KV cache
+// ([FleetConfig.KVBlocks] blocks of [FleetConfig.KVBlockTokens] tokens) has
+// room for its prompt; otherwise it waits in FIFO order. A running request
+// holds the blocks of its prompt and of the tokens generated so far, freed
+// when it ends. /metrics reports vllm:num_requests_running and
+// vllm:num_requests_waiting, vllm:kv_cache_usage_perc (blocks in use over
+// blocks, 0 to 1) and the vllm:request_queue_time_seconds histogram
+// (observed once per request when it is scheduled; 0 when at once).
+//
+// How /metrics answers is a [MetricsMode], apart from the Behavior:
+// normal, frozen (the same body on every scrape), hang, status=CODE or
+// slow=DURATION, and which KV-cache gauge it exposes (kv=new, old, both or
+// none), e.g. "frozen,kv=old". It is set by [FleetConfig.Metrics], changed
+// live by [Replica.SetMetricsMode] or PUT /mock/metrics. Every replica
+// counts the scrapes it gets and the most it answered at once
+// ([ReplicaStats.Scrapes], [ReplicaStats.MaxConcurrentScrapes]).
 //
 // A fleet's replicas can close idle keep-alive connections as uvicorn does
 // ([FleetConfig.IdleTimeout]) and drop the requests that race such a close

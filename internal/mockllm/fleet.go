@@ -32,8 +32,37 @@ type FleetConfig struct {
 
 	// Capacity is the number of concurrent generations per replica
 	// (0 = unlimited). Excess requests wait in FIFO order: their TTFT
-	// grows with the queue while the token interval stays flat.
+	// grows with the queue while the token interval stays flat. Requests
+	// also wait for room in the KV cache (KVBlocks).
 	Capacity int
+
+	// KVBlocks is the size of each replica's KV cache, in blocks of
+	// KVBlockTokens tokens. A request is scheduled only when a capacity
+	// slot is free and the cache has room for its prompt; while it runs it
+	// holds ceil((prompt + generated tokens) / KVBlockTokens) blocks,
+	// freed when it ends (completed, cancelled or cut by a fault).
+	// vllm:kv_cache_usage_perc is the fraction in use. Prompt tokens are
+	// the estimate usage.prompt_tokens reports (one per 4 bytes of the
+	// prompt's JSON). Waiting is FIFO: a request that does not fit holds
+	// back those behind it. The mock never preempts: a running request's
+	// growth is granted past the cache (usage reads 1, and nothing more
+	// is scheduled until blocks are freed), and a prompt larger than the
+	// whole cache runs when nothing else does. Zero means DefaultKVBlocks
+	// (2048).
+	KVBlocks int
+
+	// KVBlockTokens is the number of tokens per KV-cache block. Zero means
+	// DefaultKVBlockTokens (16, vLLM's block size).
+	KVBlockTokens int
+
+	// Metrics is how every replica answers GET /metrics (fault and
+	// KV-cache metric name). Zero means the live metrics with
+	// vllm:kv_cache_usage_perc.
+	Metrics MetricsMode
+
+	// PerReplicaMetrics replaces Metrics for the replicas it names
+	// (0-based index).
+	PerReplicaMetrics map[int]MetricsMode
 
 	// IdleTimeout is each replica's HTTP keep-alive idle timeout: a
 	// connection left idle this long after a response is closed by the
@@ -77,6 +106,9 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 	if cfg.Capacity < 0 {
 		return nil, fmt.Errorf("capacity %d: must not be negative", cfg.Capacity)
 	}
+	if cfg.KVBlocks < 0 || cfg.KVBlockTokens < 0 {
+		return nil, fmt.Errorf("kv blocks %d of %d tokens: must not be negative", cfg.KVBlocks, cfg.KVBlockTokens)
+	}
 	if cfg.IdleTimeout < 0 || cfg.IdleCloseRace < 0 {
 		return nil, fmt.Errorf("idle timeout %v, idle close race %v: must not be negative", cfg.IdleTimeout, cfg.IdleCloseRace)
 	}
@@ -93,6 +125,17 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 		}
 		if err := b.Validate(); err != nil {
 			return nil, fmt.Errorf("replica %d behavior: %w", i, err)
+		}
+	}
+	if err := cfg.Metrics.Validate(); err != nil {
+		return nil, fmt.Errorf("metrics mode: %w", err)
+	}
+	for i, m := range cfg.PerReplicaMetrics {
+		if i < 0 || i >= n {
+			return nil, fmt.Errorf("per-replica metrics mode for replica %d: fleet has replicas 0-%d", i, n-1)
+		}
+		if err := m.Validate(); err != nil {
+			return nil, fmt.Errorf("replica %d metrics mode: %w", i, err)
 		}
 	}
 	listen := cfg.Listen
@@ -122,8 +165,18 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 		if pb, ok := cfg.PerReplica[i]; ok {
 			b = pb
 		}
-		r := newReplica(f, i, b, cfg.Capacity, seed, log)
+		r := newReplica(f, i, b, newScheduler(cfg.Capacity, cfg.KVBlocks, cfg.KVBlockTokens), seed, log)
 		r.idleTimeout, r.idleRace = cfg.IdleTimeout, cfg.IdleCloseRace
+		m := cfg.Metrics
+		if pm, ok := cfg.PerReplicaMetrics[i]; ok {
+			m = pm
+		}
+		if m != (MetricsMode{}) {
+			if err := r.SetMetricsMode(m); err != nil {
+				f.Close()
+				return nil, err
+			}
+		}
 		bind := net.JoinHostPort(host, "0")
 		if port != 0 {
 			bind = net.JoinHostPort(host, strconv.Itoa(port+i))

@@ -68,3 +68,21 @@ func FuzzBehaviorHeaders(f *testing.F) {
 		}
 	})
 }
+
+// FuzzParseMetricsMode checks that any accepted /metrics mode spec
+// validates and survives a round trip through String.
+func FuzzParseMetricsMode(f *testing.F) {
+	f.Fuzz(func(t *testing.T, spec string) {
+		m, err := ParseMetricsMode(spec)
+		if err != nil {
+			return
+		}
+		if err := m.Validate(); err != nil {
+			t.Fatalf("ParseMetricsMode(%q) = %+v, which does not validate: %v", spec, m, err)
+		}
+		back, err := ParseMetricsMode(m.String())
+		if err != nil || back != m {
+			t.Fatalf("ParseMetricsMode(%q) = %+v; String %q parses to %+v, %v", spec, m, m.String(), back, err)
+		}
+	})
+}

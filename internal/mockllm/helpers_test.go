@@ -11,6 +11,10 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 )
 
 // fast is a Behavior quick enough for unit tests.
@@ -173,4 +177,53 @@ func readAll(t *testing.T, r io.Reader) []byte {
 		t.Fatalf("read body: %v", err)
 	}
 	return b.Bytes()
+}
+
+// scrape fetches base + "/metrics" and returns the body; the status must
+// be 200.
+func scrape(t *testing.T, c *http.Client, base string) string {
+	t.Helper()
+	resp, err := c.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body := readAll(t, resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /metrics: status %d: %s", resp.StatusCode, body)
+	}
+	return string(body)
+}
+
+// families parses a text exposition.
+func families(t *testing.T, body string) map[string]*dto.MetricFamily {
+	t.Helper()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(strings.NewReader(body))
+	if err != nil {
+		t.Fatalf("parse metrics: %v\n%s", err, body)
+	}
+	return fams
+}
+
+// series returns the only series of family name in body.
+func series(t *testing.T, body, name string) *dto.Metric {
+	t.Helper()
+	f := families(t, body)[name]
+	if f == nil || len(f.GetMetric()) != 1 {
+		t.Fatalf("want one series of %s in:\n%s", name, body)
+	}
+	return f.GetMetric()[0]
+}
+
+// gauge is the value of the only series of gauge name in body.
+func gauge(t *testing.T, body, name string) float64 {
+	t.Helper()
+	return series(t, body, name).GetGauge().GetValue()
+}
+
+// histogram is the only series of histogram name in body.
+func histogram(t *testing.T, body, name string) *dto.Histogram {
+	t.Helper()
+	return series(t, body, name).GetHistogram()
 }

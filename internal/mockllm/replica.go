@@ -1,6 +1,7 @@
 package mockllm
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -23,7 +24,7 @@ type Replica struct {
 	addr    string // dialable host:port
 	bind    string // address to listen on (for Start)
 	log     *zap.Logger
-	queue   *slotQueue
+	queue   *scheduler
 	metrics *replicaMetrics
 	created int64 // unix time, for /v1/models
 
@@ -35,22 +36,28 @@ type Replica struct {
 	rng      *rand.Rand
 	stats    counters
 	inFlight int
-	srv      *http.Server
-	done     chan struct{} // closed when srv.Serve returns
+
+	metricsMode     MetricsMode
+	frozenMetrics   []byte // the body of a frozen /metrics
+	scrapesInFlight int    // GET /metrics requests being answered
+
+	srv  *http.Server
+	done chan struct{} // closed when srv.Serve returns
 }
 
-func newReplica(f *Fleet, index int, b Behavior, capacity int, seed uint64, log *zap.Logger) *Replica {
+func newReplica(f *Fleet, index int, b Behavior, q *scheduler, seed uint64, log *zap.Logger) *Replica {
 	r := &Replica{
 		index:    index,
 		fleet:    f,
 		log:      log,
-		queue:    &slotQueue{capacity: capacity},
+		queue:    q,
 		created:  time.Now().Unix(),
 		behavior: b,
 		rng:      rand.New(rand.NewPCG(seed, uint64(index))),
 	}
 	r.stats.reset()
 	r.metrics = newReplicaMetrics(r)
+	r.metrics.touch(r.model())
 	return r
 }
 
@@ -77,6 +84,7 @@ func (r *Replica) SetBehavior(b Behavior) {
 	r.mu.Lock()
 	r.behavior = b
 	r.mu.Unlock()
+	r.metrics.touch(cmp.Or(b.Model, DefaultModel))
 	r.log.Info("behavior changed", zap.Int("replica", r.index), zap.Stringer("behavior", b))
 }
 
@@ -84,26 +92,37 @@ func (r *Replica) SetBehavior(b Behavior) {
 // queued requests that now fit start at once.
 func (r *Replica) SetCapacity(n int) { r.queue.setCapacity(n) }
 
+// SetKVBlocks changes the size of the replica's KV cache, in blocks of
+// FleetConfig.KVBlockTokens tokens (n <= 0 means DefaultKVBlocks).
+// Blocks held by running requests stay held, even past the new size;
+// queued requests that now fit start at once.
+func (r *Replica) SetKVBlocks(n int) { r.queue.setBlocks(n) }
+
 // Stats returns a snapshot of the replica's statistics.
 func (r *Replica) Stats() ReplicaStats {
 	r.mu.Lock()
 	s := r.stats.snapshot()
 	s.InFlight = r.inFlight
 	s.Behavior = r.behavior.String()
+	s.Metrics = r.metricsMode.String()
+	s.ScrapesInFlight = r.scrapesInFlight
 	r.mu.Unlock()
 	s.Index, s.Addr = r.index, r.addr
-	s.Running, s.Waiting, _ = r.queue.load()
+	l := r.queue.load()
+	s.Running, s.Waiting, s.KVBlocks, s.KVBlocksUsed = l.running, l.waiting, l.blocks, l.used
 	return s
 }
 
 // ResetStats clears the counters and history of the replica (and the
 // request sequence that Fault.Every counts). Live gauges (in flight,
-// running, waiting) are kept; requests in progress are not counted when
-// they end.
+// running, waiting, KV blocks, scrapes in flight) are kept; requests in
+// progress are not counted when they end. The maxima start again from the
+// in-flight counts of the moment.
 func (r *Replica) ResetStats() {
 	r.mu.Lock()
 	r.stats.reset()
 	r.stats.maxInFlight = r.inFlight
+	r.stats.maxScrapes = r.scrapesInFlight
 	r.mu.Unlock()
 }
 
@@ -190,11 +209,13 @@ func (r *Replica) routes() http.Handler {
 	})
 	mux.HandleFunc("GET /v1/models", r.serveModels)
 	mux.HandleFunc("GET /health", r.serveHealth)
-	mux.Handle("GET /metrics", r.metrics.handler())
+	mux.HandleFunc("GET /metrics", r.serveMetrics)
 	mux.HandleFunc("GET /mock/stats", r.serveStats)
 	mux.HandleFunc("POST /mock/reset", r.serveReset)
 	mux.HandleFunc("GET /mock/behavior", r.serveGetBehavior)
 	mux.HandleFunc("PUT /mock/behavior", r.servePutBehavior)
+	mux.HandleFunc("GET /mock/metrics", r.serveGetMetricsMode)
+	mux.HandleFunc("PUT /mock/metrics", r.servePutMetricsMode)
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusNotFound)

@@ -26,7 +26,8 @@ type FleetStats struct {
 
 // ReplicaStats counts what one replica saw since it started or since its
 // last reset. Only completion requests (/v1/chat/completions,
-// /v1/completions) are counted, except HealthChecks.
+// /v1/completions) are counted, except HealthChecks and the scrape
+// counts.
 type ReplicaStats struct {
 	// Index is the replica's position in the fleet, from 0.
 	Index int `json:"index"`
@@ -54,8 +55,26 @@ type ReplicaStats struct {
 	Running int `json:"running"`
 	// Waiting is the number of requests queued for a slot.
 	Waiting int `json:"waiting"`
+	// KVBlocks is the size of the KV cache in blocks; KVBlocksUsed the
+	// blocks held by running requests now (above KVBlocks when their
+	// growth overcommits the cache).
+	KVBlocks     int `json:"kv_blocks"`
+	KVBlocksUsed int `json:"kv_blocks_used"`
 	// HealthChecks counts GET /health requests.
 	HealthChecks int64 `json:"health_checks"`
+	// Metrics is the replica's MetricsMode as a spec string ("normal",
+	// "frozen,kv=old", ...).
+	Metrics string `json:"metrics"`
+	// Scrapes counts GET /metrics requests received, whatever the
+	// MetricsMode made of them.
+	Scrapes int64 `json:"scrapes"`
+	// ScrapesInFlight is the number of GET /metrics requests being
+	// answered now (hanging and slow ones included).
+	ScrapesInFlight int `json:"scrapes_in_flight"`
+	// MaxConcurrentScrapes is the largest ScrapesInFlight seen since the
+	// replica started or since its last reset (which starts it at the
+	// ScrapesInFlight of that moment).
+	MaxConcurrentScrapes int `json:"max_concurrent_scrapes"`
 	// IdleDrops counts requests dropped unanswered because they arrived on
 	// a keep-alive connection the server was closing as idle
 	// (FleetConfig.IdleCloseRace). They are not counted in Requests.
@@ -148,6 +167,8 @@ type counters struct {
 	cancelled    int64
 	healthChecks int64
 	idleDrops    int64
+	scrapes      int64
+	maxScrapes   int // maximum concurrent GET /metrics
 	maxInFlight  int
 	faults       map[string]int64
 	bodies       ring[string]
@@ -161,16 +182,18 @@ func (c *counters) reset() {
 
 func (c *counters) snapshot() ReplicaStats {
 	s := ReplicaStats{
-		Requests:     c.requests,
-		Completed:    c.completed,
-		Cancelled:    c.cancelled,
-		HealthChecks: c.healthChecks,
-		IdleDrops:    c.idleDrops,
-		MaxInFlight:  c.maxInFlight,
-		Faults:       maps.Clone(c.faults),
-		BodySHA256:   append([]string{}, c.bodies.items...),
-		Recent:       make([]RequestRecord, len(c.recent.items)),
-		LastBody:     c.lastBody,
+		Requests:             c.requests,
+		Completed:            c.completed,
+		Cancelled:            c.cancelled,
+		HealthChecks:         c.healthChecks,
+		IdleDrops:            c.idleDrops,
+		MaxInFlight:          c.maxInFlight,
+		Scrapes:              c.scrapes,
+		MaxConcurrentScrapes: c.maxScrapes,
+		Faults:               maps.Clone(c.faults),
+		BodySHA256:           append([]string{}, c.bodies.items...),
+		Recent:               make([]RequestRecord, len(c.recent.items)),
+		LastBody:             c.lastBody,
 	}
 	for i, r := range c.recent.items {
 		s.Recent[i] = *r
