@@ -45,12 +45,20 @@ Flags:
   --token-bytes N          pad each token's content to about N bytes
   --capacity N             concurrent generations per replica; more requests
                            wait in FIFO order (default 0 = unlimited)
+  --kv-blocks N            KV cache per replica, in blocks: a request waits
+                           until its prompt fits, then holds the blocks of its
+                           prompt and generated tokens (default 2048)
+  --kv-block-tokens N      tokens per KV-cache block (default 16)
   --fault SPEC             fault for every replica (see Faults)
   --replica-fault I=SPEC   fault for replica I only, e.g. 2=status=503,fraction=0.3
                            (repeatable; replaces --fault for that replica)
   --replica-ttft I=LATENCY TTFT for replica I only, e.g. 1=lognormal:2s:0.3
                            (repeatable)
   --health-status CODE     status of GET /health (default 200)
+  --metrics SPEC           how GET /metrics answers on every replica (see
+                           Metrics modes; default normal)
+  --replica-metrics I=SPEC /metrics mode of replica I only, e.g. 1=hang
+                           (repeatable; replaces --metrics for that replica)
   --idle-timeout DUR       close keep-alive connections idle this long, as
                            uvicorn does after 5s (default 0 = never)
   --idle-race DUR          drop unanswered a request that arrives on a
@@ -78,6 +86,16 @@ Faults (comma-separated, one kind plus modifiers):
   comment_every=N|DUR      ": ping" after every N content events, or headers at
                            once and ": ping" every DUR while waiting
 
+Metrics modes (comma-separated, at most one of the first five, one kv):
+  normal                   live metrics
+  frozen                   the body of the moment the mode was set, every time
+  hang                     never answer, until the client goes away
+  status=CODE              answer CODE (400-599) with a short text body
+  slow=DUR                 wait DUR, then answer normally
+  kv=new|old|both|none     KV-cache gauge exposed: vllm:kv_cache_usage_perc
+                           (new, the default), vllm:gpu_cache_usage_perc (old),
+                           both, or none
+
 Per-request headers (override the replica's settings):
   X-Mock-TTFT: 200ms | lognormal:150ms:0.5 | 0
   X-Mock-Straggler: 0.05:2s-5s
@@ -91,7 +109,8 @@ Endpoints of every replica:
   POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
   GET /health, GET /metrics (vllm:* metrics), GET /mock/stats (whole fleet),
   POST /mock/reset (whole fleet), GET|PUT /mock/behavior (this replica;
-  body "ttft=200ms; tokens=8; fault=status=503" or a JSON object).
+  body "ttft=200ms; tokens=8; fault=status=503" or a JSON object),
+  GET|PUT /mock/metrics (this replica's metrics mode; body "frozen,kv=old").
 Responses carry X-Mock-Replica: ADDR.
 `
 
@@ -128,6 +147,9 @@ func run(args []string, stdout, stderr io.Writer) error {
 	listen := fs.String("listen", "127.0.0.1:9101", "")
 	replicas := fs.Int("replicas", 1, "")
 	capacity := fs.Int("capacity", 0, "")
+	kvBlocks := fs.Int("kv-blocks", mockllm.DefaultKVBlocks, "")
+	kvBlockTokens := fs.Int("kv-block-tokens", mockllm.DefaultKVBlockTokens, "")
+	metricsSpec := fs.String("metrics", "", "")
 	seed := fs.Uint64("seed", 0, "")
 	grace := fs.Duration("grace", 5*time.Second, "")
 	idleTimeout := fs.Duration("idle-timeout", 0, "")
@@ -145,9 +167,10 @@ func run(args []string, stdout, stderr io.Writer) error {
 	for _, k := range knobs {
 		values[k.flag] = fs.String(k.flag, "", "")
 	}
-	replicaFault, replicaTTFT := indexed{}, indexed{}
+	replicaFault, replicaTTFT, replicaMetrics := indexed{}, indexed{}, indexed{}
 	fs.Var(replicaFault, "replica-fault", "")
 	fs.Var(replicaTTFT, "replica-ttft", "")
+	fs.Var(replicaMetrics, "replica-metrics", "")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -188,6 +211,20 @@ func run(args []string, stdout, stderr io.Writer) error {
 		per[i] = rb
 	}
 
+	if *kvBlocks < 1 || *kvBlockTokens < 1 {
+		return fmt.Errorf("--kv-blocks %d, --kv-block-tokens %d: want at least 1", *kvBlocks, *kvBlockTokens)
+	}
+	metrics, err := mockllm.ParseMetricsMode(*metricsSpec)
+	if err != nil {
+		return fmt.Errorf("--metrics: %w", err)
+	}
+	perMetrics := map[int]mockllm.MetricsMode{}
+	for i, spec := range replicaMetrics {
+		if perMetrics[i], err = mockllm.ParseMetricsMode(spec); err != nil {
+			return fmt.Errorf("--replica-metrics %d: %w", i, err)
+		}
+	}
+
 	level := zapcore.WarnLevel
 	if verbose {
 		level = zapcore.DebugLevel
@@ -203,23 +240,35 @@ func run(args []string, stdout, stderr io.Writer) error {
 	defer log.Sync()
 
 	fleet, err := mockllm.StartFleet(mockllm.FleetConfig{
-		Listen:        *listen,
-		Replicas:      *replicas,
-		Behavior:      b,
-		PerReplica:    per,
-		Capacity:      *capacity,
-		IdleTimeout:   *idleTimeout,
-		IdleCloseRace: *idleRace,
-		Seed:          *seed,
-		Logger:        log,
+		Listen:            *listen,
+		Replicas:          *replicas,
+		Behavior:          b,
+		PerReplica:        per,
+		Capacity:          *capacity,
+		KVBlocks:          *kvBlocks,
+		KVBlockTokens:     *kvBlockTokens,
+		Metrics:           metrics,
+		PerReplicaMetrics: perMetrics,
+		IdleTimeout:       *idleTimeout,
+		IdleCloseRace:     *idleRace,
+		Seed:              *seed,
+		Logger:            log,
 	})
 	if err != nil {
 		return err
 	}
 	for i, addr := range fleet.Addrs() {
-		desc := fleet.Replica(i).Behavior().String()
-		if desc != "" {
-			desc = " (" + desc + ")"
+		r := fleet.Replica(i)
+		var items []string
+		if b := r.Behavior().String(); b != "" {
+			items = append(items, b)
+		}
+		if m := r.MetricsMode(); m != (mockllm.MetricsMode{}) {
+			items = append(items, "metrics "+m.String())
+		}
+		desc := ""
+		if len(items) > 0 {
+			desc = " (" + strings.Join(items, "; ") + ")"
 		}
 		fmt.Fprintf(stdout, "mockllm: replica %d listening on %s%s\n", i, addr, desc)
 	}
