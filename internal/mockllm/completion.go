@@ -124,12 +124,14 @@ func (x *exchange) responseID() string {
 	return prefix + hex.EncodeToString(b[:])
 }
 
-// end records the outcome once; fault is the kind injected, if any.
+// end records the outcome once, after leaving the scheduler; fault is the
+// kind injected, if any.
 func (x *exchange) end(outcome string, fault FaultKind) {
 	if x.ended {
 		return
 	}
 	x.ended = true
+	x.leave()
 	r := x.r
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -235,7 +237,7 @@ func (x *exchange) run() {
 		x.end(OutcomeCancelled, FaultNone)
 		return
 	}
-	defer x.r.queue.release(x.job)
+	defer x.leave()
 	if x.wait(x.p.ttft) != nil {
 		x.end(OutcomeCancelled, FaultNone)
 		return
@@ -313,6 +315,16 @@ func (x *exchange) acquire() bool {
 	x.job = s
 	x.r.metrics.queueTime.WithLabelValues(x.p.served).Observe(s.waited.Seconds())
 	return true
+}
+
+// leave gives the request's slot and KV blocks back to the scheduler,
+// once: when the outcome is recorded, so that statistics never show an
+// ended request still running.
+func (x *exchange) leave() {
+	if x.job != nil {
+		x.r.queue.release(x.job)
+		x.job = nil
+	}
 }
 
 // generated records that the first n tokens have been generated: the
