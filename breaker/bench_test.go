@@ -73,3 +73,20 @@ func BenchmarkSystemClockNow(b *testing.B) {
 		_ = t
 	})
 }
+
+// BenchmarkObservedAllow measures a refusal by a breaker that TripObserved
+// opened, with its cooldown over: what every request pays per saturated
+// upstream it skips. It takes no lock and reads no clock.
+func BenchmarkObservedAllow(b *testing.B) {
+	br := breaker.New("up1", breaker.Settings{OpenFor: time.Nanosecond, MinOpen: -1})
+	br.TripObserved("bench")
+	time.Sleep(time.Millisecond) // the cooldown is over
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, ok := br.Allow(); ok {
+				b.Fatal("allowed")
+			}
+		}
+	})
+}

@@ -109,7 +109,11 @@ type Breaker struct {
 	busyUntil atomic.Int64
 	// consec is the current run of failures.
 	consec atomic.Int64
-	cfg    atomic.Pointer[config]
+	// observed (Open, HalfOpen) marks a trip by TripObserved, whose
+	// recovery is by Observe only: Allow and AllowProbe refuse without the
+	// lock while it is set. Written under mu, before the word.
+	observed atomic.Bool
+	cfg      atomic.Pointer[config]
 
 	key      string
 	base     time.Time // the clock at creation; gate and busyUntil count from it
@@ -207,7 +211,9 @@ func (p Permit) Probe() bool { return p.probe != 0 }
 // then exactly one caller moves the breaker to HalfOpen and gets a probe
 // permit. In HalfOpen at most HalfOpenProbes probe permits are out at once.
 // With Settings.ActiveProbing, Allow never gives probe permits: user traffic
-// waits for AllowProbe's synthetic probes to close the breaker.
+// waits for AllowProbe's synthetic probes to close the breaker. A breaker
+// tripped by TripObserved refuses every call, without a lock, until
+// observations close it (see Observe).
 func (b *Breaker) Allow() (Permit, bool) {
 	w := b.word.Load()
 	if stateOf(w) == Closed {
@@ -219,7 +225,9 @@ func (b *Breaker) Allow() (Permit, bool) {
 // AllowProbe asks for a probe permit for a synthetic probe sent by the
 // gateway itself (active probing: a health URI or a tiny chat completion).
 // It succeeds when Allow would give a probe permit, whatever ActiveProbing
-// says, and fails in Closed (there is nothing to probe).
+// says, and fails in Closed (there is nothing to probe) and on a breaker
+// tripped by TripObserved (a saturated server answers a probe fine; only an
+// observation may close it).
 func (b *Breaker) AllowProbe() (Permit, bool) {
 	w := b.word.Load()
 	if stateOf(w) == Closed {
@@ -230,7 +238,7 @@ func (b *Breaker) AllowProbe() (Permit, bool) {
 
 func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
 	userBlocked := !synthetic && b.cfg.Load().s.ActiveProbing
-	if userBlocked {
+	if userBlocked || b.observed.Load() {
 		return Permit{}, false
 	}
 	now := b.clock.Now()
@@ -251,22 +259,28 @@ func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
 	b.tickLocked(now)
 	var p Permit
 	ok := false
-	switch w = b.word.Load(); stateOf(w) {
-	case Closed:
+	switch w = b.word.Load(); {
+	case b.observed.Load(): // tripped by TripObserved meanwhile
+	case stateOf(w) == Closed:
 		if !synthetic {
 			p, ok = Permit{b: b, word: w}, true
 		}
-	case Open:
+	case stateOf(w) == Open:
 		if !b.forever && t >= b.gate.Load() {
-			b.forced = false
-			b.toLocked(HalfOpen, now, fmt.Sprintf("cooldown over after %s", now.Sub(b.openedAt)))
+			b.halfOpenLocked(now)
 			p, ok = b.takeProbeLocked(now)
 		}
-	case HalfOpen:
+	case stateOf(w) == HalfOpen:
 		p, ok = b.takeProbeLocked(now)
 	}
 	b.unlock()
 	return p, ok
+}
+
+// halfOpenLocked moves an open breaker whose cooldown is over to HalfOpen.
+func (b *Breaker) halfOpenLocked(now time.Time) {
+	b.forced = false
+	b.toLocked(HalfOpen, now, fmt.Sprintf("cooldown over after %s", now.Sub(b.openedAt)))
 }
 
 // takeProbeLocked hands out a probe permit if a slot is free.
@@ -387,7 +401,7 @@ func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason st
 	}
 	if why != "" {
 		why += "; last: " + reason
-		b.openLocked(now, now.Add(b.cooldownLocked()), true, why)
+		b.openLocked(now, now.Add(b.cooldownLocked()), true, false, why)
 		b.publishOpenLocked(why)
 		return
 	}
@@ -429,13 +443,21 @@ func (b *Breaker) removeProbeLocked(id uint64) bool {
 	return false
 }
 
-// probeFailedLocked re-opens a half-open breaker with the grown cooldown.
+// probeFailedLocked re-opens a half-open breaker with the grown cooldown,
+// counting a failure. It keeps the observed mark (a Retry-After on a
+// breaker that TripObserved opened).
 func (b *Breaker) probeFailedLocked(now time.Time, reason string) {
 	b.consec.Add(1)
 	b.cfg.Load().fails.record(now, true, false)
+	b.reopenLocked(now, b.observed.Load(), reason)
+}
+
+// reopenLocked re-opens a half-open breaker with the grown cooldown, marked
+// observed or not.
+func (b *Breaker) reopenLocked(now time.Time, observed bool, reason string) {
 	b.lastFailure, b.lastFailureAt = reason, now
 	b.reopens++
-	b.openLocked(now, now.Add(b.cooldownLocked()), true, reason)
+	b.openLocked(now, now.Add(b.cooldownLocked()), true, observed, reason)
 	b.publishOpenLocked(reason)
 }
 
@@ -454,8 +476,22 @@ func (b *Breaker) tickLocked(now time.Time) {
 		}
 	}
 	if b.successes >= c.s.RecoverySuccesses && !now.Before(b.minOpenUntil) {
-		b.closeLocked(now, fmt.Sprintf("%d consecutive probe successes", b.successes), false)
+		b.closeLocked(now, b.recoveredLocked(""), false)
 	}
+}
+
+// recoveredLocked is the reason a half-open breaker closes, with the
+// verdict that closed it when known.
+func (b *Breaker) recoveredLocked(last string) string {
+	what := "probe successes"
+	if b.observed.Load() {
+		what = "healthy observations"
+	}
+	r := fmt.Sprintf("%d consecutive %s", b.successes, what)
+	if last != "" {
+		r += "; last: " + last
+	}
+	return r
 }
 
 // cooldownLocked is min(OpenFor × 2^reopens, MaxOpen), jittered by
@@ -477,13 +513,14 @@ func (b *Breaker) cooldownLocked() time.Duration {
 }
 
 // openLocked moves the breaker to Open until `until`, and until MinOpen is
-// over if useMinOpen.
-func (b *Breaker) openLocked(now, until time.Time, useMinOpen bool, reason string) {
+// over if useMinOpen; observed marks a trip by TripObserved.
+func (b *Breaker) openLocked(now, until time.Time, useMinOpen, observed bool, reason string) {
 	b.openedAt = now
 	b.openUntil = until
 	b.useMinOpen = useMinOpen
 	b.minOpenUntil = b.minOpenFromLocked(now)
 	b.forced, b.forever = false, false
+	b.observed.Store(observed)
 	b.setGateLocked()
 	b.probes = b.probes[:0]
 	b.successes = 0
@@ -534,6 +571,7 @@ func (b *Breaker) closeLocked(now time.Time, reason string, reset bool) {
 	b.probes = b.probes[:0]
 	b.successes = 0
 	b.forced, b.forever = false, false
+	b.observed.Store(false)
 	b.openedAt, b.openUntil, b.minOpenUntil, b.useMinOpen = time.Time{}, time.Time{}, time.Time{}, false
 	b.busyUntil.Store(0)
 	if reset {
@@ -624,8 +662,9 @@ func (b *Breaker) drain() {
 // the end of the cooldown (and MinOpen), or now+MaxOpen as a hint when
 // forced open until closed; in HalfOpen with every slot taken, the time the
 // oldest probe times out (a slot is certain to free by then, usually much
-// sooner); with ActiveProbing, never zero outside Closed (now when a probe
-// is due).
+// sooner); with ActiveProbing, and on a breaker tripped by TripObserved,
+// never zero outside Closed (now when a probe or an observation is due: in
+// HalfOpen, the next observation decides).
 func (b *Breaker) RetryAt() time.Time {
 	if stateOf(b.word.Load()) == Closed {
 		return time.Time{}
@@ -655,7 +694,7 @@ func (b *Breaker) RetryAt() time.Time {
 		}
 	}
 	if !at.After(now) {
-		if !s.ActiveProbing {
+		if !s.ActiveProbing && !b.observed.Load() {
 			return time.Time{}
 		}
 		at = now
@@ -665,9 +704,10 @@ func (b *Breaker) RetryAt() time.Time {
 
 // ProbeDue reports whether a synthetic probe may be sent now (active
 // probing): the breaker is open with its cooldown over, or half-open with a
-// free probe slot. The gateway then calls AllowProbe.
+// free probe slot. The gateway then calls AllowProbe. It is false on a
+// breaker tripped by TripObserved: only observations recover it.
 func (b *Breaker) ProbeDue() bool {
-	if stateOf(b.word.Load()) == Closed {
+	if stateOf(b.word.Load()) == Closed || b.observed.Load() {
 		return false
 	}
 	now := b.clock.Now()
@@ -693,6 +733,10 @@ func (b *Breaker) ProbeDue() bool {
 //   - HalfOpen: the Retry-After answers the probe, so it re-opens as a failed
 //     probe would (grown cooldown), and at least until now+d.
 //
+// A breaker that TripObserved opened stays observed: a Retry-After says
+// nothing about the saturation being over, so it moves the cooldown end out
+// (Open) or re-opens (HalfOpen) as above, and recovery is still by Observe.
+//
 // When it ends the breaker half-opens as after any trip. d ≤ 0 and d >
 // MaxRetryAfter (junk) are ignored. Callers record the call's failure with
 // Done as well; the order does not matter.
@@ -716,7 +760,7 @@ func (b *Breaker) ExtendOpen(d time.Duration, reason string) {
 		b.setGateLocked()
 		b.publishOpenLocked(reason)
 	case Closed:
-		b.openLocked(now, until, false, reason)
+		b.openLocked(now, until, false, false, reason)
 		b.publishOpenLocked(reason)
 	case HalfOpen:
 		b.probeFailedLocked(now, reason)
@@ -738,7 +782,8 @@ func suffix(reason string) string {
 // ForceOpen opens the breaker by operator decision (admin API, draining a
 // server for maintenance): for d, after which it half-opens as usual, or
 // with d ≤ 0 until ForceClose or Reset. MaxOpen does not cap d. It does not
-// count as a re-open.
+// count as a re-open. It clears the mark of TripObserved: once the forced
+// open ends, the breaker half-opens and recovers by probes.
 func (b *Breaker) ForceOpen(d time.Duration, reason string) {
 	now := b.clock.Now()
 	b.mu.Lock()
@@ -751,6 +796,7 @@ func (b *Breaker) ForceOpen(d time.Duration, reason string) {
 	// Set the gate before the word goes Open, so lock-free readers never
 	// see Open with an old gate.
 	b.forced, b.forever, b.useMinOpen = true, d <= 0, false
+	b.observed.Store(false)
 	b.openedAt, b.openUntil, b.minOpenUntil = now, until, now
 	b.setGateLocked()
 	b.probes = b.probes[:0]
@@ -822,6 +868,7 @@ func (b *Breaker) Snapshot() Snapshot {
 		ConsecutiveFailures: int(b.consec.Load()),
 		FailuresInWindow:    c.fails.sum(now).failures,
 		Forced:              b.forced,
+		Observed:            b.observed.Load(),
 		ProbesInFlight:      len(b.probes),
 		ProbeSuccesses:      b.successes,
 		Reopens:             b.reopens,
@@ -855,5 +902,5 @@ func (b *Breaker) adoptStoreLocked(now time.Time) {
 	if !until.After(now) {
 		return
 	}
-	b.openLocked(now, until, false, "open in store"+suffix(reason))
+	b.openLocked(now, until, false, false, "open in store"+suffix(reason))
 }

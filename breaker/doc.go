@@ -11,10 +11,40 @@
 //	HalfOpen --RecoverySuccesses probe successes--------->  Closed
 //	HalfOpen --a probe fails, is slow or times out------->  Open (cooldown ×2)
 //
-// Trip rules (Settings): consecutive failures, N failures within a duration,
-// failure ratio over a rolling window, and slow calls (a successful call whose
-// time to first token exceeds SlowTTFT counts as a failure; SlowRatio is a
-// separate ratio rule for slow calls alone).
+// A breaker trips in one of two ways, into the same state machine (the same
+// cooldown, OpenFor × 2^reopens capped by MaxOpen and jittered, and MinOpen):
+//
+//   - On errors, seen in user traffic: the trip rules of Settings, which are
+//     consecutive failures, N failures within a duration, failure ratio over a
+//     rolling window, and slow calls (a successful call whose time to first
+//     token exceeds SlowTTFT counts as a failure; SlowRatio is a separate
+//     ratio rule for slow calls alone). A Retry-After (ExtendOpen) and an
+//     operator (ForceOpen) open it the same way. It recovers by probes: once
+//     the cooldown is over, a few calls (user requests, or with
+//     ActiveProbing the gateway's synthetic probes) decide between Closed and
+//     Open.
+//   - On a signal observed outside user traffic (TripObserved): the gateway
+//     scrapes an inference server's /metrics and sees queue-wait p99 or
+//     KV-cache usage above a threshold for a sustained time. Such a server
+//     answers a /health probe, and even a small request, fine; so this trip
+//     recovers by observation alone (Observe). No call is let through,
+//     neither user request nor synthetic probe: Allow and AllowProbe
+//     refuse, ProbeDue is false, RetryAt is never zero.
+//
+// An observed trip moves on observations:
+//
+//	Closed   --TripObserved------------------------------>  Open (observed)
+//	Open     --Observe after the cooldown and MinOpen----->  HalfOpen (observed), then as below
+//	HalfOpen --RecoverySuccesses ObservedHealthy---------->  Closed
+//	HalfOpen --ObservedUnhealthy, or TripObserved--------->  Open (observed, cooldown ×2)
+//
+// ObservedUnknown (no usable signal: a failed scrape, a stale metric) starts
+// the run of healthy observations again and never re-opens. Closing,
+// ForceOpen, ForceClose and Reset clear the observed mark; a Retry-After on
+// an observed breaker moves its cooldown end out and leaves it observed.
+// TripObserved leaves a breaker open for errors alone (it refuses already,
+// and keeps its own recovery) and turns a half-open one into an observed
+// open.
 //
 // Recording is explicit. The caller asks for a Permit with Allow, runs the
 // attempt, and reports the outcome with Permit.Done: Success (with its TTFT),
@@ -38,5 +68,5 @@
 // nothing: the state is one atomic word and the rolling windows are atomic
 // bucket counters. The mutex is taken on failures, on transitions and in the
 // open and half-open states (where refusals are themselves lock-free until a
-// probe is due).
+// probe is due, and always on an observed trip).
 package breaker

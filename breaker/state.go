@@ -120,6 +120,12 @@ type Snapshot struct {
 	OpenUntil time.Time `json:"open_until,omitzero"`
 	// Forced is true when an operator forced it open (ForceOpen).
 	Forced bool `json:"forced,omitempty"`
+	// Observed is true when it is open or half-open because of a signal
+	// observed outside user traffic (TripObserved: a saturated server's
+	// /metrics); it recovers by observation only, and no call is let
+	// through until it closes. ProbeSuccesses then counts healthy
+	// observations.
+	Observed bool `json:"observed,omitempty"`
 	// ProbesInFlight is the number of probe permits out (HalfOpen).
 	ProbesInFlight int `json:"probes_in_flight"`
 	// ProbeSuccesses is the number of consecutive probe successes so far
@@ -128,8 +134,9 @@ type Snapshot struct {
 	// Reopens is the number of consecutive re-opens (failed half-opens)
 	// since the breaker was last closed; the cooldown is OpenFor × 2^Reopens.
 	Reopens int `json:"reopens"`
-	// LastFailure is the reason given with the last failure; empty until
-	// a failure is recorded.
+	// LastFailure is the reason given with the last failure (or observed
+	// trip, or unhealthy observation that re-opened it); empty until one is
+	// recorded.
 	LastFailure string `json:"last_failure,omitempty"`
 	// LastFailureAt is the time of the last failure; zero until one.
 	LastFailureAt time.Time `json:"last_failure_at,omitzero"`

@@ -13,7 +13,7 @@ import (
 //
 // The seam is deliberately narrow. A breaker calls its store only on slow
 // paths, all under the breaker's lock: PutOpen when it opens (and on
-// ExtendOpen, ForceOpen), ClearOpen when it closes (and on ForceClose,
+// ExtendOpen, ForceOpen, TripObserved), ClearOpen when it closes (and on ForceClose,
 // Reset), OpenUntil when the breaker is created and
 // when it records a failure while closed, where a store that knows the key
 // is open opens the local breaker at once, after one failure rather than
