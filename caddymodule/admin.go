@@ -34,6 +34,14 @@ func init() {
 //	GET  /llm_proxy/tenants/<id>               one tenant
 //	POST /llm_proxy/tenants/<id>/open[?for=<duration>]|close|reset   its tenant breaker
 //
+// And the upstreams' saturation, read from their /metrics (handlers with
+// saturation configured):
+//
+//	GET  /llm_proxy/saturation                 every scraped upstream's snapshot: score,
+//	                                           in-flight counts, each signal's last value
+//	                                           and state, the scrape's age and error
+//	GET  /llm_proxy/saturation/<upstream>      one upstream (its dial address)
+//
 // No key appears anywhere.
 type adminAPI struct{}
 
@@ -52,7 +60,31 @@ func (a adminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/llm_proxy/breakers/", Handler: caddy.AdminHandlerFunc(a.control)},
 		{Pattern: "/llm_proxy/tenants", Handler: caddy.AdminHandlerFunc(a.tenants)},
 		{Pattern: "/llm_proxy/tenants/", Handler: caddy.AdminHandlerFunc(a.tenant)},
+		{Pattern: "/llm_proxy/saturation", Handler: caddy.AdminHandlerFunc(a.saturation)},
+		{Pattern: "/llm_proxy/saturation/", Handler: caddy.AdminHandlerFunc(a.saturation)},
 	}
+}
+
+// saturation serves the upstreams' saturation snapshots, every one or the
+// one named after the slash, with their age now.
+func (adminAPI) saturation(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	views := reg.Saturation(time.Now())
+	addr, one := strings.CutPrefix(r.URL.Path, "/llm_proxy/saturation/")
+	if !one {
+		if views == nil {
+			views = []upstream.SaturationView{}
+		}
+		return writeJSON(w, views)
+	}
+	for _, v := range views {
+		if v.Upstream == addr {
+			return writeJSON(w, v)
+		}
+	}
+	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no saturation snapshot for upstream %q (not scraped yet, or no handler with saturation uses it)", addr)}
 }
 
 func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {

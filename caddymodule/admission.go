@@ -10,8 +10,10 @@ import (
 )
 
 // AdmissionConfig is a handler's pool capacity and priority queue: past
-// capacity, sheddable tiers are refused at once (429 saturated) and the
-// others wait by priority, then arrival, up to their tier's queue_timeout.
+// capacity, or while the pool is saturated (with saturation configured:
+// every healthy upstream at its queue or KV-cache threshold), sheddable
+// tiers are refused at once (429 saturated) and the others wait by
+// priority, then arrival, up to their tier's queue_timeout.
 type AdmissionConfig struct {
 	// Capacity is the most requests in flight through this handler.
 	// Exclusive with PerUpstream. Default: 0 (no pool capacity: only the
@@ -69,6 +71,14 @@ func (s *sharedGate) capacity() int {
 	return admission.PoolCapacity(c.fixed, c.perUpstream, healthy)
 }
 
+// saturated is the pool signal of the newest started config's pool
+// (false when that pool has no saturation configured): admission treats a
+// saturated pool like a full capacity.
+func (s *sharedGate) saturated() bool {
+	c := s.cap.Load()
+	return c != nil && c.pool.Saturated()
+}
+
 // apply makes c the gate's capacity (the config starts).
 func (s *sharedGate) apply(c *gateCapacity) {
 	s.cap.Store(c)
@@ -95,15 +105,16 @@ func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *u
 		sg := new(sharedGate)
 		// A new gate is not live yet: its capacity applies now.
 		sg.cap.Store(want)
-		sg.g = admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Queue: want.queue, Controller: ctl},
+		sg.g = admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Saturated: sg.saturated, Queue: want.queue, Controller: ctl},
 			admission.SystemClock{}, admissionObserver{})
 		return sg, nil
 	}, nil)
 	return sg, want, err
 }
 
-// capacityChanged re-checks every gate's capacity (a breaker closed, so a
-// per_upstream capacity grew): waiting requests are admitted now rather
+// capacityChanged re-checks every gate's capacity and pool signal (a
+// breaker closed, so a per_upstream capacity grew; a scrape may have
+// cleared the saturation signal): waiting requests are admitted now rather
 // than at the next release.
 func capacityChanged() {
 	_, gs := gates.Snapshot()

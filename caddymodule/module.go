@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -50,9 +51,10 @@ type Handler struct {
 	DynamicUpstreamsRaw json.RawMessage `json:"dynamic_upstreams,omitempty" caddy:"namespace=http.reverse_proxy.upstreams inline_key=source"`
 
 	// LoadBalancing chooses among the upstreams that a request has not yet
-	// tried. Default: least_conn, counting the gateway's attempts in flight
-	// (LLM requests vary in length by orders of magnitude, so load follows
-	// outstanding requests, not request counts).
+	// tried. Default: least_queue when Saturation is configured, else
+	// least_conn, counting the gateway's attempts in flight (LLM requests
+	// vary in length by orders of magnitude, so load follows outstanding
+	// requests, not request counts).
 	LoadBalancing *LoadBalancing `json:"load_balancing,omitempty"`
 
 	// TransportRaw configures how upstreams are reached. Only Caddy's
@@ -102,6 +104,14 @@ type Handler struct {
 	// pool capacity; tenants' own limits still apply when configured).
 	Admission *AdmissionConfig `json:"admission,omitempty"`
 
+	// Saturation scrapes each upstream's Prometheus /metrics for its queue
+	// depth and KV-cache usage, routes by them (least_queue), keeps
+	// saturated upstreams out of the candidates, trips breakers on
+	// sustained queue wait, and gives admission the pool signal. Default:
+	// off ({} turns it on with the defaults documented on
+	// SaturationConfig).
+	Saturation *SaturationConfig `json:"saturation,omitempty"`
+
 	pool *upstream.Pool
 	// claims holds the handler's references outside its pool (its gate).
 	claims       *registry.Claims
@@ -116,8 +126,14 @@ type LoadBalancing struct {
 	// SelectionPolicyRaw is a Caddy selection policy module
 	// (http.reverse_proxy.selection_policies: round_robin, least_conn,
 	// random, random_choose, first, ip_hash, uri_hash, header, cookie,
-	// query, weighted_round_robin, ...). least_conn and random_choose count
-	// the gateway's own attempts in flight. Default: least_conn.
+	// query, weighted_round_robin, ...), or {"policy": "least_queue"}: the
+	// gateway's own policy, not a Caddy module, which picks the upstream
+	// with the lowest saturation score (see Saturation; without it the
+	// score is the attempts in flight, as least_conn). least_conn and
+	// random_choose count the gateway's own attempts in flight. With
+	// Saturation configured, saturated upstreams are removed before any
+	// policy chooses. Default: least_queue with Saturation, else
+	// least_conn.
 	SelectionPolicyRaw json.RawMessage `json:"selection_policy,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 }
 
@@ -164,14 +180,21 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 		static = append(static, t)
 	}
-	var policy any
-	if h.LoadBalancing != nil && h.LoadBalancing.SelectionPolicyRaw != nil {
-		if policy, err = ctx.LoadModule(h.LoadBalancing, "SelectionPolicyRaw"); err != nil {
-			return fmt.Errorf("loading selection policy: %w", err)
-		}
+	sel, err := h.loadSelector(ctx)
+	if err != nil {
+		return err
 	}
 	if h.transport, err = newTransport(ctx, h); err != nil {
 		return err
+	}
+	sat, err := h.Saturation.upstreamConfig()
+	if err != nil {
+		return err
+	}
+	if sat != nil {
+		// Scrapes go over the handler's transport (TLS, dial timeouts),
+		// dialled as the breaker's prober does.
+		sat.Transport, sat.Dial = h.transport, dialFor
 	}
 	retry, err := h.Retries.upstreamConfig()
 	if err != nil {
@@ -182,12 +205,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	cfg := upstream.Config{
-		Key:      key,
-		Static:   static,
-		Source:   source,
-		Selector: selector(policy),
-		Retry:    retry,
-		Hedge:    hc,
+		Key:        key,
+		Static:     static,
+		Source:     source,
+		Selector:   sel,
+		Retry:      retry,
+		Hedge:      hc,
+		Saturation: sat,
 	}
 	if h.Breaker == nil || !h.Breaker.Disabled {
 		s := h.Breaker.settings(h.firstByteTimeout())
@@ -282,6 +306,14 @@ func (h *Handler) check() error {
 	if err := h.Admission.validate(); err != nil {
 		return err
 	}
+	if _, err := h.Saturation.upstreamConfig(); err != nil {
+		return err
+	}
+	if h.LoadBalancing != nil && h.LoadBalancing.SelectionPolicyRaw != nil {
+		if _, err := leastQueue(h.LoadBalancing.SelectionPolicyRaw); err != nil {
+			return err
+		}
+	}
 	return h.Breaker.validate()
 }
 
@@ -342,6 +374,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.queue_ms", res.QueueWait.Milliseconds())
 		repl.Set("http.llm_proxy.admission_us", res.Decision.Microseconds())
 		repl.Set("http.llm_proxy.tokens", res.Tokens)
+		if h.Saturation != nil && res.Upstream != "" {
+			repl.Set("http.llm_proxy.saturation", strconv.FormatFloat(res.Saturation, 'f', 3, 64))
+		}
 	}
 	h.logResult(res)
 	return nil

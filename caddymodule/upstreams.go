@@ -134,6 +134,30 @@ func (s caddySelector) Select(cs []upstream.Candidate, r *http.Request, w http.R
 	return slices.Index(pool, chosen)
 }
 
+// loadSelector returns the handler's selection policy: least_queue (the
+// pool's own, not a Caddy module), a loaded Caddy policy, or the default
+// (least_queue with saturation, else least_conn).
+func (h *Handler) loadSelector(ctx caddy.Context) (upstream.Selector, error) {
+	if h.LoadBalancing == nil || h.LoadBalancing.SelectionPolicyRaw == nil {
+		if h.Saturation != nil {
+			return upstream.LeastQueue{}, nil
+		}
+		return selector(nil), nil
+	}
+	lq, err := leastQueue(h.LoadBalancing.SelectionPolicyRaw)
+	if err != nil {
+		return nil, err
+	}
+	if lq {
+		return upstream.LeastQueue{}, nil
+	}
+	mod, err := ctx.LoadModule(h.LoadBalancing, "SelectionPolicyRaw")
+	if err != nil {
+		return nil, fmt.Errorf("loading selection policy: %w", err)
+	}
+	return selector(mod), nil
+}
+
 // selector returns the pool's selection policy for a loaded Caddy policy:
 // least_conn and random_choose count Caddy's own reverse_proxy requests, so
 // they are replaced by the pool's versions that count this gateway's
