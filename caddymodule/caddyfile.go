@@ -72,12 +72,30 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        capacity <n> | per_upstream <n>
 //	        queue <n>
 //	    }
+//	    saturation {
+//	        metrics_path <path>
+//	        interval <duration>
+//	        timeout <duration>
+//	        stale_after <duration>
+//	        preset vllm|sglang|tgi
+//	        metric queue_depth|running|kv_usage|queue_time|ttft <name>
+//	        queue_threshold <n>
+//	        kv_threshold <ratio>
+//	        trip queue_wait_p99 <duration> [for <duration>]
+//	        trip kv_usage <ratio> [for <duration>]
+//	        trip ttft_p95 <duration> [for <duration>]
+//	        trip off
+//	        window <duration>
+//	    }
 //	}
 //
 // Upstreams are "host:port", "http://host:port", "https://host[:port]"
 // (enables TLS on the http transport), "h2c://host:port" or
 // "unix//path". dynamic, lb_policy and transport take the same modules and
-// grammar as reverse_proxy. Sizes accept units ("16MiB", "512KB").
+// grammar as reverse_proxy; lb_policy also takes least_queue, the gateway's
+// own policy (the default when saturation is configured). "saturation"
+// without a block takes every default. Sizes accept units ("16MiB",
+// "512KB").
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	var schemes []string
@@ -148,6 +166,14 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Err("load balancing selection policy already specified")
 			}
 			name := d.Val()
+			if name == leastQueuePolicy {
+				// The pool's own policy, not a Caddy module.
+				if d.NextArg() || d.NextBlock(d.Nesting()) {
+					return d.Err("lb_policy least_queue takes no options")
+				}
+				h.LoadBalancing = &LoadBalancing{SelectionPolicyRaw: []byte(`{"policy":"least_queue"}`)}
+				break
+			}
 			modID := "http.reverse_proxy.selection_policies." + name
 			unm, err := caddyfile.UnmarshalModule(d, modID)
 			if err != nil {
@@ -251,6 +277,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Admission = ac
+
+		case "saturation":
+			if h.Saturation != nil {
+				return d.Err("saturation already specified")
+			}
+			sc, err := parseSaturation(d)
+			if err != nil {
+				return err
+			}
+			h.Saturation = sc
 
 		case "breaker":
 			if h.Breaker != nil {

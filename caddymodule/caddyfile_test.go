@@ -243,6 +243,8 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		"llm_proxy 127.0.0.1:9000 {\n lb_policy random_choose 2\n}",
 		"llm_proxy {\n}",
 		"llm_proxy 127.0.0.1:9000 { max_attempts 99999999999999999999 }",
+		"llm_proxy 127.0.0.1:9000 {\n lb_policy least_queue\n saturation {\n  interval 2s\n  preset tgi\n  metric kv_usage my:kv\n  trip queue_wait_p99 3s for 20s\n  trip kv_usage 0.95\n }\n}",
+		"llm_proxy 127.0.0.1:9000 {\n saturation {\n  trip off\n }\n}",
 	}
 	for _, s := range seeds {
 		f.Add(s)
