@@ -24,9 +24,9 @@ func init() {
 // config's settings to shared upstream entries (breaker thresholds, active
 // probing); stopping it hands them back to the newest config still running.
 // So a config that fails to load never changes live state, and background
-// loops (active probes now; metric scrapers and fleet refresh next) run once
-// per upstream however many handlers use it, survive reloads handed over to
-// the newest config, and stop when their upstream is released.
+// loops (active probes and /metrics scrapers now; fleet refresh next) run
+// once per upstream however many handlers use it, survive reloads handed
+// over to the newest config, and stop when their upstream is released.
 type App struct {
 	// Tenants maps credentials to tenants. Default: none — requests are not
 	// identified and no tenant limits apply.
