@@ -23,6 +23,13 @@ bench-hedge:
 bench-isolation:
 	scripts/bench-isolation.sh
 
+# Selection under overload (issue 9): round_robin, least_conn and
+# least_queue (saturation) on a fleet with a half-capacity straggler; TTFT
+# p50/p99, throughput, replica shares; a PNG of the TTFT CDFs.
+.PHONY: bench-saturation
+bench-saturation:
+	scripts/bench-saturation.sh
+
 # Installs what the tests need (scripts/setup-test.sh), then every test
 # with the race detector, end-to-end tests against the real caddy included.
 test:

@@ -12,6 +12,8 @@
 //	llmload compare [--target-speedup 5] [--target-max-extra 10] base.json hedged.json
 //	llmload isolation --plain http://127.0.0.1:8097 --admission http://127.0.0.1:8098 \
 //	    --noisy-key KA --victim-keys KB,KC,KD [--mock http://127.0.0.1:9401] [--access-log file] [--plot out.png]
+//	llmload overload --target round_robin=http://127.0.0.1:8111 --target least_conn=http://127.0.0.1:8112 \
+//	    --target least_queue=http://127.0.0.1:8113 [--mock http://127.0.0.1:9501]... --rate 30 [--plot out.png]
 //
 // Every run is bounded (by duration and/or request count), and llmload only
 // targets this machine unless --allow-remote is given.
@@ -37,6 +39,8 @@ Usage:
                              compare run reports (e.g. without and with hedging): markdown table, verdict
   llmload isolation [flags]  noisy neighbour: victims' TTFT alone, with a noisy tenant without and with
                              admission control; A's refusal latency; a PNG of the TTFT CDFs
+  llmload overload [flags]   selection under overload: the same open-loop load through gateways that
+                             differ in lb_policy, one after another; TTFT, throughput, replica shares
 
 Run 'llmload <command> -h' for the flags of a command.
 `
@@ -56,6 +60,8 @@ func main() {
 		err = compareCmd(os.Args[2:])
 	case "isolation":
 		err = isolationCmd(os.Args[2:])
+	case "overload":
+		err = overloadCmd(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return
