@@ -207,7 +207,7 @@ func TestSaturationCaddyfileErrors(t *testing.T) {
 		{"metric twice", up + "\tsaturation {\n\t\tmetric ttft a\n\t\tmetric ttft b\n\t}\n}", "at Caddyfile:5|metric ttft already specified"},
 		{"stale_after below 2x interval", up + "\tsaturation {\n\t\tinterval 2s\n\t\tstale_after 3s\n\t}\n}", "at Caddyfile:6|stale_after 3s is below 2 × interval (4s)"},
 		{"timeout over interval", up + "\tsaturation {\n\t\tinterval 1s\n\t\ttimeout 2s\n\t}\n}", "timeout 2s must not exceed interval 1s"},
-		{"window below 2x interval", up + "\tsaturation {\n\t\tinterval 20s\n\t\tstale_after 1m\n\t\ttimeout 1s\n\t}\n}", "window 30s must be at least 2 × interval (40s)"},
+		{"window below 2x interval", up + "\tsaturation {\n\t\tinterval 20s\n\t\tstale_after 1m\n\t\ttimeout 1s\n\t\twindow 30s\n\t}\n}", "window 30s must be at least 2 × interval (40s)"},
 		{"interval junk", up + "\tsaturation {\n\t\tinterval often\n\t}\n}", `at Caddyfile:4|bad interval "often"`},
 		{"interval args", up + "\tsaturation {\n\t\tinterval\n\t}\n}", "at Caddyfile:4|wrong argument count"},
 		{"interval twice", up + "\tsaturation {\n\t\tinterval 1s\n\t\tinterval 2s\n\t}\n}", "at Caddyfile:5|saturation: interval already specified"},

@@ -89,7 +89,8 @@ type SaturationConfig struct {
 
 	// Window is the span over which "recent" quantiles (queue-wait p99,
 	// TTFT p95) are computed from the difference of histogram buckets
-	// between scrapes; at least 2 × Interval. Default: 30s.
+	// between scrapes; at least 2 × Interval. Default: 30s, or 2 × Interval
+	// when that is longer.
 	Window caddy.Duration `json:"window,omitempty"`
 }
 

@@ -244,10 +244,9 @@ func (e *Entry) destroy() {
 	for _, k := range keys {
 		e.reg.obs.BreakerGone(e.addr, k)
 	}
-	scraped := e.sat.Load() != nil
-	e.mu.Unlock()
-	e.cancel()
-	if scraped {
+	if e.sat.Load() != nil {
 		e.reg.obs.ScraperGone(e.addr)
 	}
+	e.mu.Unlock()
+	e.cancel()
 }

@@ -69,7 +69,7 @@ type Saturation struct {
 	// Trip holds the saturation breaker's rules; nil turns it off.
 	Trip *TripRules
 	// Window is the span of "recent" histogram quantiles. Default
-	// DefaultSaturationWindow.
+	// DefaultSaturationWindow, or 2 × Interval when that is longer.
 	Window time.Duration
 
 	// Transport sends the scrapes (the handler's transport). Required.
@@ -131,7 +131,7 @@ func (s Saturation) Defaults() Saturation {
 		s.KVThreshold = DefaultKVThreshold
 	}
 	if s.Window <= 0 {
-		s.Window = DefaultSaturationWindow
+		s.Window = max(DefaultSaturationWindow, 2*s.Interval)
 	}
 	if s.Trip != nil {
 		t := *s.Trip
@@ -221,6 +221,24 @@ func (s Signal) String() string {
 // MarshalText encodes the signal as its String.
 func (s Signal) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
+// UnmarshalText parses a signal written by MarshalText.
+func (s *Signal) UnmarshalText(b []byte) error {
+	for i, n := range signalNames {
+		if string(b) == n {
+			*s = Signal(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("saturation signal %q: want queue_depth, running, kv_usage, queue_time or ttft", b)
+}
+
+// ParseSignal returns the signal named name (as String writes it).
+func ParseSignal(name string) (Signal, error) {
+	var s Signal
+	err := s.UnmarshalText([]byte(name))
+	return s, err
+}
+
 // SignalState is whether a signal's value can be used: the value of
 // caddy_llm_proxy_saturation_signal_state.
 type SignalState uint8
@@ -248,3 +266,14 @@ func (s SignalState) String() string {
 
 // MarshalText encodes the state as its String.
 func (s SignalState) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// UnmarshalText parses a state written by MarshalText.
+func (s *SignalState) UnmarshalText(b []byte) error {
+	for i, n := range signalStateNames {
+		if string(b) == n {
+			*s = SignalState(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("signal state %q: want fresh, stale or missing", b)
+}

@@ -91,6 +91,13 @@ func (e *Entry) scrapeLoop() {
 		c := e.satClaimLocked()
 		if c == nil || e.destroyed {
 			e.scraping = false
+			if !e.destroyed && e.sat.Load() != nil {
+				// No started config reads the signals any more (turned
+				// off, or the app stopped): forget them and their series
+				// rather than leave them frozen.
+				e.sat.Store(nil)
+				e.reg.obs.ScraperGone(e.addr)
+			}
 			e.mu.Unlock()
 			return
 		}
@@ -255,9 +262,16 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 			snap.values[i] = known[i]
 		}
 	}
+	// Published and reported under the entry's lock, so that a release
+	// (destroy reports ScraperGone under it too) cannot slip in between
+	// and have this scrape's series re-created after they were deleted.
+	e.mu.Lock()
+	if e.destroyed {
+		e.mu.Unlock()
+		return
+	}
 	e.epochReset(err == nil)
 	e.sat.Store(snap)
-
 	for i, sig := range Signals {
 		from := prevStates[i]
 		if prev == nil {
@@ -266,6 +280,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 		e.reg.obs.SignalUpdated(e.addr, sig, snap.values[i], snap.states[i], from)
 	}
 	e.reg.obs.Scraped(e.addr, took, err)
+	e.mu.Unlock()
 
 	if cfg.Trip != nil {
 		var iq, it Value
