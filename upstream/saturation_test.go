@@ -674,3 +674,23 @@ func TestSaturationConfigDefaultsAndErrors(t *testing.T) {
 		}
 	}
 }
+
+func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	m := newMetricsServer(t, vllmBusy)
+	on := Config{Key: "off", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 20 * time.Millisecond}}
+	p := startPool(t, reg, on)
+	e, _ := reg.Entry(m.addr)
+	eventually(t, 5*time.Second, "a scrape", func() bool { return e.sat.Load() != nil && e.sat.Load().ok })
+	off := on
+	off.Saturation = nil
+	reload(t, p, off)
+	eventually(t, 5*time.Second, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
+	if e.sat.Load() != nil || obs.countPrefix("scraper gone "+m.addr) != 1 {
+		t.Fatalf("snapshot kept (%v) or series not dropped once (%d)", e.sat.Load() != nil, obs.countPrefix("scraper gone "+m.addr))
+	}
+	if len(reg.Saturation(time.Now())) != 0 {
+		t.Fatal("the admin view still lists the upstream")
+	}
+}
