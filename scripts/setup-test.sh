@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Everything `make test` needs beyond Go: Node.js and npm (for the openai
-# SDK end-to-end test, from Debian's packages when missing), the SDK itself
-# (npm ci, pinned by e2e/node/package-lock.json), and ./caddy (./xcaddy.sh,
-# which installs xcaddy and caches the build).
+# SDK end-to-end test) and redis-server (the fleet tests start their own),
+# from Debian's packages when missing; the SDK itself (npm ci, pinned by
+# e2e/node/package-lock.json); and ./caddy (./xcaddy.sh, which installs
+# xcaddy and caches the build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
 	echo "setup-test: installing nodejs and npm" >&2
-	if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
 	$sudo apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq nodejs npm >/dev/null
+fi
+# Tests run redis-server themselves (internal/redistest), on their own
+# ports; the package's service is not needed.
+if ! command -v redis-server >/dev/null 2>&1; then
+	echo "setup-test: installing redis-server" >&2
+	$sudo apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
 fi
 if [ ! -d e2e/node/node_modules/openai ]; then
 	echo "setup-test: npm ci in e2e/node" >&2
