@@ -6,10 +6,13 @@ require (
 	github.com/caddyserver/caddy/v2 v2.11.9
 	github.com/dustin/go-humanize v1.1.0
 	github.com/prometheus/client_golang v1.25.0
+	github.com/redis/go-redis/v9 v9.23.0
 	github.com/tidwall/sjson v1.2.9
 	go.uber.org/zap v1.28.0
 	gonum.org/v1/plot v0.17.0
 )
+
+require go.uber.org/atomic v1.12.0 // indirect
 
 require (
 	cel.dev/cel-go v0.32.0 // indirect

@@ -1,0 +1,44 @@
+// Package fleet is the gateways' shared state in Redis (DESIGN §9): the
+// connection, its health, the instance list, and the key layout; the
+// stores that breaker/ and admission/ define build on it.
+//
+// # Fail-open
+//
+// Redis is never on a request's critical path for longer than one
+// Config.OpTimeout: every operation goes through Client.Do, bounded by it.
+// After FailuresToDegrade failures in a row (timeouts, broken connections,
+// read-only replicas) the client is in local mode: Do returns ErrDegraded
+// at once, the caller uses its local state, one warn line is logged. Every
+// Config.Refresh the heartbeat (a write: a replica answers PING, not
+// writes) checks whether Redis is back; when it is, one info line is
+// logged and the OnModeChange hooks reconcile. A Redis that is
+// down when the client opens gives a client in local mode, not an error.
+//
+// # Ambiguous failures
+//
+// go-redis never retries here (MaxRetries -1). An operation that timed out
+// or lost its connection after sending may have been applied (Ambiguous):
+// callers must not replay it blindly — a replayed increment opens a breaker
+// early, a replayed reservation charges a tenant twice. Make writes
+// idempotent (keyed by a request id or a lease generation) or drop them.
+//
+// # Key layout
+//
+// Every key starts with Config.KeyPrefix (default "llmproxy:") and carries
+// the hash tag of its logical object, so that a script touching one object
+// stays in one Redis Cluster slot (Client.Key):
+//
+//	<prefix>{instances}           sorted set: instance id → last heartbeat (ms, Redis clock)
+//	<prefix>{instances}:<id>      string: one instance's last heartbeat, PX 3 × Refresh
+//
+// # Redis deployments
+//
+// Config.URL takes redis:// (plain), rediss:// (TLS) and
+// redis+sentinel://host:port[,host:port]/<master> (Sentinel). A READONLY
+// reply — a Sentinel failover that left connections on the old master, now
+// a replica — replaces the go-redis client, so every connection is dialled
+// again to the master the Sentinels name (at most once per Refresh).
+// Scripts run through go-redis's Script (EVALSHA, then EVAL on NOSCRIPT),
+// so a restarted Redis with an empty script cache costs one extra round
+// trip and no error.
+package fleet
