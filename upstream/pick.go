@@ -23,6 +23,10 @@ type Candidate struct {
 	Score float64
 
 	br *breaker.Breaker // nil when breakers are off
+	// bypass marks an upstream whose breaker the saturation rules opened,
+	// picked because no other upstream could take the request: it goes
+	// without a permit (saturation alone never refuses a request).
+	bypass bool
 }
 
 // Pick implements proxy.Balancer (DESIGN §3 step 4): candidates are the
@@ -55,7 +59,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	}
 	key := p.breakerKey(req.Info.Model)
 	fresh := make([]Candidate, 0, len(members))
-	var retried []Candidate
+	var retried, saturated []Candidate
 	for _, m := range members {
 		if m.e.full(m.t.MaxRequests) {
 			busy++
@@ -68,6 +72,13 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		if c.br != nil {
 			if req.Hedge && c.br.State() != breaker.Closed {
 				continue // never hedge onto a recovering upstream
+			}
+			if p.sat != nil && c.br.Observed() {
+				// Opened by the saturation rules: skipped while another
+				// upstream can take the request.
+				c.bypass = true
+				saturated = append(saturated, c)
+				continue
 			}
 			if at := c.br.RetryAt(); !at.IsZero() && at.After(now) {
 				noteOpen(m.t.Addr, c.br)
@@ -85,6 +96,12 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		// hedge only ever goes to another upstream.
 		fresh = retried
 	}
+	if len(fresh) == 0 && !req.Hedge {
+		// Only saturation-tripped upstreams are left: the request still
+		// goes to the least saturated (shedding is admission's decision,
+		// on the pool signal), and risks nothing the breaker protects.
+		fresh = saturated
+	}
 	fresh = p.rank(fresh, now, req.Info.Model)
 	for len(fresh) > 0 {
 		i := p.sel.Select(fresh, r, w)
@@ -97,7 +114,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			busy++ // filled up since the scan
 			continue
 		}
-		if c.br == nil {
+		if c.br == nil || c.bypass {
 			return p.upstream(c, nil), nil
 		}
 		if permit, ok := c.br.Allow(); ok {

@@ -362,7 +362,7 @@ func TestTripMonitorHoldsForItsDuration(t *testing.T) {
 	rules := &TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: 60 * time.Second}
 	var m tripMonitor
 	t0 := time.Unix(1000, 0)
-	above := signalsNow{ok: true, queueWait: Known(7)}
+	above := signalsNow{ok: true, queueWait: Known(7), queueWaitOver: overness{known: true, over: true}}
 	for i := 0; i < 30; i++ {
 		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, above); trip {
 			t.Fatalf("tripped after %ds of a 30s rule", i)
@@ -380,7 +380,7 @@ func TestTripMonitorHoldsForItsDuration(t *testing.T) {
 		t.Fatal("tripped across an unknown reading")
 	}
 	for i := 0; i <= 120; i++ {
-		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, signalsNow{ok: false, queueWait: Known(100), kv: Known(1)}); trip {
+		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, signalsNow{ok: false, queueWait: Known(100), queueWaitOver: overness{true, true}, kv: Known(1)}); trip {
 			t.Fatal("a failed scrape tripped the breaker")
 		}
 	}
@@ -692,5 +692,135 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	}
 	if len(reg.Saturation(time.Now())) != 0 {
 		t.Fatal("the admin view still lists the upstream")
+	}
+}
+
+// vLLM's queue-time buckets start at 0.3s: requests that did not wait at
+// all interpolate to a p99 of 0.297s, which must not cross a 200ms
+// threshold.
+func TestQueueWaitThresholdBelowTheFirstBucketIsNotCrossedByZeroWaits(t *testing.T) {
+	reg := NewRegistry(nil)
+	var f *feeder
+	f = &feeder{now: time.Now()}
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 200 * time.Millisecond, QueueWaitFor: 2 * time.Second}, "10.9.9.1:8000")
+	f = newFeeder(t, p, "10.9.9.1:8000")
+	b := breakerOf(t, reg, "10.9.9.1:8000", "")
+	h := queueHist(Histogram{}, 0, 0)
+	for range 20 {
+		h = queueHist(h, 50, 0) // 50 requests a second, none waited
+		f.scrape(time.Second, Readings{Waiting: Known(0), Running: Known(3), QueueTime: h})
+	}
+	if b.State() != breaker.Closed {
+		t.Fatalf("breaker %v on a server whose requests never wait: %+v", b.State(), b.Snapshot())
+	}
+	for range 4 {
+		h = queueHist(h, 50, 0.7) // now they wait 0.7s: certainly above 200ms
+		f.scrape(time.Second, Readings{Waiting: Known(4), Running: Known(3), QueueTime: h})
+	}
+	if b.State() != breaker.Open {
+		t.Fatalf("breaker %v after waits of 0.7s for 3s, want open", b.State())
+	}
+}
+
+// tripAndDrain trips the breaker of f's upstream on queue waits of 8s and
+// returns the histogram after them.
+func tripAndDrain(t *testing.T, f *feeder, b *breaker.Breaker) Histogram {
+	t.Helper()
+	h := queueHist(Histogram{}, 0, 0)
+	f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+	for i := 0; i < 10 && b.State() == breaker.Closed; i++ {
+		h = queueHist(h, 10, 8)
+		f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+	}
+	if b.State() != breaker.Open {
+		t.Fatalf("breaker %v, want open", b.State())
+	}
+	return h
+}
+
+func TestSaturationBreakerDoesNotRetripOnWaitsFromBeforeTheDrain(t *testing.T) {
+	reg := NewRegistry(nil)
+	var f *feeder
+	f = &feeder{now: time.Now()}
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, "10.9.9.2:8000")
+	f = newFeeder(t, p, "10.9.9.2:8000")
+	f.cfg.Window = time.Minute
+	b := breakerOf(t, reg, "10.9.9.2:8000", "")
+	h := tripAndDrain(t, f, b)
+	// While it is open the server drains its queue: those requests
+	// waited 8s too.
+	for _, waiting := range []float64{15, 8, 2} {
+		h = queueHist(h, 10, 8)
+		f.scrape(time.Second, Readings{Waiting: Known(waiting), Running: Known(8), QueueTime: h})
+	}
+	idle := Readings{Waiting: Known(0), Running: Known(0), QueueTime: h}
+	f.scrape(30*time.Second, idle) // after the cooldown: half-open
+	f.scrape(time.Second, idle)
+	if b.State() != breaker.Closed {
+		t.Fatalf("breaker %v after two healthy scrapes, want closed", b.State())
+	}
+	// The 8s waits are still within the minute-long window; the server
+	// is idle. It must stay closed.
+	for range 30 {
+		h = queueHist(h, 5, 0.1)
+		f.scrape(time.Second, Readings{Waiting: Known(0), Running: Known(2), QueueTime: h})
+		if b.State() != breaker.Closed {
+			t.Fatalf("breaker re-opened on waits from before the drain: %+v", b.Snapshot())
+		}
+	}
+}
+
+func TestSaturationBreakerStaysOpenWhileTheQueueIsStuck(t *testing.T) {
+	reg := NewRegistry(nil)
+	var f *feeder
+	f = &feeder{now: time.Now()}
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, "10.9.9.3:8000")
+	f = newFeeder(t, p, "10.9.9.3:8000")
+	b := breakerOf(t, reg, "10.9.9.3:8000", "")
+	h := tripAndDrain(t, f, b)
+	// Three wait (under queue_threshold 5) and nothing leaves the queue:
+	// no interval has a queue-wait observation. Not healthy.
+	stuck := Readings{Waiting: Known(3), Running: Known(1), QueueTime: h}
+	f.scrape(30*time.Second, stuck)
+	for range 10 {
+		f.scrape(time.Second, stuck)
+		if b.State() == breaker.Closed {
+			t.Fatalf("breaker closed while 3 requests wait and none is scheduled: %+v", b.Snapshot())
+		}
+	}
+}
+
+// Saturation alone never refuses a request: with every upstream opened by
+// the saturation rules, the least saturated still gets it, without a
+// permit (its breaker stays as observation leaves it).
+func TestSaturationTripOfEveryUpstreamStillServesTheLeastSaturated(t *testing.T) {
+	reg := NewRegistry(nil)
+	var f *feeder
+	f = &feeder{now: time.Now()}
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, "10.9.9.4:8000")
+	f = newFeeder(t, p, "10.9.9.4:8000")
+	b := breakerOf(t, reg, "10.9.9.4:8000", "")
+	tripAndDrain(t, f, b)
+	if !p.Saturated() {
+		t.Fatal("pool with its only upstream saturation-tripped and 20 waiting is not saturated")
+	}
+	up, err := pickModel(p, "")
+	if err != nil {
+		t.Fatalf("pick with the only upstream saturation-tripped: %v (want it served)", err)
+	}
+	fail(up)
+	if b.State() != breaker.Open || !b.Observed() {
+		t.Fatalf("breaker %v observed=%v after a bypass attempt, want still open by observation", b.State(), b.Observed())
+	}
+	// Without saturation configured, an open breaker still refuses.
+	s := breaker.Settings{}
+	q := startPool(t, reg, Config{Key: "nosat", Static: targets("10.9.9.5:8000"), Breaker: &s})
+	breakerOf(t, reg, "10.9.9.5:8000", "").ForceOpen(0, "test")
+	if _, err := pickModel(q, ""); err == nil {
+		t.Fatal("an open breaker let a request through")
 	}
 }

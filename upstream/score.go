@@ -153,8 +153,8 @@ func (LeastQueue) wantsScores() {}
 var _ Selector = LeastQueue{}
 
 // Saturated reports the pool signal (item 6): saturation is configured and
-// every healthy upstream (breaker closed, or breakers off) is saturated by
-// a known queue signal. An upstream whose signals are unknown keeps the
+// every healthy upstream (breaker closed, or breakers off, or opened by the
+// saturation rules) is saturated by a known queue signal. An upstream whose signals are unknown keeps the
 // pool unsaturated (a failed /metrics must not shed a healthy pool), and a
 // pool with no healthy upstream is unavailable, not saturated.
 func (p *Pool) Saturated() bool {
@@ -164,7 +164,7 @@ func (p *Pool) Saturated() bool {
 	now := time.Now()
 	healthy, saturated := 0, true
 	check := func(m *member) bool {
-		if !p.healthy(m) {
+		if !p.healthy(m) && !p.saturationTripped(m) {
 			return true
 		}
 		healthy++
@@ -182,6 +182,13 @@ func (p *Pool) Saturated() bool {
 	}
 	p.dynamic.Range(func(_, v any) bool { return check(v.(*member)) })
 	return saturated && healthy > 0
+}
+
+// saturationTripped reports whether m's breaker is open by the saturation
+// rules: it still counts for the pool signal (it is saturated, not down).
+func (p *Pool) saturationTripped(m *member) bool {
+	b := m.e.lookupBreaker("")
+	return b != nil && b.Observed()
 }
 
 // scoreModel is the model whose series score a request: its own under

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/http"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
 
 // scrapeAccept asks for the Prometheus text format: every inference server
@@ -282,17 +284,21 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 	e.reg.obs.Scraped(e.addr, took, err)
 	e.mu.Unlock()
 
-	if cfg.Trip != nil {
-		var iq, it Value
-		if haveLast && snap.ok {
-			iq = QuantileBetween(last.queueTime, cur.queueTime, 0.99)
-			it = QuantileBetween(last.ttft, cur.ttft, 0.95)
-		}
-		var kv, waiting Value
+	if t := cfg.Trip; t != nil {
+		sn := signalsNow{ok: snap.ok, queueWait: qw, ttft: ttft}
 		if snap.ok {
-			kv, waiting = r.KVUsage, r.Waiting
+			sn.kv, sn.waiting = r.KVUsage, r.Waiting
+			if len(st.points) > 1 {
+				base := st.points[0]
+				sn.queueWaitOver = over(base.queueTime, cur.queueTime, 0.99, t.QueueWaitP99)
+				sn.ttftOver = over(base.ttft, cur.ttft, 0.95, t.TTFTP95)
+			}
+			if haveLast {
+				sn.intervalQueueWaitOver = over(last.queueTime, cur.queueTime, 0.99, t.QueueWaitP99)
+				sn.intervalTTFTOver = over(last.ttft, cur.ttft, 0.95, t.TTFTP95)
+			}
 		}
-		e.judge(cfg, st, now, signalsNow{ok: snap.ok, queueWait: qw, kv: kv, ttft: ttft, waiting: waiting, intervalQueueWait: iq, intervalTTFT: it})
+		e.judge(cfg, st, now, sn)
 	}
 }
 
@@ -319,18 +325,45 @@ func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s signals
 	if len(bs) == 0 {
 		return
 	}
-	if reason, trip := st.trip.update(now, cfg.Trip, s); trip {
+	recovering := false
+	for _, b := range bs {
+		recovering = recovering || b.Observed()
+	}
+	if recovering {
+		// Tripped: recovery is judged scrape by scrape (verdictOf), and
+		// the trip rules wait until it is closed again.
+		st.trip.reset()
+	} else if reason, trip := st.trip.update(now, cfg.Trip, s); trip {
 		for _, b := range bs {
 			b.TripObserved(reason) // an already open breaker keeps its own reason
 		}
+		// The window restarts: what recovery and the next trip judge is
+		// what happens from now on, not the waits that tripped it.
+		st.restartWindow()
 		return
 	}
 	verdict, why := verdictOf(cfg, s)
+	closed := false
 	for _, b := range bs {
 		if b.Observed() {
 			b.Observe(verdict, why)
+			closed = closed || b.State() == breaker.Closed
 		}
 	}
+	if closed {
+		// Closed by observation: the waits from before the drain must
+		// not trip it again once they are "recent" for another window.
+		st.restartWindow()
+	}
+}
+
+// restartWindow keeps only the latest point as the base of recent
+// quantiles and forgets the trip rules' running counts.
+func (st *scrapeState) restartWindow() {
+	if n := len(st.points); n > 1 {
+		st.points = append(st.points[:0], st.points[n-1])
+	}
+	st.trip.reset()
 }
 
 // ScrapeLoops returns the number of scrape loops running.

@@ -640,3 +640,37 @@ func bucketQuantile(q float64, bs []Bucket) Value {
 	}
 	return Known(v)
 }
+
+// ShareAboveBetween returns the share (0–1) of the observations made
+// between two scrapes of one histogram (prev the older) that were certainly
+// above v: those in buckets whose lower bound is at least v. Unlike an
+// interpolated quantile it never reads "above" from the position inside a
+// bucket, so a threshold below the first bucket's bound (vLLM's queue-time
+// buckets start at 0.3s) is not crossed by requests that waited 0s. It is
+// unknown when QuantileBetween would be (no observations between the two,
+// or either histogram unknown); a counter reset reads cur alone.
+func ShareAboveBetween(prev, cur Histogram, v float64) Value {
+	if !prev.Known() || !cur.Known() {
+		return Value{}
+	}
+	d, ok := subHistograms(cur, prev)
+	if !ok {
+		d = cur
+	}
+	bs := d.Buckets
+	total := bs[len(bs)-1].Count
+	if !(total > 0) {
+		return Value{}
+	}
+	// Buckets up to the first whose upper bound reaches v may hold
+	// observations at or below v; every bucket after it starts at or
+	// above v.
+	below := total
+	for _, b := range bs {
+		if b.UpperBound >= v {
+			below = b.Count
+			break
+		}
+	}
+	return Known((total - below) / total)
+}
