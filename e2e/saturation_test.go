@@ -368,6 +368,13 @@ func TestSaturationQueueWaitOpensBreakerWithoutFailingUsers(t *testing.T) {
 	if !waitFor(5*time.Second, func() bool { return servedBy(users.snapshot(), sick.Addr(), closed) >= 1 }) {
 		t.Errorf("replica 0 served %d user requests in the 5s after its breaker closed, want it back in rotation", servedBy(users.snapshot(), sick.Addr(), closed))
 	}
+	// It stays closed while users keep coming (their waits are far below
+	// 400ms): the waits from before the drain, still inside the window
+	// when it closed, do not trip it again.
+	time.Sleep(time.Until(closed.Add(2 * time.Second)))
+	if b = gw.satBreaker(sick.Addr()); b.State != "closed" {
+		t.Errorf("replica 0's breaker is %s 2s after it closed with its queue drained: %+v", b.State, b)
+	}
 	users.stop()
 
 	results := users.snapshot()
@@ -381,14 +388,11 @@ func TestSaturationQueueWaitOpensBreakerWithoutFailingUsers(t *testing.T) {
 				rec.ID, rec.Started.Format("15:04:05.000"), opened.Format("15:04:05.000"), lastNotClosed.Format("15:04:05.000"))
 		}
 	}
-	// The transitions as the metrics count them. (Whether the breaker then
-	// stays closed is not asserted: the trip rule reads the queue wait
-	// over the whole window, which still holds the waits from before the
-	// drain, and may trip it again for a while.)
+	// The transitions as the metrics count them: one trip, one recovery.
 	samples := gw.scrapeMetrics()
 	tr := "caddy_llm_proxy_breaker_transitions_total"
-	if n := metricValueOrZero(t, samples, tr, map[string]string{"upstream": sick.Addr(), "from": "closed", "to": "open"}); n < 1 {
-		t.Errorf("%s{upstream=0,from=closed,to=open} = %v, want the trip counted", tr, n)
+	if n := metricValueOrZero(t, samples, tr, map[string]string{"upstream": sick.Addr(), "from": "closed", "to": "open"}); n != 1 {
+		t.Errorf("%s{upstream=0,from=closed,to=open} = %v, want exactly one trip", tr, n)
 	}
 	if n := metricValueOrZero(t, samples, tr, map[string]string{"upstream": sick.Addr(), "from": "half_open", "to": "closed"}); n < 1 {
 		t.Errorf("%s{upstream=0,from=half_open,to=closed} = %v, want the recovery counted", tr, n)
@@ -628,4 +632,36 @@ func TestSaturationPoolSignalShedsSheddableAndQueuesHigherTier(t *testing.T) {
 			t.Errorf("caddy_llm_proxy_admission_total{tier=%s,decision=%s} = %v, want 1", m.tier, m.decision, got)
 		}
 	}
+}
+
+// TestSaturationLowQueueWaitThresholdIsNotCrossedWithoutQueueing: vLLM's
+// queue-time buckets start at 0.3s, so requests that never wait read an
+// interpolated p99 of 0.297s. A 200ms threshold must not open the breaker
+// of a replica that never queues (it did, and every request got 503).
+// And a single replica's pool whose breaker the saturation rules opened
+// still serves (saturation alone never refuses a request).
+func TestSaturationLowQueueWaitThresholdIsNotCrossedWithoutQueueing(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 1,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	r := fleet.Replica(0)
+	gw := startGateway(t, satSite(fleet, "interval 100ms\nstale_after 1s\nwindow 1s\ntrip queue_wait_p99 200ms for 500ms"))
+	gw.waitScraped(fleet, 5*time.Second)
+	users := startLoad(t, gw.URL+"/v1/chat/completions", 1)
+	time.Sleep(2 * time.Second)
+	if b := gw.satBreaker(r.Addr()); b.State != "closed" {
+		t.Errorf("breaker %s on a replica that never queues (mock: %d waiting): %+v", b.State, r.Stats().Waiting, b)
+	}
+	// Now it queues for real: capacity 1 and three clients' requests of
+	// 400ms each wait about 0.8s, certainly above 200ms.
+	r.SetCapacity(1)
+	load := startDirectLoad(t, r, 3, true, "", "X-Mock-TTFT: 400ms", "X-Mock-Tokens: 1")
+	var b satBreaker
+	if !waitFor(10*time.Second, func() bool { b = gw.satBreaker(r.Addr()); return b.State != "closed" }) {
+		t.Fatalf("breaker still closed after 10s of queue waits near 0.8s: %+v", b)
+	}
+	time.Sleep(500 * time.Millisecond) // tripped: the only replica still takes users
+	load.stop()
+	users.stop()
+	checkAllServed(t, users.snapshot())
 }
