@@ -824,3 +824,30 @@ func TestSaturationTripOfEveryUpstreamStillServesTheLeastSaturated(t *testing.T)
 		t.Fatal("an open breaker let a request through")
 	}
 }
+
+func TestShareAboveBetween(t *testing.T) {
+	base := queueHist(Histogram{}, 0, 0)
+	cur := queueHist(queueHist(queueHist(base, 90, 0), 9, 0.7), 1, 30) // 90 at 0s, 9 at 0.7s, 1 at 30s
+	for _, tc := range []struct {
+		v    float64
+		want float64
+	}{
+		{0.2, 0.10}, // buckets from 0.3 up: 0.7s and 30s
+		{0.3, 0.10},
+		{0.4, 0.10}, // (0.5, 1]: its lower bound 0.5 ≥ 0.4
+		{0.6, 0.01}, // (0.5, 1] may hold values ≤ 0.6: only the 30s one is certain
+		{25, 0},     // (20, +Inf] starts below 25
+		{20, 0.01},
+	} {
+		got := ShareAboveBetween(base, cur, tc.v)
+		if !got.Known || math.Abs(got.V-tc.want) > 1e-9 {
+			t.Errorf("ShareAboveBetween(v=%v) = %v, want %v", tc.v, got, tc.want)
+		}
+	}
+	if got := ShareAboveBetween(cur, cur, 0.2); got.Known {
+		t.Errorf("no observations between two scrapes: %v, want unknown", got)
+	}
+	if got := ShareAboveBetween(cur, base, 0.2); got.Known {
+		t.Errorf("counter reset to an empty histogram: %v, want unknown (nothing since the restart)", got)
+	}
+}
