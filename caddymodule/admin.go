@@ -11,6 +11,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -42,6 +43,13 @@ func init() {
 //	                                           and state, the scrape's age and error
 //	GET  /llm_proxy/saturation/<upstream>      one upstream (its dial address)
 //
+// And the fleet:
+//
+//	GET  /llm_proxy/fleet                      {"mode": "fleet"|"local"|"off", "instance_id",
+//	                                           "since" (the last switch of mode), "instances":
+//	                                           [{"instance_id", "last_seen"}] seen in the last
+//	                                           3 × refresh (empty in local mode)}
+//
 // No key appears anywhere.
 type adminAPI struct{}
 
@@ -62,7 +70,32 @@ func (a adminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/llm_proxy/tenants/", Handler: caddy.AdminHandlerFunc(a.tenant)},
 		{Pattern: "/llm_proxy/saturation", Handler: caddy.AdminHandlerFunc(a.saturation)},
 		{Pattern: "/llm_proxy/saturation/", Handler: caddy.AdminHandlerFunc(a.saturation)},
+		{Pattern: "/llm_proxy/fleet", Handler: caddy.AdminHandlerFunc(a.fleet)},
 	}
+}
+
+// fleet serves this instance's fleet mode and the instances seen recently.
+func (adminAPI) fleet(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	c := liveFleet()
+	v := fleetView{Mode: fleetMode(c), Instances: []fleet.Instance{}}
+	if c != nil {
+		v.InstanceID = c.InstanceID()
+		since := c.Since().UTC()
+		v.Since = &since
+		if !c.Degraded() {
+			list, err := c.Instances(r.Context())
+			if err != nil {
+				v.Error = err.Error()
+			} else {
+				v.Instances = list
+			}
+			v.Mode = fleetMode(c) // the listing may have been the failure that switched it
+		}
+	}
+	return writeJSON(w, v)
 }
 
 // saturation serves the upstreams' saturation snapshots, every one or the

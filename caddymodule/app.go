@@ -8,6 +8,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 
+	"github.com/llmproxy/caddy-llm-proxy/fleet"
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -16,17 +18,18 @@ func init() {
 }
 
 // App is the llm_proxy app: the settings shared by every llm_proxy handler
-// of a config (global option `llm_proxy { … }`: tenants and tiers; the fleet
-// connection joins it later), and the owner of the background work.
+// of a config (global option `llm_proxy { … }`: tenants and tiers, the
+// fleet connection), and the owner of the background work.
 //
 // Every handler provisions its upstream pool against the process-wide
 // registry and hands it to its config's App. Starting the App applies the
 // config's settings to shared upstream entries (breaker thresholds, active
 // probing); stopping it hands them back to the newest config still running.
 // So a config that fails to load never changes live state, and background
-// loops (active probes and /metrics scrapers now; fleet refresh next) run
-// once per upstream however many handlers use it, survive reloads handed
-// over to the newest config, and stop when their upstream is released.
+// loops (active probes and /metrics scrapers) run once per upstream however
+// many handlers use it, survive reloads handed over to the newest config,
+// and stop when their upstream is released. The fleet connection is opened
+// when a config starts and kept while running configs want the same one.
 type App struct {
 	// Tenants maps credentials to tenants. Default: none — requests are not
 	// identified and no tenant limits apply.
@@ -45,9 +48,20 @@ type App struct {
 	// number of tenants is the operator's to bound).
 	MetricsTenantLabel bool `json:"metrics_tenant_label,omitempty"`
 
+	// Fleet shares state between the gateways of a fleet through Redis.
+	// Default: none — every gateway keeps its state to itself.
+	Fleet *FleetConfig `json:"fleet,omitempty"`
+
 	// tenancy is what the handlers of this config use to identify and
 	// admit; nil without tenants.
 	tenancy *tenancy
+
+	// fleetCfg is Fleet resolved in Provision; fleet holds its connection
+	// from Start on (read by the admin API and metrics while the config
+	// runs), referenced through fleetClaims until Stop.
+	fleetCfg    fleet.Config
+	fleet       *fleetSlot
+	fleetClaims *registry.Claims
 
 	pools  []*upstream.Pool
 	gates  []adoptedGate
@@ -68,9 +82,21 @@ func (App) CaddyModule() caddy.ModuleInfo {
 // outlives every config, which is what keeps state across reloads.
 var reg = upstream.NewRegistry(upstreamObserver{})
 
-// Provision loads the events app, to which breaker transitions are emitted.
+// Provision loads the events app, to which breaker transitions are
+// emitted, and checks the tenants and the fleet settings. It connects to
+// nothing: a config that fails to load must not touch live state.
 func (a *App) Provision(ctx caddy.Context) error {
 	a.ctx, a.logger = ctx, ctx.Logger()
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return err
+	}
+	if a.Fleet != nil {
+		cfg, err := a.Fleet.config()
+		if err != nil {
+			return err
+		}
+		a.fleetCfg, a.fleet = cfg, new(fleetSlot)
+	}
 	ev, err := ctx.App("events")
 	if err != nil {
 		return fmt.Errorf("loading events app: %w", err)
@@ -104,7 +130,9 @@ func (a *App) adopt(p *upstream.Pool) { a.pools = append(a.pools, p) }
 
 // Start makes this config's settings the live ones: its pools' breaker
 // settings and probers apply to the shared entries, and breaker transitions
-// are logged and emitted through this config's logger and events app.
+// are logged and emitted through this config's logger and events app. With
+// a fleet, it takes the connection (opening it, in local mode if Redis is
+// away: that never fails the config).
 func (a *App) Start() error {
 	if a.tenancy != nil {
 		if err := a.tenancy.start(); err != nil {
@@ -112,6 +140,11 @@ func (a *App) Start() error {
 		}
 	}
 	current.push(a)
+	// After push: the connection logs through the newest config's logger.
+	if err := a.startFleet(); err != nil {
+		_ = a.Stop() // Caddy does not stop an app whose Start failed
+		return err
+	}
 	for _, p := range a.pools {
 		p.Activate()
 	}
@@ -123,12 +156,15 @@ func (a *App) Start() error {
 
 // Stop hands the shared entries back to the newest config still running
 // (a reload's new config has started already; after a failed start, the old
-// one). The pools' references are released by the handlers' Cleanup.
+// one). The pools' references are released by the handlers' Cleanup. It
+// drops the config's fleet connection, which closes when no running config
+// wants it.
 func (a *App) Stop() error {
 	for _, p := range a.pools {
 		p.Deactivate()
 	}
 	current.pop(a)
+	a.stopFleet()
 	// This config's tiers may have been applied by its Start: hand the
 	// controller back to the newest config still running (after a failed
 	// start, the old one).

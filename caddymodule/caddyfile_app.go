@@ -51,11 +51,23 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 //	            tpm <n>
 //	        }
 //	        metrics_tenant_label
+//	        fleet redis <url> {
+//	            password <secret>|{env.X}
+//	            db <n>
+//	            key_prefix <prefix>
+//	            op_timeout <duration>
+//	            refresh <duration>
+//	            instance_id <id>
+//	            expected_instances <n>
+//	            min_reporters <n>
+//	        }
 //	    }
 //	}
 //
 // tier and tenant may repeat. The tier's breaker block takes the upstream
-// breaker's grammar (probe and scope excepted).
+// breaker's grammar (probe and scope excepted). fleet's block is optional;
+// its URL is redis://, rediss:// (TLS) or
+// redis+sentinel://host:port[,host:port]/<master>.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // option name
 	if d.NextArg() {
@@ -93,6 +105,14 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 			}
 			a.TenantOverrides = append(a.TenantOverrides, t)
+		case "fleet":
+			if a.Fleet != nil {
+				return d.Err("fleet already specified")
+			}
+			a.Fleet = new(FleetConfig)
+			if err := parseFleet(d, a.Fleet); err != nil {
+				return err
+			}
 		case "metrics_tenant_label":
 			if d.NextArg() {
 				return d.ArgErr()

@@ -47,6 +47,10 @@ var metrics = struct {
 	signalState    *prometheus.GaugeVec
 	scrapeDuration *prometheus.HistogramVec
 	scrapeErrors   *prometheus.CounterVec
+
+	fleetOps      *prometheus.HistogramVec
+	fleetErrors   *prometheus.CounterVec
+	fleetDegraded prometheus.Collector
 }{}
 
 // queueWaitBuckets span no wait to a tier's whole queue_timeout.
@@ -58,6 +62,10 @@ var ttftBuckets = []float64{.025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40, 60}
 // scrapeBuckets span a local server's millisecond to the default 500ms
 // scrape timeout and past it.
 var scrapeBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}
+
+// fleetOpBuckets span a local Redis's 100µs to past the default 50ms
+// op_timeout.
+var fleetOpBuckets = []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25}
 
 // durationBuckets span short answers to long generations.
 var durationBuckets = []float64{.1, .25, .5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640}
@@ -161,7 +169,36 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "scrape_errors_total",
 			Help: "Scrapes of an upstream's /metrics that failed (connection error, timeout, non-200 status, unparsable body).",
 		}, []string{"upstream"})
+		metrics.fleetOps = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Subsystem: sub, Name: "fleet_op_seconds",
+			Help:    "Latency of Redis operations of the fleet connection, by operation, failed ones included (each bounded by op_timeout).",
+			Buckets: fleetOpBuckets,
+		}, []string{"op"})
+		metrics.fleetErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "fleet_errors_total",
+			Help: "Failed Redis operations of the fleet connection, by operation and kind (timeout, conn, readonly, script, other).",
+		}, []string{"op", "kind"})
+		metrics.fleetDegraded = fleetDegradedCollector{prometheus.NewDesc(ns+"_"+sub+"_fleet_degraded",
+			"1 while the fleet connection is in local mode (Redis away, slow or read-only), 0 while Redis is in use; absent without a fleet.", nil, nil)}
 	})
+}
+
+// fleetDegradedCollector reads the newest running config's fleet mode at
+// each scrape: no series without a fleet, never a stale value.
+type fleetDegradedCollector struct{ desc *prometheus.Desc }
+
+func (c fleetDegradedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c fleetDegradedCollector) Collect(ch chan<- prometheus.Metric) {
+	f := liveFleet()
+	if f == nil {
+		return
+	}
+	v := 0.0
+	if f.Degraded() {
+		v = 1
+	}
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, v)
 }
 
 // registerMetrics adds the collectors to a config's registry.
@@ -171,7 +208,8 @@ func registerMetrics(reg *prometheus.Registry) error {
 		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
 		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
-		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors} {
+		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors,
+		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
