@@ -33,11 +33,11 @@ func (nopObserver) OpDone(string, time.Duration, ErrorKind) {}
 // state machine: after FailuresToDegrade failed operations in a row it is
 // in local mode (Degraded) — Do refuses at once with ErrDegraded, so no
 // request waits on a Redis that is away — until the heartbeat, tried every
-// Refresh, succeeds again. Each switch is logged once (warn into local mode, info
-// out of it) and handed to the OnModeChange hooks.
+// Refresh, succeeds again. Each switch is logged once (warn into local
+// mode, info out of it) and handed to the OnModeChange hooks.
 //
-// While healthy it writes this instance's heartbeat every Refresh.
-// Safe for concurrent use.
+// It writes this instance's heartbeat every Refresh. Safe for concurrent
+// use.
 type Client struct {
 	cfg  Config
 	obs  Observer

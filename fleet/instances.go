@@ -23,8 +23,11 @@ type Instance struct {
 // a time-to-live of 3 × Refresh, and its entry in the index (a sorted set
 // by last heartbeat, pruned of entries older than that, expiring with the
 // fleet). Times are Redis's (TIME), so a skewed clock cannot hide an
-// instance. Both keys share the {instances} hash tag.
+// instance (replicate_commands lets Redis before 5 take TIME before a
+// write; it does nothing on later ones). Both keys share the {instances}
+// hash tag.
 var heartbeatScript = redis.NewScript(`
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local ttl = tonumber(ARGV[2])
