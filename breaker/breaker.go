@@ -56,7 +56,10 @@ func WithListener(f func(Transition)) Option {
 }
 
 // WithStore sets the Store that holds the open state shared beyond this
-// breaker (see Store). Default none.
+// breaker (see Store). Default none. A store that is also a Fleet shares
+// the trip counts too: the breaker joins it in New and reports every
+// closed-state failure and the successes that end a fleet run to it (see
+// Fleet).
 func WithStore(s Store) Option {
 	return func(o *options) { o.store = s }
 }
@@ -114,6 +117,12 @@ type Breaker struct {
 	// lock while it is set. Written under mu, before the word.
 	observed atomic.Bool
 	cfg      atomic.Pointer[config]
+	// dirty is the flag Join returned: key's fleet consecutive count may
+	// be non-zero, so a success must tell the fleet. It points to
+	// notDirty (never set) without a fleet, so the success path reads one
+	// atomic value either way. It sits beside the other fields of the
+	// success path, in their cache line.
+	dirty *atomic.Bool
 
 	key      string
 	base     time.Time // the clock at creation; gate and busyUntil count from it
@@ -121,8 +130,18 @@ type Breaker struct {
 	rand     func() float64
 	listener func(Transition)
 	store    Store
+	// fleet is store when it is a Fleet, else nil.
+	fleet Fleet
+	// left is set by Close.
+	left atomic.Bool
+	// pushed is set while pushes holds verdicts from the fleet (Adopt,
+	// AdoptClose) waiting for the lock; pushMu guards pushes.
+	pushed atomic.Bool
+	pushMu sync.Mutex
+	pushes []push
 
 	mu            sync.Mutex
+	local         bool // open by its own trip rules in fleet mode: not published
 	since         time.Time
 	openedAt      time.Time
 	openUntil     time.Time // cooldown end, pushed out by ExtendOpen
@@ -161,9 +180,11 @@ func New(key string, s Settings, opts ...Option) *Breaker {
 		rand:     o.rand,
 		listener: o.listener,
 		store:    o.store,
+		dirty:    &notDirty,
 		since:    now,
 	}
 	b.cfg.Store(newConfig(s, now, nil))
+	b.joinFleet()
 	if b.store != nil {
 		b.mu.Lock()
 		b.adoptStoreLocked(now)
@@ -346,6 +367,9 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 		if b.consec.Load() != 0 {
 			b.consec.Store(0)
 		}
+		if b.dirty.Load() {
+			b.fleet.Success(b.key) // ends the fleet's run; rare
+		}
 		return
 	}
 	b.doneFailure(p.word, slow, ttft, reason)
@@ -380,6 +404,14 @@ func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason st
 	n := int(b.consec.Add(1))
 	c.fails.record(now, true, false)
 	b.lastFailure, b.lastFailureAt = reason, now
+	if b.fleet != nil {
+		b.fleet.Failure(b.key, c.s, now, reason)
+		// A fleet that opens key on this failure pushes to this breaker
+		// too: apply it now, rather than tripping locally on top of it.
+		if b.applyPushesLocked(); b.word.Load() != w {
+			return
+		}
+	}
 	var rc counts
 	if c.ratio != nil {
 		c.ratio.record(now, true, slow)
@@ -402,6 +434,12 @@ func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason st
 	if why != "" {
 		why += "; last: " + reason
 		b.openLocked(now, now.Add(b.cooldownLocked()), true, false, why)
+		if b.fleet != nil {
+			// The fleet decides from the fleet's counts (Fleet.Failure);
+			// this verdict protects this gateway alone.
+			b.local = true
+			return
+		}
 		b.publishOpenLocked(why)
 		return
 	}
@@ -446,18 +484,25 @@ func (b *Breaker) removeProbeLocked(id uint64) bool {
 // probeFailedLocked re-opens a half-open breaker with the grown cooldown,
 // counting a failure. It keeps the observed mark (a Retry-After on a
 // breaker that TripObserved opened).
+//
+// The re-open of a local trip (fleet mode) stays local: the failed probe is
+// more of the evidence that this gateway's rules judged to be its own.
 func (b *Breaker) probeFailedLocked(now time.Time, reason string) {
 	b.consec.Add(1)
 	b.cfg.Load().fails.record(now, true, false)
-	b.reopenLocked(now, b.observed.Load(), reason)
+	b.reopenLocked(now, b.observed.Load(), b.local, reason)
 }
 
 // reopenLocked re-opens a half-open breaker with the grown cooldown, marked
-// observed or not.
-func (b *Breaker) reopenLocked(now time.Time, observed bool, reason string) {
+// observed or not, and publishes it unless local.
+func (b *Breaker) reopenLocked(now time.Time, observed, local bool, reason string) {
 	b.lastFailure, b.lastFailureAt = reason, now
 	b.reopens++
 	b.openLocked(now, now.Add(b.cooldownLocked()), true, observed, reason)
+	if local {
+		b.local = true
+		return
+	}
 	b.publishOpenLocked(reason)
 }
 
@@ -476,7 +521,7 @@ func (b *Breaker) tickLocked(now time.Time) {
 		}
 	}
 	if b.successes >= c.s.RecoverySuccesses && !now.Before(b.minOpenUntil) {
-		b.closeLocked(now, b.recoveredLocked(""), false)
+		b.closeLocked(now, b.recoveredLocked(""), false, !b.local)
 	}
 }
 
@@ -512,14 +557,20 @@ func (b *Breaker) cooldownLocked() time.Duration {
 	return min(d, s.MaxOpen)
 }
 
-// openLocked moves the breaker to Open until `until`, and until MinOpen is
+// openLocked moves the breaker to Open until `until` (zero: forced open
+// until closed, as the fleet may say; see Adopt), and until MinOpen is
 // over if useMinOpen; observed marks a trip by TripObserved.
 func (b *Breaker) openLocked(now, until time.Time, useMinOpen, observed bool, reason string) {
+	forever := until.IsZero()
+	if forever {
+		until = now
+	}
 	b.openedAt = now
 	b.openUntil = until
 	b.useMinOpen = useMinOpen
 	b.minOpenUntil = b.minOpenFromLocked(now)
-	b.forced, b.forever = false, false
+	b.forced, b.forever = forever, forever
+	b.local = false
 	b.observed.Store(observed)
 	b.setGateLocked()
 	b.probes = b.probes[:0]
@@ -563,14 +614,15 @@ func (b *Breaker) setGateLocked() {
 }
 
 // closeLocked moves the breaker to Closed with empty windows and counters;
-// reset also forgets the last failure.
-func (b *Breaker) closeLocked(now time.Time, reason string, reset bool) {
+// reset also forgets the last failure; publish tells the store.
+func (b *Breaker) closeLocked(now time.Time, reason string, reset, publish bool) {
 	b.cfg.Store(b.cfg.Load().fresh(now))
 	b.consec.Store(0)
 	b.reopens = 0
 	b.probes = b.probes[:0]
 	b.successes = 0
 	b.forced, b.forever = false, false
+	b.local = false
 	b.observed.Store(false)
 	b.openedAt, b.openUntil, b.minOpenUntil, b.useMinOpen = time.Time{}, time.Time{}, time.Time{}, false
 	b.busyUntil.Store(0)
@@ -581,7 +633,7 @@ func (b *Breaker) closeLocked(now time.Time, reason string, reset bool) {
 	if reset {
 		b.since = now
 	}
-	if b.store != nil {
+	if publish && b.store != nil {
 		b.store.ClearOpen(b.key)
 	}
 }
@@ -614,12 +666,24 @@ func (b *Breaker) toLocked(st State, now time.Time, reason string) {
 	b.pending = append(b.pending, t)
 }
 
-// unlock releases the lock and delivers queued transitions.
+// unlock applies the fleet's verdicts that were pushed while the lock was
+// held (see Adopt), releases the lock and delivers queued transitions.
+//
+// Every release of mu goes through here, or happens inside deliver, which
+// only unlock calls: so a push that found the lock taken is seen by the
+// check after the release below, and applied by whichever goroutine then
+// takes the lock, never left waiting for the breaker's next use.
 func (b *Breaker) unlock() {
-	deliver := len(b.pending) > 0
-	b.mu.Unlock()
-	if deliver {
-		b.deliver()
+	for {
+		b.applyPushesLocked()
+		deliver := len(b.pending) > 0
+		b.mu.Unlock()
+		if deliver {
+			b.deliver()
+		}
+		if !b.pushed.Load() || !b.mu.TryLock() {
+			return
+		}
 	}
 }
 
@@ -757,12 +821,14 @@ func (b *Breaker) ExtendOpen(d time.Duration, reason string) {
 			return
 		}
 		b.openUntil = until
+		b.local = false // the upstream said so: it applies fleet-wide
 		b.setGateLocked()
 		b.publishOpenLocked(reason)
 	case Closed:
 		b.openLocked(now, until, false, false, reason)
 		b.publishOpenLocked(reason)
 	case HalfOpen:
+		b.local = false
 		b.probeFailedLocked(now, reason)
 		if until.After(b.openUntil) {
 			b.openUntil = until
@@ -796,6 +862,7 @@ func (b *Breaker) ForceOpen(d time.Duration, reason string) {
 	// Set the gate before the word goes Open, so lock-free readers never
 	// see Open with an old gate.
 	b.forced, b.forever, b.useMinOpen = true, d <= 0, false
+	b.local = false
 	b.observed.Store(false)
 	b.openedAt, b.openUntil, b.minOpenUntil = now, until, now
 	b.setGateLocked()
@@ -812,7 +879,7 @@ func (b *Breaker) ForceClose(reason string) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
-	b.closeLocked(now, "forced closed"+suffix(reason), false)
+	b.closeLocked(now, "forced closed"+suffix(reason), false, true)
 }
 
 // Reset returns the breaker to the state of a new one: closed, with no
@@ -821,7 +888,7 @@ func (b *Breaker) Reset() {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
-	b.closeLocked(now, "reset", true)
+	b.closeLocked(now, "reset", true, true)
 }
 
 // SetSettings replaces the rules, keeping the state (a config reload): new
@@ -869,6 +936,7 @@ func (b *Breaker) Snapshot() Snapshot {
 		FailuresInWindow:    c.fails.sum(now).failures,
 		Forced:              b.forced,
 		Observed:            b.observed.Load(),
+		Local:               b.local,
 		ProbesInFlight:      len(b.probes),
 		ProbeSuccesses:      b.successes,
 		Reopens:             b.reopens,

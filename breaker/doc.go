@@ -59,6 +59,20 @@
 //	outcome, ttft, reason := breaker.Neutral, time.Duration(0), "" // a panic stays neutral
 //	defer func() { p.Done(outcome, ttft, reason) }()
 //
+// A Store (WithStore) shares a breaker's open state beyond one Breaker
+// value: a new breaker of a key that is open starts open. A Fleet, a Store
+// that also shares the trip counts, makes a fleet of gateways open a key
+// once, on the fleet's failures (DESIGN §9): the breaker reports its
+// closed-state failures (Fleet.Failure) and the successes that end a fleet
+// run (Fleet.Success, only while the fleet's flag is set), and the fleet's
+// verdicts come back as pushes (Adopt, AdoptClose) that never call the
+// store again. A breaker's own trip rules still open it in fleet mode, but
+// locally: that trip, its re-opens and its recovery are not published,
+// while operator actions, Retry-After, observed trips and the probes of a
+// fleet verdict are (see Fleet for the table). SharedMemory is the
+// in-process Fleet for tests and simulations; fleet/ has the Redis one.
+// Close tells the fleet that a breaker's owner dropped it.
+//
 // The package is pure Go: no goroutines, no timers, no I/O. Every time-based
 // rule (window expiry, cooldown, probe timeout) is evaluated lazily when the
 // breaker is next used, against an injected Clock, so nothing leaks and tests

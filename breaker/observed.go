@@ -74,9 +74,9 @@ func (b *Breaker) TripObserved(reason string) {
 			return
 		}
 		b.halfOpenLocked(now)
-		b.reopenLocked(now, true, reason)
+		b.reopenLocked(now, true, false, reason)
 	case HalfOpen:
-		b.reopenLocked(now, true, reason)
+		b.reopenLocked(now, true, false, reason)
 	}
 }
 
@@ -114,13 +114,13 @@ func (b *Breaker) Observe(o Observation, reason string) {
 	case ObservedHealthy:
 		b.successes++
 		if b.successes >= b.cfg.Load().s.RecoverySuccesses && !now.Before(b.minOpenUntil) {
-			b.closeLocked(now, b.recoveredLocked(reason), false)
+			b.closeLocked(now, b.recoveredLocked(reason), false, !b.local)
 		}
 	case ObservedUnhealthy:
 		if reason == "" {
 			reason = "unhealthy observation"
 		}
-		b.reopenLocked(now, true, reason)
+		b.reopenLocked(now, true, false, reason)
 	default:
 		b.successes = 0
 	}

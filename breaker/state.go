@@ -126,6 +126,11 @@ type Snapshot struct {
 	// through until it closes. ProbeSuccesses then counts healthy
 	// observations.
 	Observed bool `json:"observed,omitempty"`
+	// Local is true when it is open or half-open by its own trip rules
+	// while its store is a Fleet: a verdict that protects this gateway
+	// alone and was not published (the fleet's counts decide fleet-wide).
+	// It turns false when the fleet opens the key too (Adopt).
+	Local bool `json:"local,omitempty"`
 	// ProbesInFlight is the number of probe permits out (HalfOpen).
 	ProbesInFlight int `json:"probes_in_flight"`
 	// ProbeSuccesses is the number of consecutive probe successes so far

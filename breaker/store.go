@@ -22,12 +22,24 @@ import (
 // kept current by subscription, and writes asynchronously); they must be
 // safe for concurrent use.
 //
-// The rolling-window counters are not in the store: they are updated on
-// every call, and the closed-state success path must stay lock-free and
-// allocation-free (≤ 100 ns), which rules out a map lookup, an interface
-// call per event or a round trip. Fleet-wide, the breakers share verdicts,
-// not counts. Neither are permits and probe slots: each gateway probes for
-// itself, with jittered cooldowns so that a fleet does not probe in step.
+// A plain Store shares verdicts only: each breaker's trip rules count its
+// own calls, so every gateway of a fleet discovers an outage by its own
+// failures, and the number of requests that discover it grows with the
+// fleet (docs/benchmarks.md, the outage discovery simulation). A Store that
+// is also a Fleet shares the counts as well (DESIGN §9, issue 10): the
+// breaker reports each closed-state failure, and the success that ends a
+// fleet run, and the fleet decides and pushes its verdicts back (Adopt,
+// AdoptClose). In fleet mode a trip by the breaker's own rules stays local
+// and is not PutOpen; Fleet has the table of what is published.
+//
+// The rolling-window counters themselves stay in the breaker: they are
+// updated on every call, and the closed-state success path must stay
+// lock-free and allocation-free (≤ 100 ns), which rules out a map lookup,
+// an interface call per event or a round trip. A Fleet gets a success only
+// while its flag says the fleet's run may be non-zero (one atomic load
+// otherwise). Permits and probe slots are not in the store either: each
+// gateway probes for itself, with jittered cooldowns so that a fleet does
+// not probe in step (fleet/'s probe lease narrows that to one prober).
 type Store interface {
 	// PutOpen records that key is open until `until` (zero: until an
 	// operator closes it) for the given reason.
