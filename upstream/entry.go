@@ -154,6 +154,7 @@ func (e *Entry) reconcile() {
 		for k := range e.breakerMap() {
 			drop = append(drop, k)
 		}
+		defer closeBreakers(e.breakerMap()) // after e.mu is released
 		e.breakers.Store(&map[string]*breaker.Breaker{})
 	case prev != eff:
 		for _, b := range e.breakerMap() {
@@ -240,6 +241,7 @@ func (e *Entry) destroy() {
 	for k := range e.breakerMap() {
 		keys = append(keys, k)
 	}
+	defer closeBreakers(e.breakerMap()) // after e.mu is released
 	e.breakers.Store(&map[string]*breaker.Breaker{})
 	for _, k := range keys {
 		e.reg.obs.BreakerGone(e.addr, k)
