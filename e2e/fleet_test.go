@@ -1,0 +1,191 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
+	"github.com/llmproxy/caddy-llm-proxy/internal/redistest"
+)
+
+// Fleet state in Redis (issue 10): several real gateways share one real
+// redis-server, reached through a TCP fault proxy so that a test can stop,
+// blackhole or slow Redis under steady traffic.
+
+// fleetView is GET /llm_proxy/fleet.
+type fleetView struct {
+	Mode       string `json:"mode"`
+	InstanceID string `json:"instance_id"`
+	Instances  []struct {
+		ID string `json:"instance_id"`
+	} `json:"instances"`
+}
+
+func (g *gateway) fleet() fleetView {
+	g.t.Helper()
+	code, body := g.admin(http.MethodGet, "/llm_proxy/fleet")
+	if code != http.StatusOK {
+		g.t.Fatalf("GET /llm_proxy/fleet: %d %s", code, body)
+	}
+	var v fleetView
+	if err := json.Unmarshal(body, &v); err != nil {
+		g.t.Fatalf("GET /llm_proxy/fleet: %v: %s", err, body)
+	}
+	return v
+}
+
+// fleetGlobals is the global option that puts a gateway in a fleet.
+func fleetGlobals(redisAddr, id string) string {
+	return fmt.Sprintf("llm_proxy {\n\tfleet redis redis://%s {\n\t\trefresh 200ms\n\t\top_timeout 50ms\n\t\tinstance_id %s\n\t}\n}", redisAddr, id)
+}
+
+// startFleetGateways starts n gateways in one fleet in front of the mock
+// fleet and waits until each sees all n instances.
+func startFleetGateways(t *testing.T, n int, redisAddr string, f *mockllm.Fleet, site string) []*gateway {
+	t.Helper()
+	var gws []*gateway
+	for i := range n {
+		gws = append(gws, startGatewayWith(t, gatewayOptions{Site: site, Globals: fleetGlobals(redisAddr, fmt.Sprintf("gw-%d", i))}))
+	}
+	for i, g := range gws {
+		var v fleetView
+		if !waitFor(10*time.Second, func() bool { v = g.fleet(); return v.Mode == "fleet" && len(v.Instances) == n }) {
+			t.Fatalf("gateway %d: fleet view %+v, want mode fleet with %d instances", i, v, n)
+		}
+		if v.InstanceID != fmt.Sprintf("gw-%d", i) {
+			t.Errorf("gateway %d: instance_id %q", i, v.InstanceID)
+		}
+	}
+	return gws
+}
+
+// logCount counts the gateway's log lines that hold every one of parts.
+func (g *gateway) logCount(parts ...string) int {
+	n := 0
+	for _, line := range strings.Split(g.logs.String(), "\n") {
+		all := true
+		for _, p := range parts {
+			all = all && strings.Contains(line, p)
+		}
+		if all {
+			n++
+		}
+	}
+	return n
+}
+
+// degradedGauge reads caddy_llm_proxy_fleet_degraded; found is false when
+// the series is missing (which no assertion may read as 0).
+func (g *gateway) degradedGauge() (v float64, found bool) {
+	return metricValue(g.scrapeMetrics(), "caddy_llm_proxy_fleet_degraded", nil)
+}
+
+// TestFleetRedisAwaySlowOrBlackholedFailsOpen: three gateways share one
+// Redis in front of two replicas. In the middle of steady traffic Redis is
+// stopped, then (after it is back) blackholed, then made slow (100ms per
+// reply, twice op_timeout). Every request completes, none takes longer
+// than normal + op_timeout (plus loopback slack), each gateway reports
+// degraded (gauge 1, mode local) and writes exactly one warning per
+// outage, and after Redis returns each is back in fleet mode within a few
+// refresh intervals, with one info line.
+func TestFleetRedisAwaySlowOrBlackholedFailsOpen(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	px := redistest.NewProxy(t, rs.Addr())
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 3, TokenInterval: 5 * time.Millisecond}})
+	gws := startFleetGateways(t, 3, px.Addr(), fleet, "llm_proxy "+upstreams(fleet))
+	for i, g := range gws {
+		if v, found := g.degradedGauge(); !found || v != 0 {
+			t.Fatalf("gateway %d: fleet_degraded = %v (found %v), want 0 while Redis is healthy", i, v, found)
+		}
+	}
+
+	var loads []*loadGen
+	for _, g := range gws {
+		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 2))
+	}
+	time.Sleep(500 * time.Millisecond)
+	var normal []time.Duration
+	for _, l := range loads {
+		for _, r := range l.snapshot() {
+			normal = append(normal, r.End.Sub(r.Start))
+		}
+	}
+	if len(normal) < 10 {
+		t.Fatalf("only %d requests in the first 500ms", len(normal))
+	}
+	slices.Sort(normal)
+	worstNormal := normal[len(normal)-1]
+
+	outages := []struct {
+		name        string
+		begin, end  func()
+		warnOutage  string
+		recoverText string
+	}{
+		{"stopped", rs.Stop, rs.Restart, "switching to local mode", "back to fleet mode"},
+		{"blackholed", px.Blackhole, px.Pass, "switching to local mode", "back to fleet mode"},
+		{"slow", func() { px.Latency(100 * time.Millisecond) }, px.Pass, "switching to local mode", "back to fleet mode"},
+	}
+	for n, o := range outages {
+		warnBefore := make([]int, len(gws))
+		infoBefore := make([]int, len(gws))
+		for i, g := range gws {
+			warnBefore[i] = g.logCount(`"level":"warn"`, o.warnOutage)
+			infoBefore[i] = g.logCount(`"level":"info"`, o.recoverText)
+		}
+		o.begin()
+		for i, g := range gws {
+			var v fleetView
+			if !waitFor(10*time.Second, func() bool { v = g.fleet(); return v.Mode == "local" }) {
+				t.Fatalf("Redis %s: gateway %d still in mode %q after 10s", o.name, i, v.Mode)
+			}
+			if d, found := g.degradedGauge(); !found || d != 1 {
+				t.Errorf("Redis %s: gateway %d fleet_degraded = %v (found %v), want 1", o.name, i, d, found)
+			}
+		}
+		time.Sleep(600 * time.Millisecond) // steady traffic on local state, three refresh intervals
+		o.end()
+		for i, g := range gws {
+			var v fleetView
+			if !waitFor(5*time.Second, func() bool { v = g.fleet(); return v.Mode == "fleet" }) {
+				t.Fatalf("Redis back after %s: gateway %d still in mode %q after 5s (25 refresh intervals)", o.name, i, v.Mode)
+			}
+			if d, found := g.degradedGauge(); !found || d != 0 {
+				t.Errorf("Redis back after %s: gateway %d fleet_degraded = %v (found %v), want 0", o.name, i, d, found)
+			}
+			if w := g.logCount(`"level":"warn"`, o.warnOutage) - warnBefore[i]; w != 1 {
+				t.Errorf("Redis %s: gateway %d wrote %d warnings, want exactly one", o.name, i, w)
+			}
+			if in := g.logCount(`"level":"info"`, o.recoverText) - infoBefore[i]; in != 1 {
+				t.Errorf("Redis back after %s: gateway %d wrote %d recovery lines, want exactly one", o.name, i, in)
+			}
+		}
+		if n < len(outages)-1 {
+			time.Sleep(300 * time.Millisecond)
+		}
+	}
+	for _, l := range loads {
+		l.stop()
+	}
+	// Every request completed, and none waited on Redis past op_timeout.
+	limit := worstNormal + 50*time.Millisecond + 250*time.Millisecond // op_timeout + loopback slack on 2 cores
+	total := 0
+	for i, l := range loads {
+		rs := l.snapshot()
+		total += len(rs)
+		checkAllServed(t, rs)
+		for _, r := range rs {
+			if d := r.End.Sub(r.Start); d > limit {
+				t.Errorf("gateway %d: a request at %s took %v, over normal (%v) + op_timeout + slack", i, r.Start.Format("15:04:05.000"), d, worstNormal)
+			}
+		}
+	}
+	t.Logf("%d requests through three outages; worst before them %v", total, worstNormal)
+}
