@@ -54,8 +54,33 @@ var armColors = map[string]color.Color{
 // plotTTFTCDF writes a PNG of the victims' TTFT CDF in each arm, on a
 // logarithmic time axis, with the p99 of each arm in its legend.
 func plotTTFTCDF(path string, arms []ArmResult) error {
+	var lines []cdfLine
+	for _, a := range arms {
+		l := cdfLine{Name: a.Name, P99: a.Victims.TTFT.P99, TTFTs: a.TTFTs, Color: armColors[a.Name]}
+		l.Dashed = a.Name == ArmAdmission
+		lines = append(lines, l)
+	}
+	return plotCDFs(path, "Victims' time to first token (CDF)", "arm", lines)
+}
+
+// cdfLine is one line of a TTFT CDF plot.
+type cdfLine struct {
+	// Name is the legend's label, shown with P99 (ms).
+	Name string
+	P99  float64
+	// TTFTs are the samples, sorted.
+	TTFTs []time.Duration
+	// Color is the line's color; nil takes the plotter's default.
+	Color  color.Color
+	Dashed bool
+}
+
+// plotCDFs writes a 9×5 in PNG of the lines' empirical CDFs on a
+// logarithmic time axis (ms), with each line's p99 in the legend; what
+// names a line ("arm", "phase") is for the error when none has samples.
+func plotCDFs(path, title, what string, lines []cdfLine) error {
 	p := plot.New()
-	p.Title.Text = "Victims' time to first token (CDF)"
+	p.Title.Text = title
 	p.X.Label.Text = "TTFT (ms, log scale)"
 	p.Y.Label.Text = "share of requests ≤ TTFT"
 	p.X.Scale = plot.LogScale{}
@@ -68,29 +93,29 @@ func plotTTFTCDF(path string, arms []ArmResult) error {
 	p.Add(plotter.NewGrid())
 	lo, hi := math.Inf(1), 0.0
 	drawn := 0
-	for _, a := range arms {
-		pts := cdfPoints(a.TTFTs, 2000, 0.01)
+	for _, l := range lines {
+		pts := cdfPoints(l.TTFTs, 2000, 0.01)
 		if len(pts) == 0 {
 			continue
 		}
 		line, err := plotter.NewLine(pts)
 		if err != nil {
-			return fmt.Errorf("plot %s: %w", a.Name, err)
+			return fmt.Errorf("plot %s: %w", l.Name, err)
 		}
 		line.Width = vg.Points(2)
-		if c, ok := armColors[a.Name]; ok {
-			line.Color = c
+		if l.Color != nil {
+			line.Color = l.Color
 		}
-		if a.Name == ArmAdmission {
+		if l.Dashed {
 			line.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
 		}
 		p.Add(line)
-		p.Legend.Add(fmt.Sprintf("%s (p99 %s)", a.Name, fmtMS(a.Victims.TTFT.P99)), line)
+		p.Legend.Add(fmt.Sprintf("%s (p99 %s)", l.Name, fmtMS(l.P99)), line)
 		lo, hi = math.Min(lo, pts[0].X), math.Max(hi, pts[len(pts)-1].X)
 		drawn++
 	}
 	if drawn == 0 {
-		return fmt.Errorf("plot: no TTFT samples in any arm")
+		return fmt.Errorf("plot: no TTFT samples in any %s", what)
 	}
 	p.X.Min, p.X.Max = lo/1.2, hi*1.2
 	p.Legend.TextStyle.Font.Size = vg.Points(10)
