@@ -64,9 +64,11 @@ run_fg bin/llmload run \
 cat <<EOF
 
 What to look for:
-- 127.0.0.1:9103 failed about 30% of its attempts with 503 (gateway "attempts"),
+- 127.0.0.1:9103 answers 503 to about 30% of what it gets (gateway "attempts"),
   yet no client saw a 503: each failed attempt came before the first token, so
   the gateway failed over to another replica (failovers = attempts - requests).
+  Three 503s in a row open its breaker, which keeps it out of rotation until a
+  probe succeeds, so it gets only a small share of the traffic.
 - The few streams cut by 127.0.0.1:9102 after 8 tokens had already been
   committed to the client: no retry is possible, so the client got an in-band
   error event ("error_event") instead of a silent truncation.
