@@ -127,7 +127,7 @@ func (b *Breaker) Adopt(until time.Time, reason string) {
 	if reason == "" {
 		reason = "open in fleet"
 	}
-	b.post(push{open: true, until: until, reason: reason})
+	b.post(push{kind: pushOpen, until: until, reason: reason})
 }
 
 // AdoptClose applies the fleet's verdict that key closed (another gateway's
@@ -139,15 +139,36 @@ func (b *Breaker) AdoptClose(reason string) {
 	if reason == "" {
 		reason = "closed in fleet"
 	}
-	b.post(push{reason: reason})
+	b.post(push{kind: pushClose, reason: reason})
+}
+
+// ProbeNow ends the cooldown of an open breaker at once, so that its next
+// call, or the active prober, takes the half-open probe: the fleet gave
+// this gateway the key's probe lease (one prober per upstream for the whole
+// fleet, DESIGN §9). Other states, and a breaker forced open until closed,
+// are left alone. Like Adopt it never calls the store and never waits for
+// the lock.
+func (b *Breaker) ProbeNow(reason string) {
+	if reason == "" {
+		reason = "probe lease won"
+	}
+	b.post(push{kind: pushProbeNow, reason: reason})
 }
 
 // push is one verdict from the fleet, waiting for the lock.
 type push struct {
-	open   bool // Adopt; false: AdoptClose
+	kind   pushKind
 	until  time.Time
 	reason string
 }
+
+type pushKind uint8
+
+const (
+	pushClose    pushKind = iota // AdoptClose
+	pushOpen                     // Adopt
+	pushProbeNow                 // ProbeNow
+)
 
 // post queues p and applies it now if the lock is free; otherwise the
 // lock's holder applies it in unlock.
@@ -173,10 +194,13 @@ func (b *Breaker) applyPushesLocked() {
 	b.pushMu.Unlock()
 	now := b.clock.Now()
 	for _, p := range q {
-		if p.open {
+		switch p.kind {
+		case pushOpen:
 			b.adoptLocked(now, p.until, p.reason)
-		} else {
+		case pushClose:
 			b.adoptCloseLocked(now, p.reason)
+		case pushProbeNow:
+			b.probeNowLocked(now)
 		}
 	}
 }
@@ -205,6 +229,16 @@ func (b *Breaker) adoptLocked(now, until time.Time, reason string) {
 			b.setGateLocked()
 		}
 	}
+}
+
+// probeNowLocked is ProbeNow under the lock: the cooldown (and MinOpen)
+// ends now.
+func (b *Breaker) probeNowLocked(now time.Time) {
+	if stateOf(b.word.Load()) != Open || b.forever {
+		return
+	}
+	b.openUntil, b.minOpenUntil, b.useMinOpen = now, now, false
+	b.setGateLocked()
 }
 
 // adoptCloseLocked is AdoptClose under the lock.

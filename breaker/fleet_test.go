@@ -253,3 +253,30 @@ func (c *countingFleet) lastSettings() breaker.Settings {
 	defer c.mu.Unlock()
 	return c.settings
 }
+
+func TestProbeNowEndsTheCooldown(t *testing.T) {
+	st := new(countingFleet)
+	f := newFixture(t, breaker.Settings{MinOpen: 30 * time.Second}, breaker.WithStore(st))
+	f.b.Adopt(f.clk.Now().Add(time.Minute), "fleet: 3 consecutive failures")
+	if _, ok := f.b.Allow(); ok {
+		t.Fatal("allowed during the fleet's cooldown")
+	}
+	f.b.ProbeNow("")
+	p, ok := f.b.Allow()
+	if !ok || !p.Probe() {
+		t.Fatalf("after ProbeNow: ok=%v probe=%v, want the half-open probe", ok, p.Probe())
+	}
+	if _, ok := f.b.Allow(); ok {
+		t.Fatal("a second probe while the first is out")
+	}
+	p.Done(breaker.Success, 0, "")
+	// Closed and forced-forever breakers are left alone.
+	g := newFixture(t, breaker.Settings{}, breaker.WithStore(st))
+	g.b.ProbeNow("")
+	g.wantState(breaker.Closed)
+	g.b.ForceOpen(0, "maintenance")
+	g.b.ProbeNow("")
+	if _, ok := g.b.Allow(); ok {
+		t.Fatal("ProbeNow opened a breaker forced open until closed")
+	}
+}
