@@ -39,6 +39,9 @@ const (
 	CodeTenantCircuitOpen   = "tenant_circuit_open"
 	CodeRequestExceedsLimit = "request_exceeds_limit"
 	CodeUnknownKey          = "invalid_api_key" // 401
+	// CodeFleetUnavailable (503): a fail_closed tier's request while the
+	// fleet's shared limits cannot be reached.
+	CodeFleetUnavailable = "fleet_unavailable"
 )
 
 // Decisions that admitted a request (the other decisions are the codes).
@@ -80,6 +83,11 @@ type Tier struct {
 	TTFTPer1kPrompt time.Duration
 	// QueueWaitSLO, when set, makes a queue wait above it a slow call.
 	QueueWaitSLO time.Duration
+	// FailClosed refuses the tier's requests with 503 (CodeFleetUnavailable)
+	// and a Retry-After while the fleet's shared limits cannot be reached,
+	// rather than admitting them on this gateway's share of the limits
+	// (the default: fail open). It means nothing without a fleet store.
+	FailClosed bool
 	// Breaker holds the tenant breaker's thresholds (breaker.Settings:
 	// consecutive failures, slow ratio, cooldowns...). nil: the tenant
 	// breaker is off unless TTFTSLO or QueueWaitSLO is set, which turns
@@ -216,7 +224,8 @@ type Limits struct {
 // Refusal is admission's "no". It implements error.
 type Refusal struct {
 	// Status is the HTTP status: 429 (tenant limits, queue backpressure,
-	// open tenant breaker), 503 (no capacity can ever serve), 401.
+	// open tenant breaker), 503 (no capacity can ever serve; a fail_closed
+	// tier while the fleet's limits are unreachable), 401.
 	Status int
 	// Code is one of the Code* constants.
 	Code string

@@ -22,6 +22,7 @@ type controllerState struct {
 	rand    func() float64 // breaker cooldown jitter; tests fix it
 	base    time.Time      // epoch 0 of every tenant's window
 	tenants tenantSet
+	store   atomic.Pointer[storeBox] // nil: the tenants' own counts
 }
 
 func newController(cfg Config, clock Clock, obs Observer) (*Controller, error) {
@@ -86,20 +87,35 @@ type refusalBox struct {
 	req, tok Limit
 }
 
-// limitsLocked fills req and tok with the tenant's limits now (the window
-// advanced to now) and returns the Limits pointing to them, nil for a limit
-// the tenant does not have.
-func limitsLocked(t *tenant, lim limits, now time.Time, req, tok *Limit) Limits {
+// limitsOf fills req and tok with the tenant's limits as d leaves them
+// and returns the Limits pointing to them, nil for a limit the tenant does
+// not have.
+func limitsOf(d *Decision, lim limits, req, tok *Limit) Limits {
 	var l Limits
 	if lim.rpm > 0 {
-		*req = Limit{Limit: lim.rpm, Remaining: int(max(0, int64(lim.rpm)-t.win.reqs)), Reset: t.win.reset(now, fieldReqs)}
+		*req = Limit{Limit: lim.rpm, Remaining: int(max(0, int64(lim.rpm)-d.Requests)), Reset: d.ResetRequests}
 		l.Requests = req
 	}
 	if lim.tpm > 0 {
-		*tok = Limit{Limit: lim.tpm, Remaining: int(max(0, int64(lim.tpm)-t.win.toks)), Reset: t.win.reset(now, fieldToks)}
+		*tok = Limit{Limit: lim.tpm, Remaining: int(max(0, int64(lim.tpm)-d.Tokens)), Reset: d.ResetTokens}
 		l.Tokens = tok
 	}
 	return l
+}
+
+// applied returns lim with the limits a store applied in its place (a
+// fleet store's local fallback divides them).
+func (d *Decision) applied(lim limits) limits {
+	if d.MaxConcurrent > 0 {
+		lim.maxConc = d.MaxConcurrent
+	}
+	if d.RPM > 0 {
+		lim.rpm = d.RPM
+	}
+	if d.TPM > 0 {
+		lim.tpm = d.TPM
+	}
+	return lim
 }
 
 // retryIn formats d for messages, rounded up to the second ("12s", "1m0s").
@@ -110,87 +126,104 @@ func retryIn(d time.Duration) string {
 	return ((d + time.Second - 1) / time.Second * time.Second).String()
 }
 
-// check is the decision of Reserve's limit checks, made under the tenant's
-// lock without allocating; a refusal is built from it afterwards.
-type check struct {
-	code     string
-	retry    time.Duration
-	res      int64 // tokens to reserve
-	need     int64 // the request's tokens (estimate + n × max_tokens)
-	left     int64 // tpm left before this request
-	explicit bool
+// quotaOf fills q with what req asks of limits lim.
+func quotaOf(q *Quota, tenant string, ti *tierInfo, lim limits, req *Request) {
+	est := int64(max(req.PromptTokens, 0))
+	n := int64(max(req.N, 1))
+	per := int64(req.MaxTokens)
+	explicit := per > 0
+	if !explicit {
+		per = int64(ti.DefaultMaxTokens)
+	}
+	*q = Quota{Tenant: tenant, Tier: ti.Name, MaxConcurrent: lim.maxConc, RPM: lim.rpm, TPM: lim.tpm,
+		Prompt: est, Need: satAdd(est, satMul(n, per)), Explicit: explicit, FailClosed: ti.FailClosed}
 }
 
-// checkLocked applies the tenant's limits in order (max_concurrent, rpm,
-// tpm) and, if they all pass, counts the request and its reservation.
-func checkLocked(t *tenant, lim limits, req *Request, defMax int, now time.Time) check {
-	var k check
-	if lim.maxConc > 0 && t.inflight >= lim.maxConc {
-		k.code, k.retry = CodeTenantConcurrency, time.Second
-		return k
-	}
-	if lim.rpm > 0 && t.win.reqs+1 > int64(lim.rpm) {
-		k.code, k.retry = CodeTenantRPM, t.win.until(now, fieldReqs, int64(lim.rpm)-1)
-		return k
-	}
-	if lim.tpm > 0 {
-		tpm := int64(lim.tpm)
-		est := int64(max(req.PromptTokens, 0))
-		n := int64(max(req.N, 1))
-		per := int64(req.MaxTokens)
-		k.explicit = per > 0
-		if !k.explicit {
-			per = int64(defMax)
-		}
-		k.need = satAdd(est, satMul(n, per))
-		k.left = tpm - t.win.toks
+// counts are one tenant's local limit state: its requests in flight and
+// its rolling minute. The owner's lock guards them.
+type counts struct {
+	inflight int
+	win      minuteWindow
+}
+
+// decideLocked applies q's limits in order (max_concurrent, rpm, tpm) at
+// now and, if they all pass, counts the request and its reservation. It
+// fills the zero d with the decision and the window's counts for the
+// x-ratelimit-* headers, and returns the epoch the request is counted in.
+// It allocates nothing.
+func decideLocked(c *counts, q *Quota, now time.Time, d *Decision) (ep int64) {
+	ep = c.win.advance(now)
+	switch {
+	case q.MaxConcurrent > 0 && c.inflight >= q.MaxConcurrent:
+		d.Code, d.RetryAfter = CodeTenantConcurrency, time.Second
+	case q.RPM > 0 && c.win.reqs+1 > int64(q.RPM):
+		d.Code, d.RetryAfter = CodeTenantRPM, c.win.until(now, fieldReqs, int64(q.RPM)-1)
+	case q.TPM > 0:
+		tpm := int64(q.TPM)
+		d.Left = tpm - c.win.toks
 		switch {
-		case k.explicit && k.need > tpm, !k.explicit && est > tpm:
+		case q.Explicit && q.Need > tpm, !q.Explicit && q.Prompt > tpm:
 			// Waiting cannot help: it never fits the whole limit.
-			k.code = CodeRequestExceedsLimit
-			return k
-		case k.explicit && k.need > k.left:
-			k.code, k.retry = CodeTenantTPM, t.win.until(now, fieldToks, tpm-k.need)
-			return k
-		case !k.explicit && k.left < max(est, 1):
+			d.Code = CodeRequestExceedsLimit
+		case q.Explicit && q.Need > d.Left:
+			d.Code, d.RetryAfter = CodeTenantTPM, c.win.until(now, fieldToks, tpm-q.Need)
+		case !q.Explicit && d.Left < max(q.Prompt, 1):
 			// Capped at what is left, it must still hold the prompt.
-			k.code, k.retry = CodeTenantTPM, t.win.until(now, fieldToks, tpm-max(est, 1))
-			return k
+			d.Code, d.RetryAfter = CodeTenantTPM, c.win.until(now, fieldToks, tpm-max(q.Prompt, 1))
+		default:
+			d.Reserved = min(q.Need, d.Left)
 		}
-		k.res = min(k.need, k.left)
 	}
-	t.inflight++
-	t.win.add(1, k.res)
-	return k
+	if d.Code == "" {
+		c.inflight++
+		c.win.add(1, d.Reserved)
+	}
+	d.Requests, d.Tokens = c.win.reqs, c.win.toks
+	if q.RPM > 0 {
+		d.ResetRequests = c.win.reset(now, fieldReqs)
+	}
+	if q.TPM > 0 {
+		d.ResetTokens = c.win.reset(now, fieldToks)
+	}
+	return ep
 }
 
-// refusal builds the Refusal of a failed check.
-func (k *check) refusal(t *tenant, lim limits, req *Request, now time.Time) *Refusal {
+// refusal builds the Refusal of a refused decision d for tenant id, whose
+// limits are lim (as the store applied them).
+func (d *Decision) refusal(id string, lim limits, q *Quota, req *Request) *Refusal {
 	b := &refusalBox{}
-	b.r = Refusal{Status: 429, Code: k.code, RetryAfter: k.retry}
-	b.r.Limits = limitsLocked(t, lim, now, &b.req, &b.tok)
-	id := t.id
-	switch k.code {
+	b.r = Refusal{Status: 429, Code: d.Code, RetryAfter: d.RetryAfter}
+	b.r.Limits = limitsOf(d, lim, &b.req, &b.tok)
+	local := ""
+	if d.Local {
+		local = " (this gateway's share: the fleet's store is unreachable)"
+	}
+	switch d.Code {
 	case CodeTenantConcurrency:
-		b.r.Message = fmt.Sprintf("tenant %s: %d concurrent requests (max_concurrent) in flight; retry in %s", id, lim.maxConc, retryIn(k.retry))
+		b.r.Message = fmt.Sprintf("tenant %s: %d concurrent requests (max_concurrent) in flight%s; retry in %s", id, lim.maxConc, local, retryIn(d.RetryAfter))
 	case CodeTenantRPM:
-		b.r.Message = fmt.Sprintf("tenant %s: %d requests per minute (rpm) exceeded; retry in %s", id, lim.rpm, retryIn(k.retry))
+		b.r.Message = fmt.Sprintf("tenant %s: %d requests per minute (rpm) exceeded%s; retry in %s", id, lim.rpm, local, retryIn(d.RetryAfter))
 	case CodeTenantTPM:
-		what := "reservation of %d tokens"
-		if !k.explicit {
-			what = "prompt of %d tokens"
-			k.need = int64(max(req.PromptTokens, 1))
+		what, need := "reservation of %d tokens", q.Need
+		if !q.Explicit {
+			what, need = "prompt of %d tokens", max(q.Prompt, 1)
 		}
-		b.r.Message = fmt.Sprintf("tenant %s: %d tokens per minute (tpm) exceeded: "+what+", %d left; retry in %s",
-			id, lim.tpm, k.need, max(k.left, 0), retryIn(k.retry))
+		b.r.Message = fmt.Sprintf("tenant %s: %d tokens per minute (tpm) exceeded%s: "+what+", %d left; retry in %s",
+			id, lim.tpm, local, need, max(d.Left, 0), retryIn(d.RetryAfter))
 	case CodeRequestExceedsLimit:
-		if k.explicit {
+		if q.Explicit {
 			b.r.Message = fmt.Sprintf("tenant %s: request needs %d tokens (prompt %d + %d × max_tokens %d), more than the whole limit of %d tokens per minute (tpm)",
-				id, k.need, max(req.PromptTokens, 0), max(req.N, 1), req.MaxTokens, lim.tpm)
+				id, q.Need, max(req.PromptTokens, 0), max(req.N, 1), req.MaxTokens, lim.tpm)
 		} else {
 			b.r.Message = fmt.Sprintf("tenant %s: prompt of %d tokens exceeds the whole limit of %d tokens per minute (tpm)",
 				id, max(req.PromptTokens, 0), lim.tpm)
 		}
+	case CodeFleetUnavailable:
+		b.r.Status = 503
+		b.r.Message = fmt.Sprintf("tenant %s: tier %s is fail_closed and the fleet's limits cannot be checked (redis unavailable); retry in %s",
+			id, q.Tier, retryIn(d.RetryAfter))
+	default:
+		b.r.Message = fmt.Sprintf("tenant %s: refused by the limit store (%s); retry in %s", id, d.Code, retryIn(d.RetryAfter))
 	}
 	return &b.r
 }
@@ -205,6 +238,7 @@ func (c *Controller) reserve(tk *Ticket, req *Request) *Refusal {
 		c.obs.Decision(req.Tenant, req.Tier, r.Code)
 		return r
 	}
+	tk.hold.store = nil
 	for {
 		t := c.state(req.Tenant, snap)
 		if t == nil {
@@ -226,32 +260,79 @@ func (c *Controller) reserve(tk *Ticket, req *Request) *Refusal {
 				return r
 			}
 		}
-		now := c.clock.Now()
-		t.mu.Lock()
-		if t.evicted {
+		var d Decision
+		var ep int64
+		if sb := c.store.Load(); sb != nil && (lim.maxConc > 0 || lim.rpm > 0 || lim.tpm > 0) {
+			q := &tk.quota
+			quotaOf(q, t.id, ti, lim, req)
+			var retry bool
+			if d, retry = c.reserveIn(sb.s, t, q, &tk.hold); retry {
+				p.Done(breaker.Neutral, 0, "")
+				continue
+			}
+			if d.Code != "" {
+				return c.refuse(t, ti, d.applied(lim), &d, q, req, p)
+			}
+			tk.limits = limitsOf(&d, d.applied(lim), &tk.reqLim, &tk.tokLim)
+		} else {
+			var q Quota
+			quotaOf(&q, t.id, ti, lim, req)
+			now := c.clock.Now()
+			t.mu.Lock()
+			if t.evicted {
+				t.mu.Unlock()
+				p.Done(breaker.Neutral, 0, "")
+				continue
+			}
+			ep = decideLocked(&t.counts, &q, now, &d)
 			t.mu.Unlock()
-			p.Done(breaker.Neutral, 0, "")
-			continue
+			if d.Code != "" {
+				return c.refuse(t, ti, lim, &d, &q, req, p)
+			}
+			tk.limits = limitsOf(&d, lim, &tk.reqLim, &tk.tokLim)
 		}
-		ep := t.win.advance(now)
-		k := checkLocked(t, lim, req, ti.DefaultMaxTokens, now)
-		if k.code != "" {
-			r := k.refusal(t, lim, req, now)
-			t.mu.Unlock()
-			p.Done(breaker.Neutral, 0, "") // a refused probe frees its slot
-			c.obs.Decision(t.id, ti.Name, r.Code)
-			return r
-		}
-		tk.limits = limitsLocked(t, lim, now, &tk.reqLim, &tk.tokLim)
-		t.mu.Unlock()
 
 		tk.c, tk.t, tk.ti, tk.lim = c, t, ti, lim
 		tk.est = max(req.PromptTokens, 0)
-		tk.reserved, tk.ep = k.res, ep
+		tk.reserved, tk.ep = d.Reserved, ep
 		tk.permit = p
 		tk.settled.Store(false)
 		return nil
 	}
+}
+
+// refuse answers a refused decision: the tenant breaker's probe slot is
+// freed, the decision observed.
+func (c *Controller) refuse(t *tenant, ti *tierInfo, lim limits, d *Decision, q *Quota, req *Request, p breaker.Permit) *Refusal {
+	r := d.refusal(t.id, lim, q, req)
+	p.Done(breaker.Neutral, 0, "") // a refused probe frees its slot
+	c.obs.Decision(t.id, ti.Name, r.Code)
+	return r
+}
+
+// reserveIn is reserve's step with a LimitStore: the tenant's state counts
+// the request in flight first (so it is not evicted while the store holds
+// it), then the store decides. retry is set when the state was evicted
+// before it could count.
+func (c *Controller) reserveIn(s LimitStore, t *tenant, q *Quota, h *Hold) (d Decision, retry bool) {
+	t.mu.Lock()
+	if t.evicted {
+		t.mu.Unlock()
+		return d, true
+	}
+	t.inflight++
+	t.mu.Unlock()
+	*h = Hold{}
+	d = s.Reserve(q, h)
+	if d.Code != "" {
+		t.mu.Lock()
+		t.inflight--
+		t.mu.Unlock()
+		*h = Hold{}
+		return d, false
+	}
+	h.store = s
+	return d, false
 }
 
 // circuitOpen is the refusal of an open (or fully probing half-open) tenant
@@ -267,8 +348,15 @@ func (c *Controller) circuitOpen(t *tenant, lim limits, b *breaker.Breaker) *Ref
 		Message: fmt.Sprintf("tenant %s: circuit breaker open (too many slow or failed requests); retry in %s", t.id, retryIn(retry))}
 	t.mu.Lock()
 	t.win.advance(now)
-	bx.r.Limits = limitsLocked(t, lim, now, &bx.req, &bx.tok)
+	d := Decision{Requests: t.win.reqs, Tokens: t.win.toks}
+	if lim.rpm > 0 {
+		d.ResetRequests = t.win.reset(now, fieldReqs)
+	}
+	if lim.tpm > 0 {
+		d.ResetTokens = t.win.reset(now, fieldToks)
+	}
 	t.mu.Unlock()
+	bx.r.Limits = limitsOf(&d, lim, &bx.req, &bx.tok)
 	return &bx.r
 }
 

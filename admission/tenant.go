@@ -27,11 +27,12 @@ const sweepEvery = time.Second
 type tenant struct {
 	id string
 
-	mu       sync.Mutex
-	inflight int
-	evicted  bool // removed from the map; a Reserve that holds it retries
-	pinned   bool // configured (or UnknownTenant): never evicted nor counted
-	win      minuteWindow
+	mu sync.Mutex
+	// counts are the tenant's limits in the Controller's own memory (its
+	// in-flight count is kept with any LimitStore too).
+	counts
+	evicted bool // removed from the map; a Reserve that holds it retries
+	pinned  bool // configured (or UnknownTenant): never evicted nor counted
 
 	queued atomic.Int64
 	// tier is the effective tier of the tenant's last admission, for the

@@ -23,6 +23,10 @@ type ticketState struct {
 	reqLim   Limit
 	tokLim   Limit
 	settled  atomic.Bool
+	// quota is what the request asked of its limits; hold what a
+	// LimitStore took (hold.store nil: the tenant's own counts did).
+	quota Quota
+	hold  Hold
 }
 
 // ttftObjective returns the tier's TTFT objective for a prompt of prompt
@@ -60,13 +64,21 @@ func (tk *Ticket) settle(u *Usage, queueWait time.Duration) {
 	}
 	c, t := tk.c, tk.t
 	prompt, completion := max(u.PromptTokens, 0), max(u.CompletionTokens, 0)
-	now := c.clock.Now()
-	t.mu.Lock()
-	t.win.advance(now)
-	t.win.remove(tk.ep, 0, tk.reserved)
-	t.win.add(0, satAdd(int64(prompt), int64(completion)))
-	t.inflight--
-	t.mu.Unlock()
+	used := satAdd(int64(prompt), int64(completion))
+	if s := tk.hold.store; s != nil {
+		s.Settle(&tk.hold, used)
+		t.mu.Lock()
+		t.inflight--
+		t.mu.Unlock()
+	} else {
+		now := c.clock.Now()
+		t.mu.Lock()
+		t.win.advance(now)
+		t.win.remove(tk.ep, 0, tk.reserved)
+		t.win.add(0, used)
+		t.inflight--
+		t.mu.Unlock()
+	}
 
 	source := "usage"
 	if u.Estimated {
@@ -108,11 +120,18 @@ func (tk *Ticket) cancel() {
 		return
 	}
 	t := tk.t
-	now := tk.c.clock.Now()
-	t.mu.Lock()
-	t.win.advance(now)
-	t.win.remove(tk.ep, 1, tk.reserved)
-	t.inflight--
-	t.mu.Unlock()
+	if s := tk.hold.store; s != nil {
+		s.Cancel(&tk.hold)
+		t.mu.Lock()
+		t.inflight--
+		t.mu.Unlock()
+	} else {
+		now := tk.c.clock.Now()
+		t.mu.Lock()
+		t.win.advance(now)
+		t.win.remove(tk.ep, 1, tk.reserved)
+		t.inflight--
+		t.mu.Unlock()
+	}
 	tk.permit.Done(breaker.Neutral, 0, "") // frees a probe slot, records nothing
 }
