@@ -1,0 +1,195 @@
+package fleet
+
+import "github.com/redis/go-redis/v9"
+
+// The scripts of the shared breakers. Each touches the keys of one breaker
+// key only, all under its hash tag {breaker:<key>}, and takes its times
+// from Redis's clock (TIME; replicate_commands lets Redis before 5 write
+// after it). Records and messages are JSON (cjson), so reasons and keys
+// may hold any character.
+//
+//	KEYS for every script but resetScript: count, reporters, failures, open
+//
+// An open record is {"s":"open","u":<until ms, 0: until closed>,"a":<set
+// at ms>,"by":<instance>,"r":<reason>}; a close leaves a tombstone
+// {"s":"closed","a":…,"by":…} for the grace time, so that a late replay of
+// an older write (after local mode) can tell that it is older.
+
+// failureScript counts one failure of ARGV[1] (instance id) and opens the
+// key when the fleet's counts fire a rule of the reporting breaker:
+//
+//	ARGV: id, member, consecutive (≤ 0: off), failures (0: off), window ms,
+//	      min reporters, open_for ms, reason, idle ms, channel, key, grace ms,
+//	      window as text
+//
+// It returns {"open", now} when the key is already open (not counted),
+// {"counted", now, count}, or {"opened", now, ttl, reason}.
+var failureScript = redis.NewScript(`
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local raw = redis.call('GET', KEYS[4])
+if raw then
+  local ok, r = pcall(cjson.decode, raw)
+  if ok and type(r) == 'table' and r.s == 'open' and (r.u == 0 or r.u > now) then
+    return {'open', now}
+  end
+end
+local id = ARGV[1]
+local cf, f = tonumber(ARGV[3]), tonumber(ARGV[4])
+local win, minr = tonumber(ARGV[5]), tonumber(ARGV[6])
+local idle = tonumber(ARGV[9])
+local n = redis.call('INCR', KEYS[1])
+redis.call('PEXPIRE', KEYS[1], idle)
+redis.call('SADD', KEYS[2], id)
+redis.call('PEXPIRE', KEYS[2], idle)
+redis.call('ZADD', KEYS[3], now, ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - win)
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -4097)
+redis.call('PEXPIRE', KEYS[3], win)
+local function gateways(k)
+  if k == 1 then return '1 gateway' end
+  return k .. ' gateways'
+end
+local why
+if cf > 0 and n >= cf then
+  local rep = redis.call('SCARD', KEYS[2])
+  if rep >= minr then why = n .. ' consecutive failures from ' .. gateways(rep) end
+end
+if not why and f > 0 then
+  local inwin = redis.call('ZCARD', KEYS[3])
+  if inwin >= f then
+    local seen, rep = {}, 0
+    for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+      local who = string.match(m, '^[^:]*:(.*)$') or m
+      if not seen[who] then
+        seen[who] = true
+        rep = rep + 1
+      end
+    end
+    if rep >= minr then why = inwin .. ' failures within ' .. ARGV[13] .. ' from ' .. gateways(rep) end
+  end
+end
+if not why then
+  if n == 1 then
+    redis.call('PUBLISH', ARGV[10], cjson.encode({t = 'dirty', k = ARGV[11], by = id}))
+  end
+  return {'counted', now, n}
+end
+local reason = 'fleet: ' .. why .. '; last: ' .. ARGV[8] .. ' (' .. id .. ')'
+local ttl = tonumber(ARGV[7])
+redis.call('SET', KEYS[4], cjson.encode({s = 'open', u = now + ttl, a = now, by = id, r = reason}),
+  'PX', ttl + tonumber(ARGV[12]))
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('PUBLISH', ARGV[10], cjson.encode({t = 'trip', k = ARGV[11], by = id, a = now, ttl = ttl, r = reason}))
+return {'opened', now, ttl, reason}
+`)
+
+// resetScript ends the fleet's consecutive run (a success): KEYS count,
+// reporters; ARGV channel, key, id. It publishes "clean" when there was a
+// run to end.
+var resetScript = redis.NewScript(`
+if redis.call('DEL', KEYS[1], KEYS[2]) > 0 then
+  redis.call('PUBLISH', ARGV[1], cjson.encode({t = 'clean', k = ARGV[2], by = ARGV[3]}))
+end
+return 1
+`)
+
+// putScript records that the key is open (an operator, a Retry-After, a
+// probe of a fleet verdict that failed, an observed trip) and starts the
+// counts afresh:
+//
+//	ARGV: id, ttl ms (0: until closed), reason, grace ms, channel, key,
+//	      at (0: now; a replay gives the time of the write, and a record
+//	      set later wins)
+//
+// It returns {"put", now, at} or {"stale", now}.
+var putScript = redis.NewScript(`
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local at = tonumber(ARGV[7])
+if at > 0 then
+  local raw = redis.call('GET', KEYS[1])
+  if raw then
+    local ok, r = pcall(cjson.decode, raw)
+    if ok and type(r) == 'table' and tonumber(r.a) and r.a > at then return {'stale', now} end
+  end
+else
+  at = now
+end
+local ttl = tonumber(ARGV[2])
+local u = 0
+if ttl > 0 then u = now + ttl end
+local rec = cjson.encode({s = 'open', u = u, a = at, by = ARGV[1], r = ARGV[3]})
+if ttl > 0 then
+  redis.call('SET', KEYS[1], rec, 'PX', ttl + tonumber(ARGV[4]))
+else
+  redis.call('SET', KEYS[1], rec)
+end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'put', k = ARGV[6], by = ARGV[1], a = at, ttl = ttl, r = ARGV[3]}))
+return {'put', now, at}
+`)
+
+// clearScript records that the key closed and starts the counts afresh; it
+// publishes "clear" only when the fleet had an open record (even one past
+// its end: breakers that adopted it may still wait or probe):
+//
+//	ARGV: id, grace ms, channel, key, at (0: now; as putScript)
+//
+// It returns {"cleared", now}, {"none", now} or {"stale", now}.
+var clearScript = redis.NewScript(`
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local at = tonumber(ARGV[5])
+local raw = redis.call('GET', KEYS[1])
+local r
+if raw then
+  local ok, d = pcall(cjson.decode, raw)
+  if ok and type(d) == 'table' then r = d end
+end
+if at > 0 then
+  if r and tonumber(r.a) and r.a > at then return {'stale', now} end
+else
+  at = now
+end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = at, by = ARGV[1]}), 'PX', tonumber(ARGV[2]))
+if r and r.s == 'open' then
+  redis.call('PUBLISH', ARGV[3], cjson.encode({t = 'clear', k = ARGV[4], by = ARGV[1], a = at}))
+  return {'cleared', now}
+end
+return {'none', now}
+`)
+
+// breakerMsg is one message on the breakers channel.
+type breakerMsg struct {
+	// T is "trip" (the fleet's counts opened the key), "put" (an instance
+	// opened it), "clear" (an instance closed it), "dirty" (the fleet's
+	// consecutive count went from 0 to 1) or "clean" (a success ended it).
+	T string `json:"t"`
+	// K is the breaker key.
+	K string `json:"k"`
+	// By is the instance that wrote.
+	By string `json:"by"`
+	// A is when the record was set, ms on Redis's clock.
+	A int64 `json:"a,omitempty"`
+	// TTL is the open time remaining, ms; 0 with "put": until closed.
+	TTL int64 `json:"ttl,omitempty"`
+	// R is the reason.
+	R string `json:"r,omitempty"`
+}
+
+// openRecord is the value of a key's open record.
+type openRecord struct {
+	S  string `json:"s"` // "open" or "closed" (a tombstone)
+	U  int64  `json:"u"` // until, ms on Redis's clock; 0: until closed
+	A  int64  `json:"a"` // set at, ms on Redis's clock
+	By string `json:"by"`
+	R  string `json:"r"`
+}
+
+// openAt reports whether the record says open at now (ms, Redis's clock).
+func (r openRecord) openAt(now int64) bool { return r.S == "open" && (r.U == 0 || r.U > now) }
