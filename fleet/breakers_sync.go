@@ -273,8 +273,8 @@ func (bs *Breakers) refresh() {
 	var lost []string
 	for i, key := range keys {
 		k, ok := bs.keys[key]
-		if !ok || k.changed.After(start) {
-			continue // changed here since: this read is older
+		if !ok || k.changed.After(start) || bs.writes[key] != nil {
+			continue // changed here since, or about to be: this read is older
 		}
 		n, _ := counts[i].Int64()
 		k.dirty.Store(n > 0)
@@ -304,7 +304,7 @@ func (bs *Breakers) refresh() {
 			// The fleet lost this instance's open (Redis restarted empty),
 			// or has only an older close: write it again, as a replay, so
 			// that a record set after it still wins.
-			if bs.writes[key] == nil && k.at != 0 {
+			if k.at != 0 {
 				lost = append(lost, key)
 				bs.writes[key] = &write{open: true, until: k.until, reason: k.reason,
 					made: time.UnixMilli(k.at - bs.offset.Load()), replay: true}
