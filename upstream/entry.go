@@ -50,6 +50,8 @@ type Entry struct {
 	probing   bool // a probe loop runs
 	scraping  bool // a scrape loop runs
 	destroyed bool
+	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
+	bstore breaker.Store
 }
 
 // claim is one config's wishes for the entries it holds.
@@ -173,28 +175,28 @@ func (e *Entry) reconcile() {
 }
 
 // breakerFor returns the breaker for a model key ("" per upstream), creating
-// it with the effective settings; nil when breakers are off or the entry is
-// gone (a request still running on a config that released it).
+// it with the effective settings and the registry's breaker store; nil when
+// breakers are off or the entry is gone (a request still running on a
+// config that released it).
 func (e *Entry) breakerFor(key string) *breaker.Breaker {
 	if b, ok := e.breakerMap()[key]; ok {
 		return b
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	if e.destroyed || e.eff == nil || e.eff.settings == nil {
+		e.mu.Unlock()
 		return nil
 	}
 	old := e.breakerMap()
 	if b, ok := old[key]; ok {
+		e.mu.Unlock()
 		return b
 	}
-	name := e.addr
-	if key != "" {
-		name += "|" + key
-	}
-	var b *breaker.Breaker
-	opts := append([]breaker.Option{breaker.WithListener(func(tr breaker.Transition) { e.transition(key, b, tr) })}, e.reg.breakerOpts...)
-	b = breaker.New(name, *e.eff.settings, opts...)
+	st := e.reg.BreakerStore()
+	if len(old) == 0 {
+		e.bstore = st
+	} // else a SetBreakerStore is on its way to this entry and builds them all again
+	b, l := e.newBreakerLocked(key, *e.eff.settings, st)
 	m := make(map[string]*breaker.Breaker, len(old)+1)
 	for k, v := range old {
 		m[k] = v
@@ -202,7 +204,95 @@ func (e *Entry) breakerFor(key string) *breaker.Breaker {
 	m[key] = b
 	e.breakers.Store(&m)
 	e.reg.obs.BreakerCreated(e.addr, key)
+	e.mu.Unlock()
+	l.register(b)
 	return b
+}
+
+// newBreakerLocked builds the breaker for key with store st (nil: none).
+// Its transitions wait in the returned listener until register, which the
+// caller calls once the breaker is in the map and e.mu is released: a
+// store that knows the key is open opens the breaker within New, and the
+// entry's listener takes e.mu.
+func (e *Entry) newBreakerLocked(key string, s breaker.Settings, st breaker.Store) (*breaker.Breaker, *heldListener) {
+	name := e.addr
+	if key != "" {
+		name += "|" + key
+	}
+	l := &heldListener{e: e, key: key}
+	opts := []breaker.Option{breaker.WithListener(l.listen)}
+	if st != nil {
+		opts = append(opts, breaker.WithStore(st))
+	}
+	return breaker.New(name, s, append(opts, e.reg.breakerOpts...)...), l
+}
+
+// heldListener is a breaker's listener that holds its transitions until
+// the breaker is registered, then hands them, in order, to the entry.
+type heldListener struct {
+	e   *Entry
+	key string
+
+	mu   sync.Mutex
+	b    *breaker.Breaker // nil until register
+	held []breaker.Transition
+}
+
+func (l *heldListener) listen(tr breaker.Transition) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.b == nil {
+		l.held = append(l.held, tr)
+		return
+	}
+	l.e.transition(l.key, l.b, tr)
+}
+
+// register delivers the held transitions; later ones go straight through.
+// Call it without e.mu.
+func (l *heldListener) register(b *breaker.Breaker) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.b = b
+	for _, tr := range l.held {
+		l.e.transition(l.key, b, tr)
+	}
+	l.held = nil
+}
+
+// useStore builds the entry's breakers again with store st (see
+// Registry.SetBreakerStore): an open breaker's cooldown end travels, as a
+// verdict the new breaker adopts; the old ones leave their store.
+func (e *Entry) useStore(st breaker.Store) {
+	e.mu.Lock()
+	if e.destroyed || e.bstore == st {
+		e.mu.Unlock()
+		return
+	}
+	e.bstore = st
+	old := e.breakerMap()
+	if len(old) == 0 || e.eff == nil || e.eff.settings == nil {
+		e.mu.Unlock()
+		return
+	}
+	m := make(map[string]*breaker.Breaker, len(old))
+	ls := make(map[string]*heldListener, len(old))
+	for k := range old {
+		m[k], ls[k] = e.newBreakerLocked(k, *e.eff.settings, st)
+		e.reg.obs.BreakerCreated(e.addr, k) // the new one's state, from closed
+	}
+	e.breakers.Store(&m)
+	e.mu.Unlock()
+	for k, ob := range old {
+		nb := m[k]
+		if snap := ob.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
+			// OpenUntil is zero when forced open until closed: so is Adopt's.
+			nb.Adopt(snap.OpenUntil, "open before the breaker store changed")
+		}
+		ls[k].register(nb)
+		ob.Close()
+	}
+	e.maybeProbe()
 }
 
 // lookupBreaker returns an existing breaker without creating one.

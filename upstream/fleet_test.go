@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"testing"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -36,5 +37,67 @@ func TestDroppedBreakersLeaveTheFleet(t *testing.T) {
 	p.Release()
 	if n := joined("10.1.11.2:8000|llama"); n != 0 {
 		t.Fatalf("%d breakers joined after the entry was destroyed, want 0", n)
+	}
+}
+
+// SetBreakerStore builds the breakers again with the new store, an open
+// one staying open until its end; back to no store, the same. A breaker
+// created while its store says the key is open starts open, and its
+// transition reaches the observer.
+func TestSetBreakerStoreRebuildsTheBreakers(t *testing.T) {
+	sm := breaker.NewSharedMemory(nil, 1)
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	const addr = "10.1.12.1:8000"
+	p := startPool(t, reg, Config{Static: targets(addr), Breaker: &breaker.Settings{}})
+	finish(mustPick(t, p, ""), proxy.AttemptSuccess)
+	before := breakerOf(t, reg, addr, "")
+	before.ForceOpen(time.Minute, "maintenance")
+	until := before.Snapshot().OpenUntil
+
+	gw0 := sm.Instance("gw0")
+	reg.SetBreakerStore(gw0)
+	fleetB := breakerOf(t, reg, addr, "")
+	if fleetB == before || sm.Counts(addr).Joined != 1 {
+		t.Fatalf("not rebuilt with the store: same %v, joined %d", fleetB == before, sm.Counts(addr).Joined)
+	}
+	if s := fleetB.Snapshot(); s.State != breaker.Open || !s.OpenUntil.Equal(until) {
+		t.Fatalf("rebuilt breaker %+v, want open until %v", s, until)
+	}
+	if st, _ := obs.gauge(addr, ""); st != breaker.Open {
+		t.Fatalf("gauge %v, want open", st)
+	}
+	reg.SetBreakerStore(gw0) // the same store: nothing changes
+	if breakerOf(t, reg, addr, "") != fleetB {
+		t.Fatal("setting the same store rebuilt the breakers")
+	}
+	// Shared now: another gateway's verdict reaches it.
+	other := breaker.New(addr, breaker.Settings{}, breaker.WithStore(sm.Instance("gw1")))
+	other.ForceOpen(time.Hour, "drain")
+	if s := fleetB.Snapshot(); !s.OpenUntil.After(until.Add(50 * time.Minute)) {
+		t.Fatalf("the other gateway's verdict did not arrive: %+v", s)
+	}
+
+	reg.SetBreakerStore(nil)
+	local := breakerOf(t, reg, addr, "")
+	if local == fleetB || sm.Counts(addr).Joined != 1 {
+		t.Fatalf("not rebuilt without the store: joined %d", sm.Counts(addr).Joined)
+	}
+	if s := local.Snapshot(); s.State != breaker.Open || !s.OpenUntil.Equal(fleetB.Snapshot().OpenUntil) {
+		t.Fatalf("local breaker %+v", s)
+	}
+
+	// A new upstream whose key the store has open: created open, without
+	// a deadlock on the entry's lock, and observed.
+	const addr2 = "10.1.12.2:8000"
+	sm.Instance("gw1").PutOpen(addr2, time.Now().Add(time.Minute), "open elsewhere")
+	reg.SetBreakerStore(gw0)
+	p2 := startPool(t, reg, Config{Static: targets(addr2, "10.1.12.3:8000"), Breaker: &breaker.Settings{}})
+	p2.holdBreakers()
+	if s := breakerOf(t, reg, addr2, "").Snapshot(); s.State != breaker.Open {
+		t.Fatalf("breaker of a key open in the store: %+v", s)
+	}
+	if st, ok := obs.gauge(addr2, ""); !ok || st != breaker.Open {
+		t.Fatalf("gauge %v %v, want open", st, ok)
 	}
 }

@@ -9,6 +9,7 @@
 package upstream
 
 import (
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -76,6 +77,42 @@ type Registry struct {
 	loops, scrapers atomic.Int64
 	// breakerOpts are added to every breaker's options (tests inject a clock).
 	breakerOpts []breaker.Option
+	// store is the breaker store of the breakers created now (nil: none);
+	// storeMu serializes SetBreakerStore.
+	store   atomic.Pointer[storeBox]
+	storeMu sync.Mutex
+}
+
+// storeBox holds a breaker.Store, which may be nil, in an atomic pointer.
+type storeBox struct{ s breaker.Store }
+
+// SetBreakerStore makes s the store of every upstream breaker (nil: none,
+// each breaker keeps its state to itself): a fleet's breaker store
+// (fleet.Breakers) shares their counts and open state with the other
+// gateways. The breakers that exist are built again with s, each with the
+// state that can travel: an open breaker stays open until the end of its
+// cooldown (until closed, if forced so), as a verdict of the new store
+// (its recovery is published); a half-open one starts closed, and the
+// rolling windows start empty. Setting the store in effect does nothing,
+// so a reload that keeps the fleet keeps the breakers.
+func (r *Registry) SetBreakerStore(s breaker.Store) {
+	r.storeMu.Lock()
+	defer r.storeMu.Unlock()
+	if r.BreakerStore() == s {
+		return
+	}
+	r.store.Store(&storeBox{s})
+	for _, e := range r.Entries() {
+		e.useStore(s)
+	}
+}
+
+// BreakerStore is the store set by SetBreakerStore, nil for none.
+func (r *Registry) BreakerStore() breaker.Store {
+	if b := r.store.Load(); b != nil {
+		return b.s
+	}
+	return nil
 }
 
 // NewRegistry returns an empty registry reporting to obs (nil: NopObserver).
@@ -113,6 +150,14 @@ type BreakerView struct {
 	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
+	// Scope is "fleet" when the breaker's counts and state are shared with
+	// the fleet (its store is the fleet's, in fleet mode, and it is not
+	// open by its own rules alone, see Snapshot.Local), else "local".
+	// Filled by the admin API.
+	Scope string `json:"scope,omitempty"`
+	// OpenedBy is the instance that opened the key fleet-wide, while the
+	// fleet says it is open. Filled by the admin API.
+	OpenedBy string `json:"opened_by,omitempty"`
 }
 
 // Breakers returns every live breaker, sorted by key.
