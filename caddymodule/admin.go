@@ -21,7 +21,10 @@ func init() {
 
 // adminAPI serves the breakers on Caddy's admin endpoint:
 //
-//	GET  /llm_proxy/breakers                   every breaker, as JSON
+//	GET  /llm_proxy/breakers                   every breaker, as JSON, with "scope":
+//	                                           "fleet" (shared through the fleet) or
+//	                                           "local", and "opened_by" (the instance
+//	                                           that opened it fleet-wide)
 //	GET  /llm_proxy/breakers/<key>             one breaker
 //	POST /llm_proxy/breakers/<key>/open[?for=<duration>]   force open (until close without for)
 //	POST /llm_proxy/breakers/<key>/close       force closed
@@ -127,6 +130,10 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 	views := reg.Breakers()
 	if views == nil {
 		views = []upstream.BreakerView{}
+	}
+	st := liveBreakerStore()
+	for i := range views {
+		withScope(&views[i], st)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
@@ -262,7 +269,25 @@ func breakerExists(key string) bool {
 // view is one breaker as the admin API shows it.
 func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
 	key := strings.TrimPrefix(strings.TrimPrefix(b.Key(), e.Addr()), "|")
-	return upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: key, Inflight: e.Inflight()}
+	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: key, Inflight: e.Inflight()}
+	withScope(&v, liveBreakerStore())
+	return v
+}
+
+// withScope says whether a breaker's state is the fleet's or its own, and
+// which instance opened it fleet-wide: "fleet" with a fleet breaker store
+// in fleet mode, unless it is open by its own rules alone (Local).
+func withScope(v *upstream.BreakerView, st *fleet.Breakers) {
+	v.Scope = "local"
+	if st == nil {
+		return
+	}
+	if !st.Degraded() && !v.Local {
+		v.Scope = "fleet"
+	}
+	if open, ok := st.Opened(v.Key); ok && v.State != breaker.Closed {
+		v.OpenedBy = open.By
+	}
 }
 
 var _ caddy.AdminRouter = adminAPI{}

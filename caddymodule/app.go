@@ -145,6 +145,7 @@ func (a *App) Start() error {
 		_ = a.Stop() // Caddy does not stop an app whose Start failed
 		return err
 	}
+	reg.SetBreakerStore(a.breakerStore())
 	for _, p := range a.pools {
 		p.Activate()
 	}
@@ -164,6 +165,9 @@ func (a *App) Stop() error {
 		p.Deactivate()
 	}
 	current.pop(a)
+	// The breakers go back to the newest running config's store (none
+	// without a fleet) before this config's connection may close.
+	reg.SetBreakerStore(newestApp().breakerStore())
 	a.stopFleet()
 	// This config's tiers may have been applied by its Start: hand the
 	// controller back to the newest config still running (after a failed

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 )
@@ -124,12 +125,55 @@ func (a *App) startFleet() error {
 		return fmt.Errorf("llm_proxy: fleet: %w", err)
 	}
 	a.fleet.Store(c)
+	// The fleet's breaker store lives as long as its connection (the
+	// claims drop it first): the upstream breakers share their counts and
+	// open state through it (Start gives it to the registry).
+	bs, err := fleetBreakerStores.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Breakers, error) {
+		return fleet.NewBreakers(c, fleet.BreakersOptions{OnDrop: breakerReportDropped}), nil
+	}, nil)
+	if err != nil {
+		return fmt.Errorf("llm_proxy: fleet: %w", err)
+	}
+	a.fleet.breakers.Store(bs)
 	return nil
 }
 
-// fleetSlot holds a running config's connection: written by Start, read
-// by the admin API and the metrics.
-type fleetSlot struct{ atomic.Pointer[fleet.Client] }
+// fleetBreakerStores holds the fleets' breaker stores, one per connection,
+// under the same keys and references as fleets.
+var fleetBreakerStores = registry.NewTable(func(_ string, bs *fleet.Breakers) { bs.Close() })
+
+// breakerReportDropped counts a breaker report that found the store's
+// queue full (the worker behind a slow Redis).
+func breakerReportDropped(op string) {
+	initMetrics()
+	metrics.fleetErrors.WithLabelValues(op, "queue_full").Inc()
+}
+
+// fleetSlot holds a running config's connection and its breaker store:
+// written by Start, read by the admin API and the metrics.
+type fleetSlot struct {
+	atomic.Pointer[fleet.Client]
+	breakers atomic.Pointer[fleet.Breakers]
+}
+
+// breakerStore is the breaker store this config gives the upstream
+// registry: the fleet's once started, nil without a fleet.
+func (a *App) breakerStore() breaker.Store {
+	if a == nil || a.fleet == nil {
+		return nil
+	}
+	if bs := a.fleet.breakers.Load(); bs != nil {
+		return bs
+	}
+	return nil
+}
+
+// liveBreakerStore is the fleet breaker store the upstream breakers use
+// now, nil for none.
+func liveBreakerStore() *fleet.Breakers {
+	bs, _ := reg.BreakerStore().(*fleet.Breakers)
+	return bs
+}
 
 // stopFleet drops this config's reference; the last one closes the
 // connection.

@@ -15,8 +15,10 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/redistest"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 const fleetSite = `{
@@ -264,4 +266,60 @@ func TestFleetLogsThroughTheNewestConfig(t *testing.T) {
 	if len(got) != 1 || got[0].Message != "second" || got[0].LoggerName != "llm_proxy.fleet" || got[0].ContextMap()["instance_id"] != "gw-1" {
 		t.Fatalf("newer config's logger got %+v", got)
 	}
+}
+
+// TestFleetBreakerStoreWired: with a fleet, the upstream breakers share
+// their state through it — another gateway's forced open reaches this
+// one, and the admin API says it is the fleet's and who opened it; a
+// reload without fleet takes the breakers back to local state.
+func TestFleetBreakerStoreWired(t *testing.T) {
+	initMetrics()
+	s := redistest.Start(t, redistest.Options{})
+	listen, up := freePort(t), freePort(t)
+	app := `{"fleet":{"redis":"redis://` + s.Addr() + `","refresh":"200ms","op_timeout":"50ms","instance_id":"gw-a"}}`
+	handler := `{"handler":"llm_proxy","upstreams":[{"dial":"` + up + `"}]}`
+	runConfigWithApp(t, listen, app, handler)
+	st := liveBreakerStore()
+	if st == nil || st.InstanceID() != "gw-a" {
+		t.Fatalf("registry's breaker store %v, want the fleet's", st)
+	}
+
+	c, err := fleet.Open(fleet.Config{URL: "redis://" + s.Addr(), InstanceID: "gw-b", Refresh: 200 * time.Millisecond, OpTimeout: 50 * time.Millisecond}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := fleet.NewBreakers(c, fleet.BreakersOptions{})
+	defer func() { other.Close(); _ = c.Close() }()
+	ob := breaker.New(up, breaker.Settings{}, breaker.WithStore(other))
+	defer ob.Close()
+	ob.ForceOpen(time.Minute, "maintenance")
+	waitFor(t, "the upstream's breaker open", func() bool {
+		b, _ := reg.Breaker(up)
+		return b != nil && b.State() == breaker.Open
+	})
+	v := getBreaker(t, up)
+	if v.Scope != "fleet" || v.OpenedBy != "gw-b" || v.State != breaker.Open {
+		t.Fatalf("GET /llm_proxy/breakers/%s = %+v, want open in the fleet, by gw-b", up, v)
+	}
+
+	runConfigWithApp(t, listen, "", handler)
+	if reg.BreakerStore() != nil {
+		t.Fatalf("breaker store %v without a fleet", reg.BreakerStore())
+	}
+	if v := getBreaker(t, up); v.Scope != "local" || v.OpenedBy != "" || v.State != breaker.Open {
+		t.Fatalf("after a reload without fleet: %+v, want still open, local", v)
+	}
+}
+
+func getBreaker(t *testing.T, key string) upstream.BreakerView {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	if err := (adminAPI{}).control(rec, httptest.NewRequest("GET", "/llm_proxy/breakers/"+key, nil)); err != nil {
+		t.Fatal(err)
+	}
+	var v upstream.BreakerView
+	if err := json.Unmarshal(rec.Body.Bytes(), &v); err != nil {
+		t.Fatalf("%v: %s", err, rec.Body)
+	}
+	return v
 }
