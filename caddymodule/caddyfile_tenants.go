@@ -91,8 +91,12 @@ func parseTenants(d *caddyfile.Dispenser, tc *TenantsConfig) error {
 //	    queue_timeout <duration>
 //	    ttft_slo <duration> [per_1k_prompt_tokens <duration>]
 //	    queue_wait_slo <duration>
+//	    fail_closed
 //	    breaker { … }
 //	}
+//
+// fail_closed: while the fleet's Redis is away, the tier's requests get 503
+// rather than running on this gateway's share of the limits.
 func parseTier(d *caddyfile.Dispenser) (TierConfig, error) {
 	var t TierConfig
 	if !d.NextArg() {
@@ -117,6 +121,11 @@ func parseTier(d *caddyfile.Dispenser) (TierConfig, error) {
 		}
 		args := d.RemainingArgs()
 		switch name {
+		case "fail_closed":
+			if len(args) != 0 {
+				return t, d.ArgErr()
+			}
+			t.FailClosed = true
 		case "priority":
 			if len(args) != 1 {
 				return t, d.ArgErr()

@@ -23,6 +23,11 @@ type tenancy struct {
 	// ctl is the process-wide controller (tenants' windows and breakers
 	// survive reloads).
 	ctl *admission.Controller
+	// limits is where the tenants' rate limits and concurrency slots are
+	// counted while this config is the newest started: the fleet's Redis
+	// when the config has a fleet, nil (the controller's own memory)
+	// without.
+	limits admission.LimitStore
 }
 
 // controller holds every tenant's counters and breaker for the process,
@@ -66,6 +71,9 @@ func newTenancy(a *App) (*tenancy, error) {
 		return nil, err
 	}
 	t := &tenancy{cfg: cfg, dir: dir, header: a.Tenants.Header, trusted: trusted, unknown: cfg.UnknownTier, tenantLabel: a.MetricsTenantLabel}
+	if a.fleet != nil {
+		t.limits = newFleetLimits(a.fleet, a.fleetCfg)
+	}
 	controller.Lock()
 	defer controller.Unlock()
 	if controller.ctl == nil {
@@ -80,11 +88,15 @@ func newTenancy(a *App) (*tenancy, error) {
 	return t, nil
 }
 
-// start applies the config's tiers and tenants to the live controller.
+// start applies the config's tiers and tenants to the live controller, and
+// its limit store: with a fleet, tenants' limits are counted fleet-wide in
+// Redis from now on (requests admitted before settle where they were
+// admitted); without, in this process, exactly as before.
 func (t *tenancy) start() error {
 	if err := t.ctl.SetConfig(t.cfg); err != nil {
 		return fmt.Errorf("llm_proxy: applying tenants: %w", err)
 	}
+	t.ctl.SetLimitStore(t.limits)
 	tenantLabels.Store(t.tenantLabel)
 	return nil
 }

@@ -112,6 +112,14 @@ type TierConfig struct {
 	// QueueWaitSLO makes a queue wait above it a slow call. Default: 0 (none).
 	QueueWaitSLO caddy.Duration `json:"queue_wait_slo,omitempty"`
 
+	// FailClosed refuses the tier's requests with 503 fleet_unavailable
+	// and a Retry-After while the fleet's Redis cannot be reached (local
+	// mode, or an operation that failed or timed out), instead of
+	// admitting them on this gateway's share of the limits (rpm, tpm and
+	// max_concurrent ÷ the fleet's expected_instances). Without a fleet it
+	// changes nothing. Default: false (fail open).
+	FailClosed bool `json:"fail_closed,omitempty"`
+
 	// Breaker holds the tenant breaker's thresholds (the upstream
 	// breaker's fields; probe and scope do not apply). Default: none — the
 	// tenant breaker is on with the breaker defaults when TTFTSLO or
@@ -142,7 +150,7 @@ func (a *App) admissionConfig() (admission.Config, error) {
 			Name: t.Name, Priority: t.Priority, MaxConcurrent: t.MaxConcurrent, RPM: t.RPM, TPM: t.TPM,
 			DefaultMaxTokens: t.DefaultMaxTokens, Queue: t.Queue, QueueTimeout: time.Duration(t.QueueTimeout),
 			TTFTSLO: time.Duration(t.TTFTSLO), TTFTPer1kPrompt: time.Duration(t.TTFTPer1kPrompt),
-			QueueWaitSLO: time.Duration(t.QueueWaitSLO),
+			QueueWaitSLO: time.Duration(t.QueueWaitSLO), FailClosed: t.FailClosed,
 		}
 		switch b := t.Breaker; {
 		case b != nil && b.Disabled:

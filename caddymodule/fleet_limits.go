@@ -1,0 +1,140 @@
+package caddymodule
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/fleet"
+)
+
+// fleetLimits is the tenant-limit store of a config with a fleet: the
+// fleet's store in Redis (fleet.Limits) over the config's connection.
+// tenancy.start gives it to the process-wide controller just before
+// App.Start opens the connection; a request in that instant is decided as
+// in local mode — on this gateway's share of the limits, or 503 for a
+// fail_closed tier — by a local store of its own.
+type fleetLimits struct {
+	slot  *fleetSlot
+	share int // expected_instances
+	local *admission.LocalLimits
+
+	// l is the fleet store of the slot's connection once it is open (a
+	// config opens one connection, once).
+	l  atomic.Pointer[fleet.Limits]
+	mu sync.Mutex
+}
+
+func newFleetLimits(slot *fleetSlot, cfg fleet.Config) *fleetLimits {
+	return &fleetLimits{slot: slot, share: cfg.Defaults().ExpectedInstances, local: admission.NewLocalLimits(nil)}
+}
+
+// limits returns the fleet store of the config's connection, nil before it
+// is open.
+func (f *fleetLimits) limits() *fleet.Limits {
+	if l := f.l.Load(); l != nil {
+		return l
+	}
+	c := f.slot.Load()
+	if c == nil {
+		return nil
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if l := f.l.Load(); l != nil {
+		return l
+	}
+	l := limitsFor(c)
+	f.l.Store(l)
+	return l
+}
+
+// Reserve implements admission.LimitStore.
+func (f *fleetLimits) Reserve(q *admission.Quota, h *admission.Hold) admission.Decision {
+	if l := f.limits(); l != nil {
+		return l.Reserve(q, h)
+	}
+	if q.FailClosed {
+		return admission.Decision{Code: admission.CodeFleetUnavailable, RetryAfter: time.Second, Local: true}
+	}
+	share := func(v int) int {
+		if v <= 0 || f.share <= 1 {
+			return v
+		}
+		return max(1, v/f.share)
+	}
+	lq := *q
+	lq.MaxConcurrent, lq.RPM, lq.TPM = share(q.MaxConcurrent), share(q.RPM), share(q.TPM)
+	d := f.local.Reserve(&lq, h)
+	d.Local, d.MaxConcurrent, d.RPM, d.TPM = true, lq.MaxConcurrent, lq.RPM, lq.TPM
+	return d
+}
+
+// Settle implements admission.LimitStore: a hold the fleet store took
+// carries its Ref; one of the local store's does not.
+func (f *fleetLimits) Settle(h *admission.Hold, used int64) {
+	if l := f.l.Load(); l != nil && h.Ref != nil {
+		l.Settle(h, used)
+		return
+	}
+	f.local.Settle(h, used)
+}
+
+// Cancel implements admission.LimitStore.
+func (f *fleetLimits) Cancel(h *admission.Hold) {
+	if l := f.l.Load(); l != nil && h.Ref != nil {
+		l.Cancel(h)
+		return
+	}
+	f.local.Cancel(h)
+}
+
+// fleetLimitStores holds one fleet.Limits per open connection, dropped
+// when its connection closes (the store stops with it).
+var fleetLimitStores struct {
+	sync.Mutex
+	m map[*fleet.Client]*fleet.Limits
+}
+
+// limitsFor returns the fleet limit store of connection c, creating it.
+func limitsFor(c *fleet.Client) *fleet.Limits {
+	fleetLimitStores.Lock()
+	defer fleetLimitStores.Unlock()
+	if l := fleetLimitStores.m[c]; l != nil {
+		return l
+	}
+	l, err := fleet.NewLimits(c, fleet.LimitsConfig{})
+	if err != nil {
+		panic(err) // the defaults are valid
+	}
+	if fleetLimitStores.m == nil {
+		fleetLimitStores.m = make(map[*fleet.Client]*fleet.Limits)
+	}
+	fleetLimitStores.m[c] = l
+	go func() {
+		<-l.Done()
+		fleetLimitStores.Lock()
+		if fleetLimitStores.m[c] == l {
+			delete(fleetLimitStores.m, c)
+		}
+		fleetLimitStores.Unlock()
+	}()
+	return l
+}
+
+// liveLimitStore is the fleet limit store the controller uses now, nil in
+// local mode (no fleet, or its connection not open).
+func liveLimitStore() *fleet.Limits {
+	ctl := liveController()
+	if ctl == nil {
+		return nil
+	}
+	if f, ok := ctl.LimitStore().(*fleetLimits); ok {
+		return f.l.Load()
+	}
+	return nil
+}
+
+// Interface guard.
+var _ admission.LimitStore = (*fleetLimits)(nil)
