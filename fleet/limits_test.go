@@ -564,3 +564,34 @@ func TestLimitsAnEmptyScriptCacheFailsNoRequest(t *testing.T) {
 		t.Fatalf("%d leases, want the 40 still held", n)
 	}
 }
+
+// BenchmarkLimitsReserveSettle is one admission and its settlement through
+// a Controller on the fleet's store (two round trips to a local
+// redis-server), for a tenant with max_concurrent, rpm and tpm.
+func BenchmarkLimitsReserveSettle(b *testing.B) {
+	s := redistest.Start(b, redistest.Options{})
+	c, err := Open(Config{URL: "redis://" + s.Addr(), OpTimeout: 200 * time.Millisecond, Refresh: time.Second}, nil, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	l, err := NewLimits(c, LimitsConfig{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	ctl, _ := admission.NewController(limTier(admission.Tier{MaxConcurrent: 1 << 20, RPM: 1 << 30, TPM: 1 << 40}), admission.SystemClock{}, nil)
+	ctl.SetLimitStore(l)
+	u := admission.Usage{PromptTokens: 100, CompletionTokens: 200}
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		var tk admission.Ticket
+		for pb.Next() {
+			if r := ctl.ReserveInto(&tk, admission.Request{Tenant: "acme", PromptTokens: 100, MaxTokens: 500}); r != nil {
+				b.Fatal(r)
+			}
+			tk.Settle(u, 0)
+		}
+	})
+}
