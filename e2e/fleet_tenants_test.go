@@ -1,0 +1,174 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
+	"github.com/llmproxy/caddy-llm-proxy/internal/redistest"
+)
+
+// Fleet-wide tenant limits (issue 10 item 5): three real gateways share
+// one real Redis; a tenant's limits hold for the fleet, not per gateway.
+
+// startFleetTenantGateways starts n gateways in one fleet with the given
+// tenants and tiers (the inside of the llm_proxy global block, after the
+// fleet line) in front of f.
+func startFleetTenantGateways(t *testing.T, n int, redisAddr string, f *mockllm.Fleet, tenancy string, keys ...string) []*tenantGateway {
+	t.Helper()
+	var gws []*tenantGateway
+	for i := range n {
+		globals := fmt.Sprintf("llm_proxy {\n\tfleet redis redis://%s {\n\t\trefresh 200ms\n\t\top_timeout 50ms\n\t\tinstance_id gw-%d\n\t}\n%s\n}", redisAddr, i, tenancy)
+		site := fmt.Sprintf("llm_proxy %s {\n\tmax_attempts 1\n}", upstreams(f))
+		gws = append(gws, startTenantGateway(t, gatewayOptions{Globals: globals, Site: site}, keys...))
+	}
+	for i, g := range gws {
+		var v fleetView
+		if !waitFor(10*time.Second, func() bool { v = g.fleet(); return v.Mode == "fleet" && len(v.Instances) == n }) {
+			t.Fatalf("gateway %d: fleet view %+v, want mode fleet with %d instances", i, v, n)
+		}
+	}
+	return gws
+}
+
+// TestFleetTenantRPMHoldsAcrossTheFleet: a tenant with rpm 60 sends 90
+// requests spread over three gateways within a few seconds: exactly 60
+// are admitted in all (not 60 per gateway), the rest get 429 tenant_rpm.
+func TestFleetTenantRPMHoldsAcrossTheFleet(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	key := newKey("fleetrpm")
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(2 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	gws := startFleetTenantGateways(t, 3, rs.Addr(), fleet, fmt.Sprintf("\ttenants {\n\t\tkey %s acme tier sixty\n\t}\n\ttier sixty {\n\t\trpm 60\n\t}", key), key)
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	admitted, refused := 0, 0
+	per := make([]int, len(gws))
+	for i := range 90 {
+		g := gws[i%len(gws)]
+		r := mustSend(ctx, t, c, g.URL+"/v1/chat/completions", chatOf("one of ninety", false, nil), bearer(key))
+		switch {
+		case r.Status == http.StatusOK:
+			admitted++
+			per[i%len(gws)]++
+		case r.Status == http.StatusTooManyRequests && errorCode(r.Body) == "tenant_rpm":
+			refused++
+		default:
+			t.Fatalf("request %d on gateway %d: %d %s", i, i%len(gws), r.Status, r.Body)
+		}
+	}
+	if admitted != 60 || refused != 30 {
+		t.Fatalf("rpm 60 across three gateways: %d admitted (per gateway %v), %d refused; want 60 and 30", admitted, per, refused)
+	}
+	if got := fleetRequests(fleet); got != 60 {
+		t.Errorf("the upstreams saw %d requests, want 60", got)
+	}
+}
+
+// TestFleetTenantTPMReservesFleetWide: 20 concurrent requests of one
+// tenant, each reserving about 300 tokens (max_tokens 280 + its prompt),
+// spread over three gateways, on tpm 1000: only the 3 that fit the
+// fleet-wide reservations are admitted, the other 17 get 429 tenant_tpm.
+// The upstream holds the admitted ones (1.5s to the first token), so no
+// settlement frees tokens while the others are decided.
+func TestFleetTenantTPMReservesFleetWide(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	key := newKey("fleettpm")
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(1500 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	gws := startFleetTenantGateways(t, 3, rs.Addr(), fleet, fmt.Sprintf("\ttenants {\n\t\tkey %s acme tier small\n\t}\n\ttier small {\n\t\ttpm 1000\n\t}", key), key)
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	var wg sync.WaitGroup
+	replies := make([]reply, 20)
+	body := chatOf("reserve", false, map[string]any{"max_tokens": 280})
+	for i := range replies {
+		wg.Go(func() { replies[i] = send(ctx, c, gws[i%len(gws)].URL+"/v1/chat/completions", body, bearer(key)) })
+	}
+	wg.Wait()
+	admitted, refused := 0, 0
+	for i, r := range replies {
+		switch {
+		case r.Err != nil:
+			t.Fatalf("request %d: %v", i, r.Err)
+		case r.Status == http.StatusOK:
+			admitted++
+		case r.Status == http.StatusTooManyRequests && errorCode(r.Body) == "tenant_tpm":
+			refused++
+		default:
+			t.Fatalf("request %d: %d %s", i, r.Status, r.Body)
+		}
+	}
+	if admitted != 3 || refused != 17 {
+		t.Fatalf("tpm 1000 with ~300-token reservations over three gateways: %d admitted, %d refused; want 3 and 17", admitted, refused)
+	}
+}
+
+// TestFleetTenantConcurrencyLeases: a tenant with max_concurrent 2 runs
+// two streams of about 12s (longer than a lease's 10s time-to-live, so
+// the heartbeat must renew them) on two gateways. Sampled every 300ms,
+// Redis holds exactly two leases for the tenant throughout, and a third
+// request on the third gateway is refused with 429 tenant_concurrency
+// throughout; after the streams end the count is 0, never negative.
+func TestFleetTenantConcurrencyLeases(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	key := newKey("fleetslots")
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	gws := startFleetTenantGateways(t, 3, rs.Addr(), fleet, fmt.Sprintf("\ttenants {\n\t\tkey %s acme tier two\n\t}\n\ttier two {\n\t\tmax_concurrent 2\n\t}", key), key)
+	c := newClient(t)
+	ctx := testContext(t, 40*time.Second)
+	leases := func() int {
+		out, err := rs.Do("ZCARD", "llmproxy:{tenant:acme}:leases")
+		if err != nil {
+			t.Fatalf("ZCARD: %v", err)
+		}
+		n, err := strconv.Atoi(out)
+		if err != nil {
+			t.Fatalf("ZCARD answered %q", out)
+		}
+		return n
+	}
+	long := chatOf("a long one", true, nil)
+	slow := []string{bearer(key), "X-Mock-Tokens: 24", "X-Mock-Token-Interval: 500ms"}
+	var streams []func() reply
+	for i := range 2 {
+		streams = append(streams, asyncSend(ctx, c, gws[i].URL+"/v1/chat/completions", long, slow...))
+	}
+	if !waitFor(5*time.Second, func() bool { return leases() == 2 }) {
+		t.Fatalf("Redis holds %d leases for the tenant with two streams running, want 2", leases())
+	}
+	start := time.Now()
+	samples, refusals := 0, 0
+	for time.Since(start) < 11*time.Second {
+		if n := leases(); n != 2 {
+			t.Fatalf("after %v: Redis holds %d leases with two streams running, want exactly 2", time.Since(start).Round(time.Millisecond), n)
+		}
+		samples++
+		r := mustSend(ctx, t, c, gws[2].URL+"/v1/chat/completions", chatOf("a third", false, nil), bearer(key))
+		if r.Status != http.StatusTooManyRequests || errorCode(r.Body) != "tenant_concurrency" {
+			t.Fatalf("after %v: a third request on another gateway got %d %s, want 429 tenant_concurrency", time.Since(start).Round(time.Millisecond), r.Status, r.Body)
+		}
+		refusals++
+		time.Sleep(300 * time.Millisecond)
+	}
+	for i, wait := range streams {
+		if r := wait(); r.Err != nil || r.Status != http.StatusOK {
+			t.Fatalf("stream %d: %d %v", i, r.Status, r.Err)
+		}
+	}
+	if !waitFor(5*time.Second, func() bool { return leases() == 0 }) {
+		t.Fatalf("Redis holds %d leases after both streams ended, want 0", leases())
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if r := mustSend(cctx, t, c, gws[2].URL+"/v1/chat/completions", chatOf("now it fits", false, nil), bearer(key)); r.Status != http.StatusOK {
+		t.Fatalf("after the streams ended: %d %s, want 200", r.Status, r.Body)
+	}
+	t.Logf("%d samples of exactly 2 leases, %d refusals of a third request", samples, refusals)
+}
