@@ -65,8 +65,6 @@ type Breakers struct {
 	// wake asks the worker to write the pending writes; refreshNow to read
 	// the open set now (a key joined, a subscription (re)established).
 	wake, refreshNow chan struct{}
-	// reconcile is set by a switch back to fleet mode.
-	reconcile atomic.Bool
 	// offset is Redis's clock minus this instance's, in ms, from the last
 	// reply (for replays, whose times are this instance's).
 	offset atomic.Int64

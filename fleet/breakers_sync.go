@@ -48,13 +48,12 @@ func (bs *Breakers) work() {
 	}
 }
 
-// sync is the periodic work: after a switch back to fleet mode, the
-// replays first; then the pending writes and the bulk refresh.
+// sync is the periodic work, and the reconciliation after local mode: the
+// pending writes (replays), then the bulk refresh.
 func (bs *Breakers) sync() {
 	if bs.c.Degraded() {
 		return
 	}
-	bs.reconcile.Store(false)
 	bs.writeAll()
 	bs.refresh()
 }
@@ -72,8 +71,7 @@ func (bs *Breakers) modeChanged(degraded bool) {
 			}
 		}
 	}
-	bs.reconcile.Store(true)
-	bs.closeSub()
+	go bs.closeSub() // not on the client's loop: a dial in progress holds the subscription's lock
 	poke(bs.refreshNow)
 }
 
@@ -338,6 +336,9 @@ func (bs *Breakers) applyOpen(m breakerMsg, now time.Time) {
 	if bs.closed {
 		return
 	}
+	if bs.supersededLocked(m.K) {
+		return
+	}
 	k := bs.keyLocked(m.K)
 	k.dirty.Store(false)
 	if k.open && k.at == m.A && k.by == m.By {
@@ -345,6 +346,13 @@ func (bs *Breakers) applyOpen(m breakerMsg, now time.Time) {
 	}
 	k.open, k.until, k.reason, k.by, k.at, k.changed = true, until, m.R, m.By, m.A, now
 	bs.pushLocked(k, true, until, m.R, false)
+}
+
+// supersededLocked reports whether this instance has a write of key on its
+// way (not a replay): it is newer than any message, and will override it.
+func (bs *Breakers) supersededLocked(key string) bool {
+	w := bs.writes[key]
+	return w != nil && !w.replay
 }
 
 // apply applies one message from the channel. This instance's own puts
@@ -367,7 +375,7 @@ func (bs *Breakers) apply(payload string) {
 			return
 		}
 		bs.mu.Lock()
-		if k, ok := bs.keys[m.K]; ok && !bs.closed {
+		if k, ok := bs.keys[m.K]; ok && !bs.closed && !bs.supersededLocked(m.K) {
 			k.open, k.until, k.reason, k.by, k.at, k.changed = false, time.Time{}, "", "", 0, now
 			k.dirty.Store(false)
 			bs.pushLocked(k, false, time.Time{}, "closed in fleet by "+m.By, false)

@@ -15,11 +15,12 @@ import (
 // gateway is one simulated instance: its own client and Breakers store,
 // and one breaker per key, built on the system clock.
 type gateway struct {
-	t  *testing.T
-	id string
-	c  *Client
-	bs *Breakers
-	s  breaker.Settings
+	t   *testing.T
+	id  string
+	c   *Client
+	bs  *Breakers
+	s   breaker.Settings
+	ops *opRecorder
 
 	mu sync.Mutex
 	bk map[string]*breaker.Breaker
@@ -32,11 +33,12 @@ var testSettings = breaker.Settings{MinOpen: -1, OpenFor: 3 * time.Second}
 
 func startGateway(t *testing.T, url, id string, minReporters int, opts BreakersOptions) *gateway {
 	t.Helper()
-	c, err := Open(Config{URL: url, InstanceID: id, MinReporters: minReporters, OpTimeout: testOpTimeout, Refresh: testRefresh}, nil, nil)
+	ops := new(opRecorder)
+	c, err := Open(Config{URL: url, InstanceID: id, MinReporters: minReporters, OpTimeout: testOpTimeout, Refresh: testRefresh}, ops, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := &gateway{t: t, id: id, c: c, bs: NewBreakers(c, opts), s: testSettings,
+	g := &gateway{t: t, id: id, c: c, bs: NewBreakers(c, opts), s: testSettings, ops: ops,
 		bk: make(map[string]*breaker.Breaker), tr: make(map[string][]breaker.Transition)}
 	t.Cleanup(func() {
 		g.bs.Close()
@@ -184,7 +186,7 @@ func TestBreakersSuccessEndsTheFleetsRun(t *testing.T) {
 	s, gws := fleetOf(t, 3, 1)
 	for _, g := range gws {
 		g.call("up1", breaker.Success) // a new key's flag is set: the count is not known yet
-		waitFor(t, g.id+"'s flag cleared", time.Second, func() bool { return !flag(g, "up1") })
+		waitFor(t, g.id+"'s reset", time.Second, func() bool { return g.ops.count("breaker_reset ") == 1 })
 	}
 	gws[0].fail("up1", 2)
 	waitCount(t, s, "up1", "2")
