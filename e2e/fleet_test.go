@@ -189,3 +189,86 @@ func TestFleetRedisAwaySlowOrBlackholedFailsOpen(t *testing.T) {
 	}
 	t.Logf("%d requests through three outages; worst before them %v", total, worstNormal)
 }
+
+// TestFleetBreakerTripsOnceForTheFleet: three gateways share one Redis in
+// front of three replicas under steady traffic; replica 0 starts to accept
+// requests and hang. Across the whole fleet, the user requests that reach
+// it before it is excluded are at most the trip threshold (3) plus those
+// in flight when the fleet's count crossed it (at most one per worker: 6),
+// not 3 per gateway plus those; every gateway shows its breaker open with
+// scope fleet; no user sees an error (each hung attempt fails over before
+// commit). A fourth gateway started while it is open sees it open, with
+// its remaining time, before any traffic of its own.
+func TestFleetBreakerTripsOnceForTheFleet(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	sick := fleet.Replica(0)
+	site := "llm_proxy " + upstreams(fleet) + " {\n\tfirst_byte_timeout 300ms\n\tmax_attempts 2\n\tbreaker {\n\t\tconsecutive_failures 3\n\t\topen_for 30s\n\t\tmin_open 30s\n\t}\n}"
+	gws := startFleetGateways(t, 3, rs.Addr(), fleet, site)
+	var loads []*loadGen
+	for _, g := range gws {
+		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 2))
+	}
+	time.Sleep(300 * time.Millisecond)
+	b := sick.Behavior()
+	b.Fault = mockllm.Fault{Kind: mockllm.FaultHang}
+	hungAt := time.Now()
+	sick.SetBehavior(b)
+	for i, g := range gws {
+		var v breakerView
+		if !waitFor(10*time.Second, func() bool { v = g.breakers()[sick.Addr()]; return v.State == "open" }) {
+			t.Fatalf("gateway %d: replica 0's breaker is %q 10s after it began to hang", i, v.State)
+		}
+		if v.Scope != "fleet" || v.OpenedBy == "" {
+			t.Errorf("gateway %d: breaker open with scope %q opened_by %q, want fleet and the opener", i, v.Scope, v.OpenedBy)
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	for _, l := range loads {
+		l.stop()
+	}
+	reached := 0
+	for _, rec := range userRecords(sick, "load-") {
+		if rec.Started.After(hungAt) {
+			reached++
+		}
+	}
+	if limit := 3 + 6; reached > limit {
+		t.Errorf("%d user requests reached the hung replica across three gateways, want at most %d (threshold 3 + 6 in flight)", reached, limit)
+	}
+	for _, l := range loads {
+		checkAllServed(t, l.snapshot())
+	}
+	t.Logf("%d user requests reached the hung replica before the fleet excluded it", reached)
+
+	rec, err := rs.Do("GET", "llmproxy:{breaker:"+sick.Addr()+"}:open")
+	if err != nil {
+		t.Fatalf("reading the fleet's open record: %v", err)
+	}
+	var open struct {
+		State string `json:"s"`
+		Until int64  `json:"u"`
+	}
+	if err := json.Unmarshal([]byte(rec), &open); err != nil || open.State != "open" {
+		t.Fatalf("the fleet's open record %q (%v), want open", rec, err)
+	}
+	want := time.UnixMilli(open.Until)
+	// Late enough that a fresh cooldown of its own (30s from its start)
+	// would end 8s after the fleet's.
+	time.Sleep(time.Until(hungAt.Add(8 * time.Second)))
+	late := startGatewayWith(t, gatewayOptions{Site: site, Globals: fleetGlobals(rs.Addr(), "gw-late")})
+	var v breakerView
+	if !waitFor(5*time.Second, func() bool { v = late.breakers()[sick.Addr()]; return v.State == "open" }) {
+		t.Fatalf("a gateway started while the fleet has replica 0 open sees %q", v.State)
+	}
+	// Its remaining time is the fleet's, not a fresh cooldown of its own
+	// (30s from now); a gateway may hold it a probe lease longer (≤ 5s).
+	if d := v.OpenUntil.Sub(want); d < -time.Second || d > 6*time.Second {
+		t.Errorf("the late gateway's breaker is open until %s, the fleet's record until %s", v.OpenUntil.Format(time.RFC3339Nano), want.Format(time.RFC3339Nano))
+	}
+	if n := len(userRecords(sick, "late-")); n != 0 {
+		t.Errorf("the late gateway sent %d requests to the open replica", n)
+	}
+}

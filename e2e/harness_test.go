@@ -834,6 +834,10 @@ type breakerView struct {
 	Reopens             int       `json:"reopens"`
 	LastFailure         string    `json:"last_failure"`
 	LastFailureAt       time.Time `json:"last_failure_at"`
+	// Scope is "fleet" or "local" in a fleet, "" otherwise; OpenedBy the
+	// instance that opened it fleet-wide.
+	Scope    string `json:"scope"`
+	OpenedBy string `json:"opened_by"`
 }
 
 // admin sends a request without a body to the admin API and returns the
