@@ -40,17 +40,17 @@ func (g *gateway) fleet() fleetView {
 }
 
 // fleetGlobals is the global option that puts a gateway in a fleet.
-func fleetGlobals(redisAddr, id string) string {
-	return fmt.Sprintf("llm_proxy {\n\tfleet redis redis://%s {\n\t\trefresh 200ms\n\t\top_timeout 50ms\n\t\tinstance_id %s\n\t}\n}", redisAddr, id)
+func fleetGlobals(redisAddr, id string, extra ...string) string {
+	return fmt.Sprintf("llm_proxy {\n\tfleet redis redis://%s {\n\t\trefresh 200ms\n\t\top_timeout 50ms\n\t\tinstance_id %s\n\t}\n%s\n}", redisAddr, id, strings.Join(extra, "\n"))
 }
 
 // startFleetGateways starts n gateways in one fleet in front of the mock
 // fleet and waits until each sees all n instances.
-func startFleetGateways(t *testing.T, n int, redisAddr string, f *mockllm.Fleet, site string) []*gateway {
+func startFleetGateways(t *testing.T, n int, redisAddr string, f *mockllm.Fleet, site string, extra ...string) []*gateway {
 	t.Helper()
 	var gws []*gateway
 	for i := range n {
-		gws = append(gws, startGatewayWith(t, gatewayOptions{Site: site, Globals: fleetGlobals(redisAddr, fmt.Sprintf("gw-%d", i))}))
+		gws = append(gws, startGatewayWith(t, gatewayOptions{Site: site, Globals: fleetGlobals(redisAddr, fmt.Sprintf("gw-%d", i), extra...)}))
 	}
 	for i, g := range gws {
 		var v fleetView
@@ -86,7 +86,9 @@ func (g *gateway) degradedGauge() (v float64, found bool) {
 }
 
 // TestFleetRedisAwaySlowOrBlackholedFailsOpen: three gateways share one
-// Redis in front of two replicas. In the middle of steady traffic Redis is
+// Redis in front of two replicas; every request is a tenant's with rpm and
+// max_concurrent limits, so admission asks Redis on the request path, and
+// the upstreams' breakers report to it. In the middle of steady traffic Redis is
 // stopped, then (after it is back) blackholed, then made slow (100ms per
 // reply, twice op_timeout). Every request completes, none takes longer
 // than normal + op_timeout (plus loopback slack), each gateway reports
@@ -99,7 +101,9 @@ func TestFleetRedisAwaySlowOrBlackholedFailsOpen(t *testing.T) {
 	px := redistest.NewProxy(t, rs.Addr())
 	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
 		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 3, TokenInterval: 5 * time.Millisecond}})
-	gws := startFleetGateways(t, 3, px.Addr(), fleet, "llm_proxy "+upstreams(fleet))
+	key := newKey("failopen")
+	gws := startFleetGateways(t, 3, px.Addr(), fleet, "llm_proxy "+upstreams(fleet),
+		fmt.Sprintf("\ttenants {\n\t\tkey %s steady tier busy\n\t}\n\ttier busy {\n\t\trpm 100000\n\t\tmax_concurrent 100\n\t}", key))
 	for i, g := range gws {
 		if v, found := g.degradedGauge(); !found || v != 0 {
 			t.Fatalf("gateway %d: fleet_degraded = %v (found %v), want 0 while Redis is healthy", i, v, found)
@@ -108,7 +112,7 @@ func TestFleetRedisAwaySlowOrBlackholedFailsOpen(t *testing.T) {
 
 	var loads []*loadGen
 	for _, g := range gws {
-		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 2))
+		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 2, bearer(key)))
 	}
 	time.Sleep(500 * time.Millisecond)
 	var normal []time.Duration
@@ -122,6 +126,11 @@ func TestFleetRedisAwaySlowOrBlackholedFailsOpen(t *testing.T) {
 	}
 	slices.Sort(normal)
 	worstNormal := normal[len(normal)-1]
+	for i, g := range gws {
+		if n, found := metricValue(g.scrapeMetrics(), "caddy_llm_proxy_fleet_op_seconds_count", map[string]string{"op": "limits_reserve"}); !found || n < 1 {
+			t.Fatalf("gateway %d: %v admissions through Redis (found %v), want the tenant's limits decided there", i, n, found)
+		}
+	}
 
 	outages := []struct {
 		name        string
