@@ -281,3 +281,43 @@ func TestFleetBreakerTripsOnceForTheFleet(t *testing.T) {
 		t.Errorf("the late gateway sent %d requests to the open replica", n)
 	}
 }
+
+// TestFleetOperatorActionsApplyFleetWide: an operator's open on one
+// gateway's admin API opens the breaker on the others (through Redis, no
+// traffic needed), and a close on another gateway closes it everywhere;
+// a reset likewise.
+func TestFleetOperatorActionsApplyFleetWide(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2})
+	gws := startFleetGateways(t, 3, rs.Addr(), fleet, "llm_proxy "+upstreams(fleet))
+	addr := fleet.Replica(1).Addr()
+	everywhere := func(state string) {
+		t.Helper()
+		for i, g := range gws {
+			var v breakerView
+			if !waitFor(5*time.Second, func() bool { v = g.breakers()[addr]; return v.State == state }) {
+				t.Fatalf("gateway %d: breaker of %s is %q, want %q on every gateway", i, addr, v.State, state)
+			}
+		}
+	}
+	if code, _ := gws[0].breakerAction(addr, "open"); code != http.StatusOK {
+		t.Fatalf("open on gateway 0: %d", code)
+	}
+	everywhere("open")
+	if v := gws[2].breakers()[addr]; v.Scope != "fleet" || v.OpenedBy != "gw-0" {
+		t.Errorf("gateway 2 sees the operator's open with scope %q opened_by %q, want fleet and gw-0", v.Scope, v.OpenedBy)
+	}
+	if code, _ := gws[1].breakerAction(addr, "close"); code != http.StatusOK {
+		t.Fatalf("close on gateway 1: %d", code)
+	}
+	everywhere("closed")
+	if code, _ := gws[2].breakerAction(addr, "open"); code != http.StatusOK {
+		t.Fatalf("open on gateway 2: %d", code)
+	}
+	everywhere("open")
+	if code, _ := gws[0].breakerAction(addr, "reset"); code != http.StatusOK {
+		t.Fatalf("reset on gateway 0: %d", code)
+	}
+	everywhere("closed")
+}
