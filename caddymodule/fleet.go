@@ -129,7 +129,7 @@ func (a *App) startFleet() error {
 	// claims drop it first): the upstream breakers share their counts and
 	// open state through it (Start gives it to the registry).
 	bs, err := fleetBreakerStores.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Breakers, error) {
-		return fleet.NewBreakers(c, fleet.BreakersOptions{OnDrop: breakerReportDropped}), nil
+		return fleet.NewBreakers(c, fleet.BreakersOptions{OnDrop: breakerReportDropped, OnLease: probeLeaseCounted}), nil
 	}, nil)
 	if err != nil {
 		return fmt.Errorf("llm_proxy: fleet: %w", err)

@@ -51,6 +51,7 @@ var metrics = struct {
 	fleetOps      *prometheus.HistogramVec
 	fleetErrors   *prometheus.CounterVec
 	fleetDegraded prometheus.Collector
+	probeLeases   *prometheus.CounterVec
 }{}
 
 // queueWaitBuckets span no wait to a tier's whole queue_timeout.
@@ -178,6 +179,10 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "fleet_errors_total",
 			Help: "Failed Redis operations of the fleet connection, by operation and kind (timeout, conn, readonly, script, other).",
 		}, []string{"op", "kind"})
+		metrics.probeLeases = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "probe_leases_total",
+			Help: "Probe leases of open fleet breakers tried by this gateway, by result: won (it probes), lost (another gateway probes; once per lease), expired (a probe result written after its lease ran out, dropped).",
+		}, []string{"result"})
 		metrics.fleetDegraded = fleetDegradedCollector{prometheus.NewDesc(ns+"_"+sub+"_fleet_degraded",
 			"1 while the fleet connection is in local mode (Redis away, slow or read-only), 0 while Redis is in use; absent without a fleet.", nil, nil)}
 	})
@@ -201,6 +206,13 @@ func (c fleetDegradedCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, v)
 }
 
+// probeLeaseCounted counts one probe lease outcome of the fleet's breaker
+// store (fleet.BreakersOptions.OnLease).
+func probeLeaseCounted(result string) {
+	initMetrics()
+	metrics.probeLeases.WithLabelValues(result).Inc()
+}
+
 // registerMetrics adds the collectors to a config's registry.
 func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
@@ -209,7 +221,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
 		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors,
-		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded} {
+		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -33,6 +33,11 @@ import (
 //     adopt them. A write that fails is kept (the newest per key) and tried
 //     again every Refresh, and after local mode; such a replay is dropped
 //     if the fleet's record was set after the write was made.
+//   - One gateway probes (DESIGN §9, issue 10 item 3): the breakers here
+//     adopt a fleet open until its end plus the key's probe lease time
+//     (LeaseTTL), so none half-opens on its own at the end; then one
+//     instance takes the key's probe lease and its breakers half-open, the
+//     others keep refusing until the result is published (lease.go).
 //   - OpenUntil answers from memory: the open set as the channel's messages
 //     and a bulk read of the joined keys every Refresh leave it. The bulk
 //     read also opens this instance's closed breakers of a key the fleet
@@ -58,13 +63,16 @@ type Breakers struct {
 	id      string
 	channel string
 	onDrop  func(op string)
+	onLease func(result string)
+	lease   time.Duration // BreakersOptions.LeaseTTL, defaults applied
 	nonce   string
 	seq     atomic.Uint64
 
 	queue chan report
 	// wake asks the worker to write the pending writes; refreshNow to read
-	// the open set now (a key joined, a subscription (re)established).
-	wake, refreshNow chan struct{}
+	// the open set now (a key joined, a subscription (re)established);
+	// leaseNow to try the probe leases (a fleet open ended).
+	wake, refreshNow, leaseNow chan struct{}
 	// offset is Redis's clock minus this instance's, in ms, from the last
 	// reply (for replays, whose times are this instance's).
 	offset atomic.Int64
@@ -92,7 +100,27 @@ type BreakersOptions struct {
 	// dropped because the queue is full: op is "breaker_failure" or
 	// "breaker_reset". Default: nothing.
 	OnDrop func(op string)
+	// LeaseTTL is the time-to-live of a key's probe lease: the instance
+	// that takes it is the only one whose breakers of the key half-open
+	// (for the user probe or the active prober) until it publishes the
+	// result or the lease expires, so the fleet probes an open upstream at
+	// most once per LeaseTTL, and a lease holder that dies frees the key
+	// within it. It must be shorter than the probe interval so that every
+	// interval has a prober. Each key's lease is at most 0.8 × the shortest
+	// OpenFor of its breakers here, and at least 2 × Refresh (the losers'
+	// refusals are renewed every Refresh). Default DefaultProbeLeaseTTL: 0.8 ×
+	// the default 5s probe interval.
+	LeaseTTL time.Duration
+	// OnLease is called (quickly, from the worker) with each probe lease
+	// outcome of this instance: "won" (its breakers of the key probe),
+	// "lost" (another instance holds it; once per lease), "expired" (a
+	// probe result written after the lease ran out, dropped). Default:
+	// nothing.
+	OnLease func(result string)
 }
+
+// DefaultProbeLeaseTTL is BreakersOptions.LeaseTTL's default.
+const DefaultProbeLeaseTTL = 4 * time.Second
 
 // Fixed times of the shared breakers' keys.
 const (
@@ -121,6 +149,14 @@ type keyState struct {
 	// changed is when this instance last changed the key (a write, a
 	// message): a bulk read that started before says nothing new.
 	changed time.Time
+
+	// lease is the probe lease this instance took ("<id>:<gen>"), until a
+	// write (the probe's result) carries it; "" none.
+	lease string
+	// lost is the last lease of another instance counted as lost here.
+	lost string
+	// timer tries the lease at the end of the fleet's open time.
+	timer *time.Timer
 }
 
 func (k *keyState) openAt(now time.Time) bool {
@@ -134,6 +170,9 @@ type write struct {
 	reason string
 	made   time.Time
 	replay bool // tried before: a record set after made wins
+	// lease is the probe lease held when the write was made: the write is
+	// the probe's result, applied only while the lease is still this one.
+	lease string
 }
 
 // report is a queued Failure or reset.
@@ -147,10 +186,12 @@ type report struct {
 	openFor  time.Duration
 }
 
-// push is one verdict for one breaker, delivered without any lock held.
+// push is one verdict for one breaker, delivered without any lock held:
+// Adopt (open), AdoptClose, or ProbeNow (probe).
 type push struct {
 	b      *breaker.Breaker
 	open   bool
+	probe  bool
 	until  time.Time
 	reason string
 }
@@ -161,6 +202,9 @@ func NewBreakers(c *Client, opts BreakersOptions) *Breakers {
 	if opts.QueueSize <= 0 {
 		opts.QueueSize = 1024
 	}
+	if opts.LeaseTTL <= 0 {
+		opts.LeaseTTL = DefaultProbeLeaseTTL
+	}
 	var nb [4]byte
 	_, _ = rand.Read(nb[:])
 	bs := &Breakers{
@@ -168,10 +212,13 @@ func NewBreakers(c *Client, opts BreakersOptions) *Breakers {
 		id:         c.InstanceID(),
 		channel:    c.cfg.KeyPrefix + "breakers",
 		onDrop:     opts.OnDrop,
+		onLease:    opts.OnLease,
+		lease:      opts.LeaseTTL,
 		nonce:      hex.EncodeToString(nb[:]),
 		queue:      make(chan report, opts.QueueSize),
 		wake:       make(chan struct{}, 1),
 		refreshNow: make(chan struct{}, 1),
+		leaseNow:   make(chan struct{}, 1),
 		keys:       make(map[string]*keyState),
 		writes:     make(map[string]*write),
 		stop:       make(chan struct{}),
@@ -340,7 +387,19 @@ func (bs *Breakers) PutOpen(key string, until time.Time, reason string) {
 	k := bs.keyLocked(key)
 	k.open, k.until, k.reason, k.by, k.at, k.changed = true, until, reason, bs.id, 0, now
 	k.dirty.Store(false) // the write starts the counts afresh
-	bs.writes[key] = &write{open: true, until: until, reason: reason, made: now}
+	bs.writes[key] = &write{open: true, until: until, reason: reason, made: now, lease: k.lease}
+	k.lease = ""
+	// This instance's open breakers of the key wait for the lease too, the
+	// writer's included (the worker delivers it with the write).
+	if !until.IsZero() {
+		gate := bs.gateLocked(k, until)
+		for _, b := range k.members {
+			if b.State() == breaker.Open {
+				bs.outbox = append(bs.outbox, push{b: b, open: true, until: gate, reason: reason})
+			}
+		}
+	}
+	bs.armLocked(k, until)
 	bs.mu.Unlock()
 	poke(bs.wake)
 }
@@ -359,7 +418,9 @@ func (bs *Breakers) ClearOpen(key string) {
 	k := bs.keyLocked(key)
 	k.open, k.until, k.reason, k.by, k.at, k.changed = false, time.Time{}, "", "", 0, now
 	k.dirty.Store(false)
-	bs.writes[key] = &write{made: now}
+	bs.writes[key] = &write{made: now, lease: k.lease}
+	k.lease = ""
+	bs.armLocked(k, time.Time{})
 	bs.mu.Unlock()
 	poke(bs.wake)
 }
@@ -372,12 +433,16 @@ func (bs *Breakers) OpenUntil(key string, now time.Time) (time.Time, string, boo
 	if !ok || bs.closed || !k.openAt(now) {
 		return time.Time{}, "", false
 	}
-	return k.until, k.reason, true
+	return bs.gateLocked(k, k.until), k.reason, true
 }
 
 // pushLocked queues a verdict for key's breakers here; onlyClosed limits
-// it to those that are closed.
+// it to those that are closed. An open until a time is adopted until then
+// plus the key's lease time (gateLocked).
 func (bs *Breakers) pushLocked(k *keyState, open bool, until time.Time, reason string, onlyClosed bool) {
+	if open {
+		until = bs.gateLocked(k, until)
+	}
 	for _, b := range k.members {
 		if onlyClosed && b.State() != breaker.Closed {
 			continue
@@ -402,9 +467,12 @@ func (bs *Breakers) flush() {
 				break
 			}
 			for _, p := range q {
-				if p.open {
+				switch {
+				case p.probe:
+					p.b.ProbeNow(p.reason)
+				case p.open:
 					p.b.Adopt(p.until, p.reason)
-				} else {
+				default:
 					p.b.AdoptClose(p.reason)
 				}
 			}
@@ -432,6 +500,7 @@ func (bs *Breakers) Close() {
 	for _, k := range bs.keys {
 		k.dirty.Store(false)
 		k.members = nil
+		bs.armLocked(k, time.Time{})
 	}
 	bs.outbox = nil
 	bs.mu.Unlock()

@@ -9,6 +9,7 @@ import "github.com/redis/go-redis/v9"
 // may hold any character.
 //
 //	KEYS for every script but resetScript: count, reporters, failures, open
+//	(putScript and clearScript take open, count, reporters, failures, probe)
 //
 // An open record is {"s":"open","u":<until ms, 0: until closed>,"a":<set
 // at ms>,"by":<instance>,"r":<reason>}; a close leaves a tombstone
@@ -101,13 +102,17 @@ return 1
 //
 //	ARGV: id, ttl ms (0: until closed), reason, grace ms, channel, key,
 //	      at (0: now; a replay gives the time of the write, and a record
-//	      set later wins)
+//	      set later wins), lease ("": none; else the write is the result
+//	      of that probe lease's probe, and is dropped unless it is still
+//	      the key's lease)
 //
-// It returns {"put", now, at} or {"stale", now}.
+// Any write ends the key's probe lease. It returns {"put", now, at},
+// {"stale", now} or {"expired", now}.
 var putScript = redis.NewScript(`
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
+if ARGV[8] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[8] then return {'expired', now} end
 local at = tonumber(ARGV[7])
 if at > 0 then
   local raw = redis.call('GET', KEYS[1])
@@ -127,7 +132,7 @@ if ttl > 0 then
 else
   redis.call('SET', KEYS[1], rec)
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'put', k = ARGV[6], by = ARGV[1], a = at, ttl = ttl, r = ARGV[3]}))
 return {'put', now, at}
 `)
@@ -136,13 +141,16 @@ return {'put', now, at}
 // publishes "clear" only when the fleet had an open record (even one past
 // its end: breakers that adopted it may still wait or probe):
 //
-//	ARGV: id, grace ms, channel, key, at (0: now; as putScript)
+//	ARGV: id, grace ms, channel, key, at (0: now; as putScript), lease
+//	      (as putScript)
 //
-// It returns {"cleared", now}, {"none", now} or {"stale", now}.
+// It returns {"cleared", now}, {"none", now}, {"stale", now} or
+// {"expired", now}.
 var clearScript = redis.NewScript(`
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
+if ARGV[6] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[6] then return {'expired', now} end
 local at = tonumber(ARGV[5])
 local raw = redis.call('GET', KEYS[1])
 local r
@@ -155,7 +163,7 @@ if at > 0 then
 else
   at = now
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = at, by = ARGV[1]}), 'PX', tonumber(ARGV[2]))
 if r and r.s == 'open' then
   redis.call('PUBLISH', ARGV[3], cjson.encode({t = 'clear', k = ARGV[4], by = ARGV[1], a = at}))

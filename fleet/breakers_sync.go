@@ -43,6 +43,10 @@ func (bs *Breakers) work() {
 			bs.sync()
 		case <-t.C:
 			bs.sync()
+		case <-bs.leaseNow:
+			if !bs.c.Degraded() {
+				bs.leases()
+			}
 		}
 		bs.flush()
 	}
@@ -56,6 +60,8 @@ func (bs *Breakers) sync() {
 	}
 	bs.writeAll()
 	bs.refresh()
+	bs.flush() // the refresh's verdicts first: the lease looks at the breakers' states
+	bs.leases()
 }
 
 // modeChanged is the client's hook: into local mode the queue is dropped;
@@ -176,10 +182,23 @@ func (bs *Breakers) writeAll() {
 	bs.mu.Unlock()
 	for key, w := range pending {
 		res, err := bs.writeOne(key, w)
+		expired := err == nil && len(res) > 0 && res[0] == "expired"
 		bs.mu.Lock()
 		if bs.writes[key] == w {
 			if err != nil && KindOf(err).unhealthy() || errors.Is(err, ErrDegraded) {
 				w.replay = true
+			} else if expired {
+				// A probe's result from a lease that ran out: dropped. The
+				// breaker keeps its own state until the fleet's record
+				// says otherwise; this instance's copy does not claim it.
+				delete(bs.writes, key)
+				if k, ok := bs.keys[key]; ok {
+					if w.open && k.open && k.by == bs.id && k.at == 0 {
+						k.open, k.until, k.reason, k.by = false, time.Time{}, "", ""
+						bs.armLocked(k, time.Time{})
+					}
+					bs.forgetLocked(key, k, time.Now())
+				}
 			} else {
 				delete(bs.writes, key)
 				if k, ok := bs.keys[key]; ok {
@@ -191,6 +210,9 @@ func (bs *Breakers) writeAll() {
 			}
 		}
 		bs.mu.Unlock()
+		if expired && bs.onLease != nil {
+			bs.onLease(LeaseExpired)
+		}
 		if err != nil && !errors.Is(err, ErrDegraded) {
 			bs.logError("breaker_write", key, err)
 		}
@@ -201,14 +223,15 @@ func (bs *Breakers) writeAll() {
 // dropped (nil, nil).
 func (bs *Breakers) writeOne(key string, w *write) ([]any, error) {
 	keys := bs.breakerKeys(key)
+	probe := bs.c.Key("breaker:"+key, "probe")
 	var at int64
 	if w.replay {
 		at = bs.redisMillis(w.made)
 	}
 	if !w.open {
 		return bs.do("breaker_close", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-			return runScript(clearScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2]},
-				bs.id, breakerGrace.Milliseconds(), bs.channel, key, at)
+			return runScript(clearScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe},
+				bs.id, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease)
 		})
 	}
 	var ttl int64
@@ -218,8 +241,8 @@ func (bs *Breakers) writeOne(key string, w *write) ([]any, error) {
 		}
 	}
 	return bs.do("breaker_open", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-		return runScript(putScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2]},
-			bs.id, ttl, w.reason, breakerGrace.Milliseconds(), bs.channel, key, at)
+		return runScript(putScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe},
+			bs.id, ttl, w.reason, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease)
 	})
 }
 
@@ -294,7 +317,9 @@ func (bs *Breakers) refresh() {
 			}
 			k.open, k.until, k.reason, k.by, k.at = true, until, rec.R, rec.By, rec.A
 			k.dirty.Store(false)
+			k.lease = "" // a new record: any write ended the lease
 			bs.pushLocked(k, true, until, rec.R, false)
+			bs.armLocked(k, until)
 		case !k.open:
 		case !k.openAt(got):
 			k.open, k.until, k.reason, k.by, k.at = false, time.Time{}, "", "", 0 // over
@@ -313,6 +338,7 @@ func (bs *Breakers) refresh() {
 			// Closed in the fleet (a message missed): forgotten. The
 			// breakers that adopted it end their open time on their own.
 			k.open, k.until, k.reason, k.by, k.at = false, time.Time{}, "", "", 0
+			k.lease = ""
 		}
 		bs.forgetLocked(key, k, got)
 	}
@@ -345,7 +371,9 @@ func (bs *Breakers) applyOpen(m breakerMsg, now time.Time) {
 		return // known: the script's reply and its message
 	}
 	k.open, k.until, k.reason, k.by, k.at, k.changed = true, until, m.R, m.By, m.A, now
+	k.lease = "" // a new record: its write ended the lease
 	bs.pushLocked(k, true, until, m.R, false)
+	bs.armLocked(k, until)
 }
 
 // supersededLocked reports whether this instance has a write of key on its
@@ -378,6 +406,8 @@ func (bs *Breakers) apply(payload string) {
 		if k, ok := bs.keys[m.K]; ok && !bs.closed && !bs.supersededLocked(m.K) {
 			k.open, k.until, k.reason, k.by, k.at, k.changed = false, time.Time{}, "", "", 0, now
 			k.dirty.Store(false)
+			k.lease = "" // the close ended it
+			bs.armLocked(k, time.Time{})
 			bs.pushLocked(k, false, time.Time{}, "closed in fleet by "+m.By, false)
 			bs.forgetLocked(m.K, k, now)
 		}

@@ -151,17 +151,19 @@ func TestBreakersTripOnTheFleetsCount(t *testing.T) {
 	}
 	waitState(t, "every gateway's up1", breaker.Open, gws[0].b("up1"), gws[1].b("up1"), gws[2].b("up1"))
 	want := "fleet: 3 consecutive failures from 3 gateways; last: failure (gw2)"
-	until := gws[0].b("up1").Snapshot().OpenUntil
+	// The breakers wait a probe lease time past the fleet's end: 0.8 ×
+	// open_for 3s.
+	until := gws[0].b("up1").Snapshot().OpenUntil.Add(-2400 * time.Millisecond)
 	for _, g := range gws {
 		snap := g.b("up1").Snapshot()
-		if snap.Local || snap.Reopens != 0 || snap.OpenUntil.Sub(until).Abs() > 100*time.Millisecond {
+		if snap.Local || snap.Reopens != 0 || snap.OpenUntil.Sub(until.Add(2400*time.Millisecond)).Abs() > 100*time.Millisecond {
 			t.Fatalf("%s: %+v (gw0 until %v)", g.id, snap, until)
 		}
 		if ts := g.transitions("up1"); len(ts) != 1 || ts[0].Reason != want {
 			t.Fatalf("%s: transitions %+v", g.id, ts)
 		}
-		if st, ok := g.bs.Opened("up1"); !ok || st.By != "gw2" || st.Reason != want {
-			t.Fatalf("%s: Opened = %+v, %v", g.id, st, ok)
+		if st, ok := g.bs.Opened("up1"); !ok || st.By != "gw2" || st.Reason != want || st.Until.Sub(until).Abs() > 100*time.Millisecond {
+			t.Fatalf("%s: Opened = %+v, %v (breaker's until %v, less the lease time)", g.id, st, ok, until)
 		}
 	}
 	if left := time.Until(until); left < 2*time.Second || left > 3*time.Second {
@@ -175,7 +177,7 @@ func TestBreakersTripOnTheFleetsCount(t *testing.T) {
 	late := startGateway(t, s.URL(), "gw3", 1, BreakersOptions{})
 	lb := late.b("up1")
 	waitState(t, "the late gateway's up1", breaker.Open, lb)
-	if d := lb.Snapshot().OpenUntil.Sub(until); d.Abs() > 100*time.Millisecond {
+	if d := lb.Snapshot().OpenUntil.Add(-2400 * time.Millisecond).Sub(until); d.Abs() > 100*time.Millisecond {
 		t.Fatalf("the late gateway's open until is %v off the fleet's", d)
 	}
 }
