@@ -321,3 +321,66 @@ func TestFleetOperatorActionsApplyFleetWide(t *testing.T) {
 	}
 	everywhere("closed")
 }
+
+// TestFleetProbesOncePerIntervalAndSurvivesAKilledProber: three gateways
+// with active probing every 1s; replica 0 fails everything (503, and 503
+// on /health). Once the fleet has it open, the fleet sends it at most
+// about one probe per interval over 8s, not one per gateway per interval
+// (24), and no user request. Then one gateway is killed (-9) and the
+// replica recovers: the two left close its breaker within a few seconds,
+// whoever held the lease — it is never wedged.
+func TestFleetProbesOncePerIntervalAndSurvivesAKilledProber(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	sick := fleet.Replica(0)
+	site := "llm_proxy " + upstreams(fleet) + " {\n\tmax_attempts 2\n\tbreaker {\n\t\tconsecutive_failures 3\n\t\topen_for 1s\n\t\tmin_open 1s\n\t\tmax_open 2s\n\t\trecovery_successes 1\n\t\tprobe {\n\t\t\turi /health\n\t\t\tinterval 1s\n\t\t}\n\t}\n}"
+	gws := startFleetGateways(t, 3, rs.Addr(), fleet, site)
+	b := sick.Behavior()
+	b.Fault = mockllm.Fault{Kind: mockllm.FaultStatus, Status: 503}
+	b.HealthStatus = 503
+	sick.SetBehavior(b)
+	var loads []*loadGen
+	for _, g := range gws {
+		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 1))
+	}
+	for i, g := range gws {
+		if _, ok := g.waitBreaker(sick.Addr(), 10*time.Second, func(v breakerView) bool { return v.State == "open" }); !ok {
+			t.Fatalf("gateway %d: replica 0's breaker never opened", i)
+		}
+	}
+	before := sick.Stats().HealthChecks
+	from := time.Now()
+	time.Sleep(8 * time.Second)
+	probes := sick.Stats().HealthChecks - before
+	if probes < 1 || probes > 10 {
+		t.Errorf("the fleet sent %d probes to the failing replica in 8s at a 1s interval, want between 1 and about one per interval (≤ 10), not one per gateway", probes)
+	}
+	if n := len(recordsBetween(userRecords(sick, "load-"), from, time.Time{})); n != 0 {
+		t.Errorf("%d user requests reached the open replica while the fleet probed it", n)
+	}
+	won := 0.0
+	for _, g := range gws {
+		won += metricValueOrZero(t, g.scrapeMetrics(), "caddy_llm_proxy_probe_leases_total", map[string]string{"result": "won"})
+	}
+	if won < 1 {
+		t.Errorf("caddy_llm_proxy_probe_leases_total{result=won} summed over the fleet = %v, want the probes' leases counted", won)
+	}
+	t.Logf("%d probes in 8s across three gateways; %v leases won", probes, won)
+
+	loads[0].stop()
+	_ = gws[0].cmd.Process.Kill() // kill -9, lease or not
+	<-gws[0].exited
+	b.Fault, b.HealthStatus = mockllm.Fault{}, 0
+	sick.SetBehavior(b)
+	for i, g := range gws[1:] {
+		if v, ok := g.waitBreaker(sick.Addr(), 15*time.Second, func(v breakerView) bool { return v.State == "closed" }); !ok {
+			t.Fatalf("gateway %d: replica 0's breaker is %q 15s after it recovered with a gateway killed: wedged", i+1, v.State)
+		}
+	}
+	for _, l := range loads[1:] {
+		l.stop()
+		checkAllServed(t, l.snapshot())
+	}
+}
