@@ -20,6 +20,10 @@ const (
 	DefaultProbeURI = "/health"
 	// maxProbeBody bounds the probe response read.
 	maxProbeBody = 1 << 20
+	// probePoll bounds how long an open breaker whose cooldown is over, or
+	// that won the fleet's probe lease (breaker.ProbeNow), waits for its
+	// first probe; a half-open breaker's probes stay Interval apart.
+	probePoll = 250 * time.Millisecond
 )
 
 // Prober sends the gateway's own probes to an upstream whose breaker is not
@@ -128,8 +132,12 @@ func (e *Entry) anyOpenLocked() bool {
 
 // probeLoop probes every interval; one probe answers for every breaker of
 // the entry that is due (the server is back or not, whatever the model).
+// It looks every probePoll for an open breaker that became due, so that
+// the first probe follows the cooldown's end (or a fleet probe lease won,
+// which is shorter than the interval) at once.
 func (e *Entry) probeLoop() {
 	defer e.reg.loops.Add(-1)
+	var last time.Time // when the last probe was sent
 	for {
 		e.mu.Lock()
 		if !e.probeWantedLocked() {
@@ -139,7 +147,7 @@ func (e *Entry) probeLoop() {
 		}
 		p := e.eff.prober
 		e.mu.Unlock()
-		t := time.NewTimer(p.interval())
+		t := time.NewTimer(min(p.interval(), probePoll))
 		select {
 		case <-e.ctx.Done():
 			t.Stop()
@@ -149,9 +157,10 @@ func (e *Entry) probeLoop() {
 			return
 		case <-t.C:
 		}
+		spaced := time.Since(last) >= p.interval()
 		var permits []breaker.Permit
 		for _, b := range e.Breakers() {
-			if !b.ProbeDue() {
+			if !spaced && b.State() != breaker.Open || !b.ProbeDue() {
 				continue
 			}
 			if permit, ok := b.AllowProbe(); ok {
@@ -161,6 +170,7 @@ func (e *Entry) probeLoop() {
 		if len(permits) == 0 {
 			continue
 		}
+		last = time.Now()
 		err := p.send(e.ctx, e.addr)
 		if e.ctx.Err() != nil {
 			// Released while probing: the answer says nothing.
