@@ -481,7 +481,8 @@ func TestSaturationBreakerReopensWhenStillSaturated(t *testing.T) {
 	reg := NewRegistry(nil)
 	var f *feeder
 	f = &feeder{now: time.Now()}
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	// No jitter: the test compares two cooldowns.
+	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f}), breaker.WithRand(func() float64 { return 0.5 })}
 	p := satPool(t, reg, nil, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, "10.9.7.3:8000")
 	f = newFeeder(t, p, "10.9.7.3:8000")
 	b := breakerOf(t, reg, "10.9.7.3:8000", "")
