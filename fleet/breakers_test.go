@@ -187,18 +187,7 @@ func TestBreakersTripOnTheFleetsCount(t *testing.T) {
 func TestBreakersSuccessEndsTheFleetsRun(t *testing.T) {
 	s, gws := fleetOf(t, 3, 1)
 	for _, g := range gws {
-		// A new key's flag is set (the count is not known yet), so the
-		// success sends a reset — unless the first refresh read the count
-		// (0) and cleared the flag just before it. Either way the run
-		// starts clean once the reset, if any, has landed.
-		queued := flag(g, "up1")
-		g.call("up1", breaker.Success)
-		if queued {
-			deadline := time.Now().Add(5 * time.Second)
-			for g.ops.count("breaker_reset ") != 1 && !flag(g, "up1") && time.Now().Before(deadline) {
-				time.Sleep(5 * time.Millisecond)
-			}
-		}
+		g.b("up1") // every gateway has joined the key
 	}
 	gws[0].fail("up1", 2)
 	waitCount(t, s, "up1", "2")
