@@ -384,3 +384,53 @@ func TestFleetProbesOncePerIntervalAndSurvivesAKilledProber(t *testing.T) {
 		checkAllServed(t, l.snapshot())
 	}
 }
+
+// TestFleetMinReportersKeepsOneGatewaysBrokenPathLocal: with min_reporters
+// 2, a gateway whose every request fails (its own broken path: here it
+// asks the replicas for 503s) opens its breakers by its own rules only;
+// the two other gateways keep them closed and serve through them, since
+// one reporter is not enough to open an upstream for the fleet.
+func TestFleetMinReportersKeepsOneGatewaysBrokenPathLocal(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	globals := func(id string) string {
+		return strings.Replace(fleetGlobals(rs.Addr(), id), "refresh 200ms", "refresh 200ms\n\t\tmin_reporters 2", 1)
+	}
+	site := "llm_proxy " + upstreams(fleet) + " {\n\tbreaker {\n\t\tconsecutive_failures 3\n\t\topen_for 30s\n\t}\n}"
+	broken := startGatewayWith(t, gatewayOptions{Globals: globals("gw-broken"), Site: "request_header X-Mock-Fault status=503\n" + site})
+	healthy := []*gateway{
+		startGatewayWith(t, gatewayOptions{Globals: globals("gw-a"), Site: site}),
+		startGatewayWith(t, gatewayOptions{Globals: globals("gw-b"), Site: site}),
+	}
+	for _, g := range append([]*gateway{broken}, healthy...) {
+		if !waitFor(10*time.Second, func() bool { v := g.fleet(); return v.Mode == "fleet" && len(v.Instances) == 3 }) {
+			t.Fatalf("%s never saw the fleet of three", g.fleet().InstanceID)
+		}
+	}
+	c := newClient(t)
+	ctx := testContext(t, 20*time.Second)
+	for range 8 {
+		r := send(ctx, c, broken.URL+"/v1/chat/completions", chatBody("through a broken path", false))
+		if r.Err != nil {
+			t.Fatal(r.Err)
+		}
+	}
+	for _, r := range fleet.Replicas() {
+		if v, ok := broken.waitBreaker(r.Addr(), 5*time.Second, func(v breakerView) bool { return v.State == "open" }); !ok || v.Scope != "local" {
+			t.Fatalf("the broken gateway's breaker of %s is %q scope %q, want open by its own rules (local)", r.Addr(), v.State, v.Scope)
+		}
+	}
+	time.Sleep(1 * time.Second) // five refresh intervals for a fleet verdict to show, if there were one
+	for i, g := range healthy {
+		for _, r := range fleet.Replicas() {
+			if v := g.breakers()[r.Addr()]; v.State != "closed" {
+				t.Errorf("healthy gateway %d: breaker of %s is %q (opened by %q) after one gateway's failures with min_reporters 2, want closed", i, r.Addr(), v.State, v.OpenedBy)
+			}
+		}
+		if r := send(ctx, c, g.URL+"/v1/chat/completions", chatBody("through a good path", false)); r.Err != nil || r.Status != 200 {
+			t.Errorf("healthy gateway %d: %d %v, want 200", i, r.Status, r.Err)
+		}
+	}
+}
