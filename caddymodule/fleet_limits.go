@@ -55,20 +55,7 @@ func (f *fleetLimits) Reserve(q *admission.Quota, h *admission.Hold) admission.D
 	if l := f.limits(); l != nil {
 		return l.Reserve(q, h)
 	}
-	if q.FailClosed {
-		return admission.Decision{Code: admission.CodeFleetUnavailable, RetryAfter: time.Second, Local: true}
-	}
-	share := func(v int) int {
-		if v <= 0 || f.share <= 1 {
-			return v
-		}
-		return max(1, v/f.share)
-	}
-	lq := *q
-	lq.MaxConcurrent, lq.RPM, lq.TPM = share(q.MaxConcurrent), share(q.RPM), share(q.TPM)
-	d := f.local.Reserve(&lq, h)
-	d.Local, d.MaxConcurrent, d.RPM, d.TPM = true, lq.MaxConcurrent, lq.RPM, lq.TPM
-	return d
+	return admission.ReserveShare(f.local, f.share, time.Second, q, h)
 }
 
 // Settle implements admission.LimitStore: a hold the fleet store took
