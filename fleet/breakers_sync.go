@@ -450,7 +450,7 @@ func (bs *Breakers) subscribe() {
 	}
 }
 
-func (bs *Breakers) listen(ps *redis.PubSub, rdb *redis.Client) {
+func (bs *Breakers) listen(ps *redis.PubSub, rdb *rdbConn) {
 	ctx := context.Background()
 	if err := ps.Subscribe(ctx, bs.channel); err != nil {
 		return

@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,7 +44,7 @@ type Client struct {
 	obs  Observer
 	log  *zap.Logger
 	opts *redis.UniversalOptions
-	rdb  atomic.Pointer[redis.Client]
+	rdb  atomic.Pointer[rdbConn]
 
 	degraded      atomic.Bool
 	failures      atomic.Int32
@@ -171,7 +172,7 @@ func (c *Client) run(ctx context.Context, op string, fn func(ctx context.Context
 	octx, cancel := context.WithTimeout(ctx, c.cfg.OpTimeout)
 	defer cancel()
 	start := time.Now()
-	err := fn(octx, c.rdb.Load())
+	err := unwrapSent(fn(octx, c.rdb.Load()))
 	took := time.Since(start)
 	kind, callerDone := classify(ctx, err)
 	if callerDone {
@@ -187,8 +188,8 @@ func (c *Client) run(ctx context.Context, op string, fn func(ctx context.Context
 		c.failures.Store(0) // Redis answered
 		return oe
 	}
-	if kind == KindReadonly {
-		c.reconnect()
+	if kind == KindReadonly && !c.opts.IsClusterMode {
+		c.reconnect() // a Cluster client reloads its slot map itself
 	}
 	if n := c.failures.Add(1); n >= FailuresToDegrade && c.degraded.CompareAndSwap(false, true) {
 		c.since.Store(time.Now().UnixNano())
@@ -205,7 +206,8 @@ func (c *Client) run(ctx context.Context, op string, fn func(ctx context.Context
 
 // reconnect replaces the go-redis client after a READONLY reply: every
 // pooled connection may lead to the old master, and a fresh client dials
-// again (asking the Sentinels for the master). At most once per Refresh.
+// again (asking the Sentinels for the master). Not for a Cluster, whose
+// client reloads the slot map on READONLY, MOVED and ASK. At most once per Refresh.
 // The old client is closed once the operations still on it are over.
 func (c *Client) reconnect() {
 	now := time.Now().UnixNano()
@@ -223,13 +225,75 @@ func (c *Client) reconnect() {
 	time.AfterFunc(2*c.cfg.OpTimeout, func() { _ = old.Close() })
 }
 
-// newRedis builds the go-redis client the options describe: a Sentinel
-// failover client when they name a master, else a plain (or TLS) one.
-func newRedis(o *redis.UniversalOptions) *redis.Client {
-	if o.MasterName != "" {
-		return redis.NewFailoverClient(o.Failover())
+// rdbConn is one go-redis client: a *redis.Client (plain, TLS, Sentinel)
+// or a *redis.ClusterClient. Replaced as a whole by reconnect.
+type rdbConn struct{ redis.UniversalClient }
+
+// newRedis builds the go-redis client the options describe: a Cluster
+// client, a Sentinel failover client when they name a master, else a
+// plain (or TLS) one.
+func newRedis(o *redis.UniversalOptions) *rdbConn {
+	switch {
+	case o.IsClusterMode:
+		co := o.Cluster()
+		co.NewClient = func(no *redis.Options) *redis.Client {
+			nc := redis.NewClient(no)
+			nc.AddHook(noReplay{})
+			return nc
+		}
+		return &rdbConn{redis.NewClusterClient(co)}
+	case o.MasterName != "":
+		return &rdbConn{redis.NewFailoverClient(o.Failover())}
 	}
-	return redis.NewClient(o.Simple())
+	return &rdbConn{redis.NewClient(o.Simple())}
+}
+
+// noReplay keeps the Cluster client from replaying a command whose
+// connection failed after it was sent: go-redis retries such a command
+// within its redirect budget (MaxRedirects also counts retries), and a
+// replayed increment or reservation counts twice. A node's error of that
+// kind is wrapped in a sentError, which go-redis does not recognise as
+// retriable; run unwraps it. Refused dials, pool timeouts and error
+// replies (MOVED, ASK, TRYAGAIN: not applied) go on as they are.
+// Pipelines are left alone: the fleet's pipelines are idempotent (reads,
+// DEL, ZADD XX, settlements keyed by request).
+type noReplay struct{}
+
+func (noReplay) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (noReplay) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (noReplay) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if err == nil || errors.Is(err, redis.Nil) || errors.Is(err, redis.ErrPoolTimeout) || isDial(err) {
+			return err
+		}
+		var re redis.Error
+		if errors.As(err, &re) || errors.Is(err, redis.ErrClosed) {
+			return err
+		}
+		se := &sentError{err}
+		cmd.SetErr(se)
+		return se
+	}
+}
+
+// sentError hides a connection failure after sending from go-redis's
+// retry logic: it has no Unwrap, Timeout or known prefix.
+type sentError struct{ err error }
+
+func (e *sentError) Error() string { return "fleet: lost after sending: " + e.err.Error() }
+
+// unwrapSent returns the error a sentError hides, or err.
+func unwrapSent(err error) error {
+	var se *sentError
+	if err != nil && errors.As(err, &se) {
+		return se.err
+	}
+	return err
 }
 
 // loop runs every Refresh until Close: the heartbeat, which also ends

@@ -31,13 +31,15 @@ type Config struct {
 	//   redis://[[user]:password@]host:port[/db]       plain TCP
 	//   rediss://[[user]:password@]host:port[/db]      TLS (server name from host)
 	//   redis+sentinel://[[user]:password@]host:port[,host:port...]/<master>[/db]
+	//   redis+cluster://[[user]:password@]host:port[,host:port...]   Redis Cluster (db 0 only)
 	// A Sentinel URL's user and password are the Sentinels' own (most run
-	// without); Password is the master's. Timeouts and retries in the URL's
+	// without); Password is the master's. A Cluster URL's are the nodes'. Timeouts and retries in the URL's
 	// query are ignored: OpTimeout bounds everything. Required.
 	URL string
 
-	// Password authenticates to Redis (the master under Sentinel). It may
-	// also be given in a redis:// URL, but not both differently.
+	// Password authenticates to Redis (the master under Sentinel, every
+	// node of a Cluster). It may also be given in a redis:// or
+	// redis+cluster:// URL, but not both differently.
 	// Default: none, or the URL's.
 	Password string
 
@@ -150,7 +152,8 @@ func newInstanceID() string {
 }
 
 // redisOptions turns the URL and settings into go-redis options: a plain
-// or TLS client, or a Sentinel failover client (MasterName set).
+// or TLS client, a Sentinel failover client (MasterName set), or a Cluster
+// client (IsClusterMode set).
 func (c Config) redisOptions() (*redis.UniversalOptions, error) {
 	if c.URL == "" {
 		return nil, errors.New("fleet: no redis URL")
@@ -193,8 +196,26 @@ func (c Config) redisOptions() (*redis.UniversalOptions, error) {
 			o.SentinelUsername = u.User.Username()
 			o.SentinelPassword, _ = u.User.Password()
 		}
+	case "redis+cluster":
+		if p := strings.Trim(u.Path, "/"); p != "" {
+			return nil, fmt.Errorf("fleet: redis URL %s: path %q: a Cluster has only db 0: want redis+cluster://host:port[,host:port]", redact(c.URL), p)
+		}
+		for _, h := range strings.Split(u.Host, ",") {
+			if _, _, err := net.SplitHostPort(h); err != nil {
+				return nil, fmt.Errorf("fleet: redis URL %s: node %q: want host:port", redact(c.URL), h)
+			}
+			o.Addrs = append(o.Addrs, h)
+		}
+		if c.DB != 0 {
+			return nil, fmt.Errorf("fleet: db %d: a Redis Cluster has only db 0", c.DB)
+		}
+		if u.User != nil {
+			o.Username = u.User.Username()
+			urlPassword, _ = u.User.Password()
+		}
+		o.IsClusterMode = true
 	default:
-		return nil, fmt.Errorf("fleet: redis URL %s: scheme %q: want redis, rediss or redis+sentinel", redact(c.URL), u.Scheme)
+		return nil, fmt.Errorf("fleet: redis URL %s: scheme %q: want redis, rediss, redis+sentinel or redis+cluster", redact(c.URL), u.Scheme)
 	}
 	switch {
 	case c.Password != "" && urlPassword != "" && c.Password != urlPassword:
@@ -227,6 +248,10 @@ func (c Config) redisOptions() (*redis.UniversalOptions, error) {
 	// connection, and any Redis-compatible server.
 	o.Protocol = 2
 	o.DisableIdentity = true
+	// A Cluster follows MOVED and ASK redirects (up to 3, within the
+	// operation's context); a lost connection after sending is not
+	// replayed there either (see noReplay).
+	o.MaxRedirects = 3
 	o.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
 	return &o, nil
 }

@@ -55,7 +55,7 @@ func TestBadURLsAreRefusedWithoutTheirPassword(t *testing.T) {
 		want                string
 	}{
 		{name: "no URL", want: "no redis URL"},
-		{name: "scheme", url: "http://:hunter2@10.0.0.5", want: `scheme "http": want redis, rediss or redis+sentinel`},
+		{name: "scheme", url: "http://:hunter2@10.0.0.5", want: `scheme "http": want redis, rediss, redis+sentinel or redis+cluster`},
 		{name: "sentinel without master", url: "redis+sentinel://:hunter2@10.0.0.1:26379", want: "no master name"},
 		{name: "sentinel without port", url: "redis+sentinel://10.0.0.1/m", want: `sentinel "10.0.0.1": want host:port`},
 		{name: "sentinel bad db", url: "redis+sentinel://10.0.0.1:26379/m/x", want: `bad db "x"`},

@@ -38,11 +38,19 @@
 //
 // # Redis deployments
 //
-// Config.URL takes redis:// (plain), rediss:// (TLS) and
-// redis+sentinel://host:port[,host:port]/<master> (Sentinel). A READONLY
+// Config.URL takes redis:// (plain), rediss:// (TLS),
+// redis+sentinel://host:port[,host:port]/<master> (Sentinel) and
+// redis+cluster://host:port[,host:port] (Redis Cluster). On a Cluster
+// every script and transaction touches the keys of one hash tag only, the
+// bulk reads are pipelines of single-key commands (go-redis splits them
+// by node), and the breakers channel is plain PUBLISH/SUBSCRIBE, which a
+// Cluster forwards to every node; go-redis follows MOVED and ASK within
+// the operation's OpTimeout, and never replays a command whose connection
+// failed after sending. A READONLY
 // reply — a Sentinel failover that left connections on the old master, now
 // a replica — replaces the go-redis client, so every connection is dialled
-// again to the master the Sentinels name (at most once per Refresh).
+// again to the master the Sentinels name (at most once per Refresh); a
+// Cluster client reloads its slot map instead.
 // Scripts run through go-redis's Script (EVALSHA, then EVAL on NOSCRIPT),
 // so a restarted Redis with an empty script cache costs one extra round
 // trip and no error.
