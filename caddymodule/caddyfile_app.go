@@ -66,8 +66,9 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 //
 // tier and tenant may repeat. The tier's breaker block takes the upstream
 // breaker's grammar (probe and scope excepted). fleet's block is optional;
-// its URL is redis://, rediss:// (TLS) or
-// redis+sentinel://host:port[,host:port]/<master>.
+// its URL is redis://, rediss:// (TLS),
+// redis+sentinel://host:port[,host:port]/<master> or
+// redis+cluster://host:port[,host:port].
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // option name
 	if d.NextArg() {

@@ -20,8 +20,9 @@ import (
 //	    min_reporters <n>
 //	}
 //
-// The block is optional. The URL is redis://, rediss:// or
-// redis+sentinel://host:port[,host:port]/<master>.
+// The block is optional. The URL is redis://, rediss://,
+// redis+sentinel://host:port[,host:port]/<master> or
+// redis+cluster://host:port[,host:port].
 func parseFleet(d *caddyfile.Dispenser, fc *FleetConfig) error {
 	const usage = "want: fleet redis <url> { … }"
 	if !d.NextArg() || d.Val() != "redis" {

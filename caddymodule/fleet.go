@@ -26,8 +26,10 @@ import (
 // when Redis answers.
 type FleetConfig struct {
 	// Redis is the server's URL: redis://[:password@]host:port[/db],
-	// rediss://… for TLS, or redis+sentinel://host:port[,host:port]/<master>[/db]
-	// (the URL's password, if any, is the Sentinels'). Placeholders such as
+	// rediss://… for TLS, redis+sentinel://host:port[,host:port]/<master>[/db]
+	// (the URL's password, if any, is the Sentinels'), or
+	// redis+cluster://[:password@]host:port[,host:port] (a Redis Cluster,
+	// db 0). Placeholders such as
 	// {env.REDIS_URL} are replaced when the config loads. Required.
 	Redis string `json:"redis"`
 
