@@ -277,32 +277,7 @@ func (l *Limits) Reserve(q *admission.Quota, h *admission.Hold) admission.Decisi
 // local decides q on this gateway's share of the limits (or refuses a
 // fail_closed tier's request).
 func (l *Limits) local(q *admission.Quota, h *admission.Hold) admission.Decision {
-	if q.FailClosed {
-		return admission.Decision{Code: admission.CodeFleetUnavailable, RetryAfter: l.retry, Local: true}
-	}
-	n := l.c.Config().ExpectedInstances
-	share := func(v int) int {
-		if v <= 0 || n <= 1 {
-			return v
-		}
-		return max(1, v/n)
-	}
-	lq := *q
-	lq.MaxConcurrent, lq.RPM, lq.TPM = share(q.MaxConcurrent), share(q.RPM), share(q.TPM)
-	fb := l.fallback.Load()
-	d := fb.Reserve(&lq, h)
-	d.Local = true
-	d.MaxConcurrent, d.RPM, d.TPM = lq.MaxConcurrent, lq.RPM, lq.TPM
-	if d.Code == admission.CodeRequestExceedsLimit && lq.TPM < q.TPM &&
-		((q.Explicit && q.Need <= int64(q.TPM)) || (!q.Explicit && q.Prompt <= int64(q.TPM))) {
-		// It fits the fleet's limit, only not this gateway's share of it:
-		// waiting for Redis helps.
-		d.Code, d.RetryAfter = admission.CodeTenantTPM, l.retry
-	}
-	if d.Code == "" {
-		h.Ref = fb
-	}
-	return d
+	return admission.ReserveShare(l.fallback.Load(), l.c.Config().ExpectedInstances, l.retry, q, h)
 }
 
 // Settle implements admission.LimitStore.
