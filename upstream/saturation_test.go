@@ -421,16 +421,23 @@ type feederClock struct{ f **feeder }
 
 func (c feederClock) Now() time.Time { return (*c.f).now }
 
-func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *testing.T) {
+// clockedPool is satPool with the breakers on the clock of the feeder of
+// addrs[0], which it returns with that upstream's breaker; opts are added
+// to the breakers' options.
+func clockedPool(t *testing.T, trip *TripRules, opts []breaker.Option, addrs ...string) (*Registry, *Pool, *feeder, *breaker.Breaker) {
+	t.Helper()
 	reg := NewRegistry(nil)
-	var f *feeder
-	f = &feeder{now: time.Now()}
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
+	f := &feeder{now: time.Now()}
+	reg.breakerOpts = append([]breaker.Option{breaker.WithClock(feederClock{&f})}, opts...)
+	p := satPool(t, reg, nil, trip, addrs...)
+	f = newFeeder(t, p, addrs[0])
+	return reg, p, f, breakerOf(t, reg, addrs[0], "")
+}
+
+func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *testing.T) {
 	rules := &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 5 * time.Second}
-	p := satPool(t, reg, nil, rules, "10.9.7.1:8000", "10.9.7.2:8000")
-	f = newFeeder(t, p, "10.9.7.1:8000")
+	_, p, f, b := clockedPool(t, rules, nil, "10.9.7.1:8000", "10.9.7.2:8000")
 	f.cfg.Window = 10 * time.Second
-	b := breakerOf(t, reg, "10.9.7.1:8000", "")
 	h := queueHist(Histogram{}, 0, 0)
 	f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
 	for i := 0; i < 6 && b.State() == breaker.Closed; i++ {
@@ -478,14 +485,8 @@ func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *
 }
 
 func TestSaturationBreakerReopensWhenStillSaturated(t *testing.T) {
-	reg := NewRegistry(nil)
-	var f *feeder
-	f = &feeder{now: time.Now()}
 	// No jitter: the test compares two cooldowns.
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f}), breaker.WithRand(func() float64 { return 0.5 })}
-	p := satPool(t, reg, nil, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, "10.9.7.3:8000")
-	f = newFeeder(t, p, "10.9.7.3:8000")
-	b := breakerOf(t, reg, "10.9.7.3:8000", "")
+	_, _, f, b := clockedPool(t, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, []breaker.Option{breaker.WithRand(func() float64 { return 0.5 })}, "10.9.7.3:8000")
 	full := Readings{Waiting: Known(0), Running: Known(8), KVUsage: Known(0.97)}
 	for range 3 {
 		f.scrape(time.Second, full)
@@ -700,13 +701,7 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 // all interpolate to a p99 of 0.297s, which must not cross a 200ms
 // threshold.
 func TestQueueWaitThresholdBelowTheFirstBucketIsNotCrossedByZeroWaits(t *testing.T) {
-	reg := NewRegistry(nil)
-	var f *feeder
-	f = &feeder{now: time.Now()}
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
-	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 200 * time.Millisecond, QueueWaitFor: 2 * time.Second}, "10.9.9.1:8000")
-	f = newFeeder(t, p, "10.9.9.1:8000")
-	b := breakerOf(t, reg, "10.9.9.1:8000", "")
+	_, _, f, b := clockedPool(t, &TripRules{QueueWaitP99: 200 * time.Millisecond, QueueWaitFor: 2 * time.Second}, nil, "10.9.9.1:8000")
 	h := queueHist(Histogram{}, 0, 0)
 	for range 20 {
 		h = queueHist(h, 50, 0) // 50 requests a second, none waited
@@ -741,14 +736,8 @@ func tripAndDrain(t *testing.T, f *feeder, b *breaker.Breaker) Histogram {
 }
 
 func TestSaturationBreakerDoesNotRetripOnWaitsFromBeforeTheDrain(t *testing.T) {
-	reg := NewRegistry(nil)
-	var f *feeder
-	f = &feeder{now: time.Now()}
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
-	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, "10.9.9.2:8000")
-	f = newFeeder(t, p, "10.9.9.2:8000")
+	_, _, f, b := clockedPool(t, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.2:8000")
 	f.cfg.Window = time.Minute
-	b := breakerOf(t, reg, "10.9.9.2:8000", "")
 	h := tripAndDrain(t, f, b)
 	// While it is open the server drains its queue: those requests
 	// waited 8s too.
@@ -774,13 +763,7 @@ func TestSaturationBreakerDoesNotRetripOnWaitsFromBeforeTheDrain(t *testing.T) {
 }
 
 func TestSaturationBreakerStaysOpenWhileTheQueueIsStuck(t *testing.T) {
-	reg := NewRegistry(nil)
-	var f *feeder
-	f = &feeder{now: time.Now()}
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
-	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, "10.9.9.3:8000")
-	f = newFeeder(t, p, "10.9.9.3:8000")
-	b := breakerOf(t, reg, "10.9.9.3:8000", "")
+	_, _, f, b := clockedPool(t, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.3:8000")
 	h := tripAndDrain(t, f, b)
 	// Three wait (under queue_threshold 5) and nothing leaves the queue:
 	// no interval has a queue-wait observation. Not healthy.
@@ -798,13 +781,7 @@ func TestSaturationBreakerStaysOpenWhileTheQueueIsStuck(t *testing.T) {
 // the saturation rules, the least saturated still gets it, without a
 // permit (its breaker stays as observation leaves it).
 func TestSaturationTripOfEveryUpstreamStillServesTheLeastSaturated(t *testing.T) {
-	reg := NewRegistry(nil)
-	var f *feeder
-	f = &feeder{now: time.Now()}
-	reg.breakerOpts = []breaker.Option{breaker.WithClock(feederClock{&f})}
-	p := satPool(t, reg, nil, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, "10.9.9.4:8000")
-	f = newFeeder(t, p, "10.9.9.4:8000")
-	b := breakerOf(t, reg, "10.9.9.4:8000", "")
+	reg, p, f, b := clockedPool(t, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.4:8000")
 	tripAndDrain(t, f, b)
 	if !p.Saturated() {
 		t.Fatal("pool with its only upstream saturation-tripped and 20 waiting is not saturated")
