@@ -60,17 +60,38 @@ type nopAdmitter struct{}
 
 func (nopAdmitter) Admit(context.Context, Identity, RequestInfo) (Admission, error) { return nil, nil }
 
-// admit is step 3: the request's admission, or its refusal.
+// admit is step 3: the request's admission, or its refusal. When a
+// fallback takes the primary's saturated overflow, a request that finds the
+// primary without a free slot descends the ladder here, before any attempt:
+// to the first such fallback that allows its tier and has room now, else
+// back to the primary's queue, where the lowest tiers are shed first.
 func (x *exchange) admit() bool {
-	adm, err := x.p.cfg.Admitter.Admit(x.ctx, x.res.Identity, x.res.Info)
-	if err != nil {
-		var qw QueueWaiter
-		if errors.As(err, &qw) {
-			x.res.QueueWait = qw.QueueWait()
+	pa, ladder := x.p.cfg.Admitter.(PoolAdmitter)
+	if !ladder || !x.p.saturatedRungs {
+		adm, err := x.p.cfg.Admitter.Admit(x.ctx, x.res.Identity, x.res.Info)
+		if err != nil {
+			return x.refuse(err)
 		}
-		x.refusal = err
-		return false
+		x.admitted(adm)
+		return true
 	}
+	adm, saturated, err := pa.AdmitNoWait(x.ctx, x.res.Identity, x.res.Info)
+	if err != nil {
+		return x.refuse(err)
+	}
+	x.admitted(adm)
+	if !saturated || x.degrade(DegradeSaturated) {
+		return true
+	}
+	if err := adm.(PoolAdmission).Queue(x.ctx); err != nil {
+		return x.refuse(err)
+	}
+	x.admitted(adm)
+	return true
+}
+
+// admitted records adm, the request's admission.
+func (x *exchange) admitted(adm Admission) {
 	x.admission = adm
 	if adm != nil {
 		if qw, ok := adm.(QueueWaiter); ok {
@@ -78,7 +99,16 @@ func (x *exchange) admit() bool {
 		}
 		x.admHeader, _ = adm.(HeaderAdmission)
 	}
-	return true
+}
+
+// refuse records an admission refusal; it returns false.
+func (x *exchange) refuse(err error) bool {
+	var qw QueueWaiter
+	if errors.As(err, &qw) {
+		x.res.QueueWait = qw.QueueWait()
+	}
+	x.refusal = err
+	return false
 }
 
 // setAdmissionHeader sets the admission's own response headers on h (the
@@ -97,5 +127,8 @@ func (x *exchange) setAdmissionHeader(h http.Header) {
 	}
 	if x.admHeader != nil {
 		x.admHeader.SetHeader(h)
+	}
+	if x.degraded != "" {
+		h.Set(HeaderDegraded, x.degraded)
 	}
 }

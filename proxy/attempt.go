@@ -17,15 +17,15 @@ import (
 // Order of the gates (DESIGN §3): the breaker (inside the Balancer) first,
 // then the retry budget, then hedging.
 func (x *exchange) attempt() *attempt {
-	cfg := &x.p.cfg
-	rc := &race{x: x, results: make(chan *attempt, cfg.MaxAttempts)}
+	pool := x.rung.pool
+	rc := &race{x: x, pool: pool, results: make(chan *attempt, x.p.cfg.MaxAttempts)}
 	x.rc = rc
-	if cfg.Retries != nil {
-		cfg.Retries.Request()
+	if pool.Retries != nil {
+		pool.Retries.Request()
 	}
-	if cfg.Hedging != nil {
-		cfg.Hedging.Request()
-		rc.hedgeDelay, rc.hedging = cfg.Hedging.Delay(x.res.Info)
+	if pool.Hedging != nil {
+		pool.Hedging.Request()
+		rc.hedgeDelay, rc.hedging = pool.Hedging.Delay(x.res.Info)
 	}
 	if rc.hedging {
 		// Armed by each primary when it starts (launch), not here.
@@ -71,7 +71,7 @@ func (x *exchange) attempt() *attempt {
 			}
 		case <-hedgeC:
 			rc.hedgeArmed = false
-			if rc.hedge() && rc.hedges < cfg.Hedging.MaxHedges() {
+			if rc.hedge() && rc.hedges < pool.Hedging.MaxHedges() {
 				rc.armHedge()
 			}
 		case <-x.ctx.Done():
@@ -82,9 +82,13 @@ func (x *exchange) attempt() *attempt {
 	}
 }
 
-// race is the state of one request's attempts.
+// race is the state of one request's attempts on one pool.
 type race struct {
-	x        *exchange
+	x    *exchange
+	pool *Pool
+	// attempts counts the attempts started on pool, hedges included,
+	// against max_attempts.
+	attempts int
 	results  chan *attempt
 	tried    []string
 	inflight int
@@ -108,12 +112,13 @@ type race struct {
 func (rc *race) launch(up Upstream, hedge bool) {
 	x := rc.x
 	rc.tried = append(rc.tried, up.Addr)
+	rc.attempts++
 	x.res.Attempts++
 	x.res.Upstream = up.Addr
 	x.res.Saturation = up.Saturation
 	if !hedge {
 		rc.primaryClosed = up.Closed
-		if rc.hedging && rc.hedges < x.p.cfg.Hedging.MaxHedges() {
+		if rc.hedging && rc.hedges < rc.pool.Hedging.MaxHedges() {
 			rc.armHedge()
 		}
 	}
@@ -151,12 +156,12 @@ func (rc *race) startNext(hedge bool) *failure {
 // grants it, after a full-jitter backoff. It starts the attempt, or
 // returns the failure to report at once.
 func (rc *race) retry() *failure {
-	x, cfg, last := rc.x, &rc.x.p.cfg, rc.last
+	x, retries, last := rc.x, rc.pool.Retries, rc.last
 	stop := &failure{last: last}
-	if !last.outcome.Retryable() || x.res.Attempts >= cfg.MaxAttempts || x.ctx.Err() != nil {
+	if !last.outcome.Retryable() || rc.attempts >= x.p.cfg.MaxAttempts || x.ctx.Err() != nil {
 		return stop
 	}
-	if cfg.Retries != nil && !cfg.Retries.TryRetry() {
+	if retries != nil && !retries.TryRetry() {
 		x.p.obs.RetryBudgetExhausted()
 		return stop
 	}
@@ -173,11 +178,11 @@ func (rc *race) retry() *failure {
 	up, err := rc.pick(false)
 	if err != nil {
 		var ue *UnavailableError
-		if !errors.As(err, &ue) || ue.RetryAfter <= 0 || cfg.Retries == nil {
+		if !errors.As(err, &ue) || ue.RetryAfter <= 0 || retries == nil {
 			return stop
 		}
 		// Wait for the earliest upstream only if that fits.
-		d, ok := cfg.Retries.Backoff(n, ue.RetryAfter, x.remaining())
+		d, ok := retries.Backoff(n, ue.RetryAfter, x.remaining())
 		if !ok {
 			return stop
 		}
@@ -187,7 +192,7 @@ func (rc *race) retry() *failure {
 		if up, err = rc.pick(false); err != nil {
 			return stop
 		}
-	} else if cfg.Retries != nil {
+	} else if retries != nil {
 		// Going back to the upstream that asked for a pause (the only one,
 		// or breakers off): honour its Retry-After if it fits, else stop.
 		var retryAfter time.Duration
@@ -195,7 +200,7 @@ func (rc *race) retry() *failure {
 			retryAfter = last.retryAfter
 		}
 		if retryAfter > 0 || !immediate {
-			d, ok := cfg.Retries.Backoff(n, retryAfter, x.remaining())
+			d, ok := retries.Backoff(n, retryAfter, x.remaining())
 			if !ok && retryAfter > 0 {
 				release(up)
 				return stop
@@ -220,15 +225,15 @@ func (rc *race) retry() *failure {
 // hedge-rate cap and the retry budget allow, and attempts remain. It
 // reports whether a backup started.
 func (rc *race) hedge() bool {
-	x, cfg := rc.x, &rc.x.p.cfg
-	if rc.inflight == 0 || rc.hedges >= cfg.Hedging.MaxHedges() || x.res.Attempts >= cfg.MaxAttempts {
+	x, h, retries := rc.x, rc.pool.Hedging, rc.pool.Retries
+	if rc.inflight == 0 || rc.hedges >= h.MaxHedges() || rc.attempts >= x.p.cfg.MaxAttempts {
 		return false
 	}
 	// The hedge-rate cap is asked before the budget: when the budget then
 	// refuses (a failing pool, where hedging is unwanted anyway) a cap slot
 	// is spent, which only makes hedging more conservative; the other order
 	// would spend retry budget on hedges the cap refuses.
-	if !rc.primaryClosed || !cfg.Hedging.TryHedge() || (cfg.Retries != nil && !cfg.Retries.TryRetry()) {
+	if !rc.primaryClosed || !h.TryHedge() || (retries != nil && !retries.TryRetry()) {
 		x.p.obs.Hedge(HedgeSuppressed)
 		return false
 	}

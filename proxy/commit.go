@@ -24,7 +24,7 @@ func (x *exchange) commit(a *attempt) bool {
 			x.p.obs.Hedge(HedgeLost)
 		}
 	}
-	if h := x.p.cfg.Hedging; h != nil {
+	if h := x.rung.pool.Hedging; h != nil {
 		h.Observe(x.res.Info, a.ttft)
 	}
 

@@ -392,7 +392,25 @@ func (a *attempt) end() {
 
 // passThrough sends an upstream's error response to the client unchanged
 // (status, headers, body).
+//
+// When the degradation ladder passed over fallbacks for reasons of their
+// own, the client gets the same status with the gateway's error body
+// instead, whose message says which fallbacks were refused and why.
 func (x *exchange) passThrough(a *attempt) {
+	if len(x.notes) > 0 {
+		code := a.resp.StatusCode
+		ge := &GatewayError{Status: code, Type: TypeServer, Code: "upstream_error",
+			Message: fmt.Sprintf("upstream %s answered %d after %d attempt(s)", a.up.Addr, code, x.res.Attempts)}
+		switch {
+		case code == http.StatusTooManyRequests:
+			ge.Type, ge.Code = TypeRateLimit, "upstream_rate_limited"
+			ge.RetryAfter = int(ceilSeconds(a.retryAfter) / time.Second)
+		case code < 500:
+			ge.Type, ge.Code = TypeInvalidRequest, strconv.Itoa(code)
+		}
+		x.writeError(ge)
+		return
+	}
 	h := x.w.Header()
 	copyResponseHeader(h, a.resp.Header)
 	x.setAdmissionHeader(h)
@@ -404,7 +422,15 @@ func (x *exchange) passThrough(a *attempt) {
 
 // writeError writes a gateway error and records its status. An admitted
 // request's error carries the admission's headers (x-ratelimit-*).
+//
+// The message names the fallbacks that the degradation ladder passed over
+// and why.
 func (x *exchange) writeError(e *GatewayError) {
+	if len(x.notes) > 0 {
+		c := *e
+		c.Message = x.withNotes(c.Message)
+		e = &c
+	}
 	x.res.Status = e.Status
 	x.setAdmissionHeader(x.w.Header())
 	e.Write(x.w)

@@ -6,7 +6,7 @@ package proxy
 // a backup, which only an upstream with a closed breaker may take.
 func (rc *race) pick(hedge bool) (Upstream, error) {
 	x := rc.x
-	return x.p.cfg.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried, Hedge: hedge})
+	return rc.pool.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried, Hedge: hedge})
 }
 
 // release gives back an upstream that was picked but not used (a retry

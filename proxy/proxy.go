@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -244,6 +245,12 @@ type Result struct {
 	Retries int
 	// Hedged is true when a backup attempt was started.
 	Hedged bool
+	// Fallback names the fallback pool the request was sent to, "" when it
+	// stayed on the primary; DegradeReason is why (DegradeUnavailable,
+	// DegradeSaturated); Degraded is the X-LLM-Proxy-Degraded value
+	// ({http.llm_proxy.degraded}). Info then holds the request as the
+	// fallback got it (its model, the clamped max_tokens).
+	Fallback, DegradeReason, Degraded string
 }
 
 // Settlement returns what the request used, as its tenant is charged: the
@@ -339,6 +346,10 @@ type Config struct {
 	Retries Retries
 	// Hedging starts backup attempts; nil disables hedging.
 	Hedging Hedging
+	// Fallbacks are the degradation ladder's pools below the primary
+	// (DESIGN §10), tried in order, only before commit; each gets up to
+	// MaxAttempts attempts of its own. Default: none.
+	Fallbacks []Fallback
 }
 
 // Defaults of Config.
@@ -352,7 +363,10 @@ const (
 
 // Proxy runs requests through the lifecycle. It is safe for concurrent use.
 type Proxy struct {
-	cfg   Config
+	cfg     Config
+	primary Pool // Config's Balancer, Retries and Hedging
+	// saturatedRungs: some fallback takes the primary's saturated overflow.
+	saturatedRungs bool
 	clock Clock
 	obs   Observer
 	log   *zap.Logger
@@ -396,7 +410,26 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.Admitter == nil {
 		cfg.Admitter = nopAdmitter{}
 	}
+	names := make(map[string]bool, len(cfg.Fallbacks))
+	for i, f := range cfg.Fallbacks {
+		switch {
+		case f.Name == "":
+			return nil, fmt.Errorf("proxy: fallback %d has no name", i)
+		case names[f.Name]:
+			return nil, fmt.Errorf("proxy: fallback %q named twice", f.Name)
+		case f.Balancer == nil:
+			return nil, fmt.Errorf("proxy: fallback %q has no Balancer", f.Name)
+		case f.ContextWindow < 0 || f.MaxOutputTokens < 0:
+			return nil, fmt.Errorf("proxy: fallback %q: negative context_window or max_output_tokens", f.Name)
+		}
+		names[f.Name] = true
+	}
+	cfg.Fallbacks = slices.Clone(cfg.Fallbacks)
 	p := &Proxy{cfg: cfg, clock: cfg.Clock, obs: cfg.Observer, log: cfg.Logger}
+	p.primary = Pool{Balancer: cfg.Balancer, Retries: cfg.Retries, Hedging: cfg.Hedging}
+	for i := range p.cfg.Fallbacks {
+		p.saturatedRungs = p.saturatedRungs || p.cfg.Fallbacks[i].when()&WhenSaturated != 0
+	}
 	if p.obs == nil {
 		p.obs = nopObserver{}
 	}
@@ -412,7 +445,7 @@ func New(cfg Config) (*Proxy, error) {
 // also reported to Observer.RequestDone. A panic in a step is re-raised
 // after the request is finished and reported.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) *Result {
-	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), res: &Result{}}
+	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), res: &Result{}, rung: rung{index: -1, pool: &p.primary}}
 	x.run()
 	return x.res
 }
@@ -452,6 +485,13 @@ type exchange struct {
 	rc       *race    // attempt: the attempts, once one was started
 	failure  *failure // attempt: why no attempt reached its commit point
 	won      *attempt // commit: the attempt whose response reached the client
+
+	// rung is the pool the request is served from (the primary until the
+	// degradation ladder moves it); degraded is its X-LLM-Proxy-Degraded
+	// value, "" on the primary; notes say why fallbacks were passed over.
+	rung     rung
+	degraded string
+	notes    []string
 	panicked any      // finish: the value of a panic in a step
 }
 
@@ -480,6 +520,9 @@ func (x *exchange) run() {
 		return
 	}
 	a := x.attempt()
+	for a == nil && x.degradable(x.failure) && x.degrade(DegradeUnavailable) {
+		a = x.attempt()
+	}
 	if a == nil {
 		return
 	}

@@ -39,14 +39,26 @@ func NewTenantAdmitter(c *admission.Controller, g *admission.Gate) *TenantAdmitt
 // when ctx ends while the request waits, ctx's error is returned (the
 // client-gone or stream_timeout answer).
 func (a *TenantAdmitter) Admit(ctx context.Context, id Identity, info RequestInfo) (Admission, error) {
+	adm, _, err := a.admit(ctx, id, info, true)
+	return adm, err
+}
+
+// AdmitNoWait implements PoolAdmitter: Admit, but a request that finds the
+// pool without a free slot is admitted by its tenant's limits alone, with
+// saturated true, for the degradation ladder to place.
+func (a *TenantAdmitter) AdmitNoWait(ctx context.Context, id Identity, info RequestInfo) (Admission, bool, error) {
+	return a.admit(ctx, id, info, false)
+}
+
+func (a *TenantAdmitter) admit(ctx context.Context, id Identity, info RequestInfo, wait bool) (Admission, bool, error) {
 	if a.c == nil && a.g == nil {
-		return nil, nil
+		return nil, false, nil
 	}
 	ad, _ := a.pool.Get().(*tenantAdmission)
 	if ad == nil {
 		ad = new(tenantAdmission)
 	}
-	ad.owner, ad.reserved, ad.slotted, ad.waited = a, false, false, 0
+	ad.owner, ad.reserved, ad.slotted, ad.waited, ad.tenant = a, false, false, 0, id.Tenant
 	admitted := false
 	defer func() {
 		if !admitted && ad.reserved {
@@ -64,35 +76,95 @@ func (a *TenantAdmitter) Admit(ctx context.Context, id Identity, info RequestInf
 			err := refusalError(r, r.Limits, 0)
 			a.pool.Put(ad)
 			admitted = true // nothing to cancel
-			return nil, err
+			return nil, false, err
 		}
 		ad.reserved = true
 		tier = ad.ticket.Tier()
 	}
+	ad.tier = tier
 	if a.g != nil {
-		waited, err := a.g.AcquireSlot(ctx, id.Tenant, tier, &ad.slot)
-		if err != nil {
-			var lim admission.Limits
-			if ad.reserved {
-				ad.ticket.Cancel()
-				lim = unreserved(ad.ticket.Limits(), ad.ticket.Reserved())
-			}
-			if r, ok := errors.AsType[*admission.Refusal](err); ok {
-				if r.Limits.Requests != nil || r.Limits.Tokens != nil {
-					lim = r.Limits
-				}
-				err = refusalError(r, lim, waited)
-			} else {
-				err = &waitError{err: err, waited: waited}
-			}
-			admitted = true // cancelled above
-			a.pool.Put(ad)
-			return nil, err
+		if !wait && !a.g.TryAcquireSlot(id.Tenant, tier, &ad.slot) {
+			admitted = true
+			return ad, true, nil
 		}
-		ad.slotted, ad.waited = true, waited
+		if wait {
+			if err := ad.queue(ctx, a.g); err != nil {
+				admitted = true // cancelled by queue
+				a.pool.Put(ad)
+				return nil, false, err
+			}
+		}
+		ad.slotted = true
 	}
 	admitted = true
-	return ad, nil
+	return ad, false, nil
+}
+
+// queue takes a slot of g, waiting in its queue; a refusal cancels the
+// tenant's reservation (a refused request consumes nothing) and is
+// returned as the gateway's error.
+func (ad *tenantAdmission) queue(ctx context.Context, g *admission.Gate) error {
+	waited, err := g.AcquireSlot(ctx, ad.tenant, ad.tier, &ad.slot)
+	ad.waited += waited
+	if err == nil {
+		ad.slotted = true
+		return nil
+	}
+	var lim admission.Limits
+	if ad.reserved {
+		ad.ticket.Cancel()
+		ad.reserved = false
+		lim = unreserved(ad.ticket.Limits(), ad.ticket.Reserved())
+	}
+	if r, ok := errors.AsType[*admission.Refusal](err); ok {
+		if r.Limits.Requests != nil || r.Limits.Tokens != nil {
+			lim = r.Limits
+		}
+		return refusalError(r, lim, ad.waited)
+	}
+	return &waitError{err: err, waited: ad.waited}
+}
+
+// Queue implements PoolAdmission: a slot of the admitter's own pool.
+func (ad *tenantAdmission) Queue(ctx context.Context) error {
+	if ad.slotted || ad.owner.g == nil {
+		return nil
+	}
+	return ad.queue(ctx, ad.owner.g)
+}
+
+// MoveTo implements PoolAdmission.
+func (ad *tenantAdmission) MoveTo(ctx context.Context, g *admission.Gate, info RequestInfo, wait bool) error {
+	if ad.reserved && info.MaxTokensSet {
+		if r := ad.ticket.Resize(info.MaxTokens, info.N); r != nil {
+			return refusalError(r, ad.ticket.Limits(), 0)
+		}
+	}
+	if ad.slotted {
+		ad.slot.Release()
+		ad.slotted = false
+	}
+	if g == nil {
+		return nil
+	}
+	if !wait {
+		if !g.TryAcquireSlot(ad.tenant, ad.tier, &ad.slot) {
+			return &GatewayError{Status: 429, Type: TypeRateLimit, Code: admission.CodeSaturated,
+				Message: "its capacity is full"}
+		}
+		ad.slotted = true
+		return nil
+	}
+	waited, err := g.AcquireSlot(ctx, ad.tenant, ad.tier, &ad.slot)
+	ad.waited += waited
+	if err != nil {
+		if r, ok := errors.AsType[*admission.Refusal](err); ok {
+			return &GatewayError{Status: r.Status, Type: TypeRateLimit, Code: r.Code, Message: r.Message}
+		}
+		return err
+	}
+	ad.slotted = true
+	return nil
 }
 
 // tenantAdmission is an admitted request's ticket and pool slot. It is
@@ -105,6 +177,9 @@ type tenantAdmission struct {
 	slot    admission.Slot
 	slotted bool
 	waited  time.Duration
+	// tenant and tier are whom the slot is taken for (the ladder moves it).
+	tenant string
+	tier   admission.Tier
 }
 
 // Release settles the ticket with what the request used (Result.Settlement),
@@ -264,4 +339,6 @@ var (
 	_ Admitter        = (*TenantAdmitter)(nil)
 	_ HeaderAdmission = (*tenantAdmission)(nil)
 	_ QueueWaiter     = (*tenantAdmission)(nil)
+	_ PoolAdmitter    = (*TenantAdmitter)(nil)
+	_ PoolAdmission   = (*tenantAdmission)(nil)
 )

@@ -1,0 +1,322 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/tidwall/gjson"
+	"github.com/tidwall/sjson"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+)
+
+// Pool is a set of upstreams that a request can be served from, with its
+// own balancer (breakers, saturation), retry budget, hedging and capacity:
+// a bulkhead, so that a flood to one pool cannot starve another. The
+// primary pool is Config's Balancer, Retries and Hedging, its capacity the
+// Admitter's; a Fallback carries its own.
+type Pool struct {
+	// Balancer picks the pool's upstreams. Required.
+	Balancer Balancer
+	// Retries is the pool's retry budget and backoff; nil retries at once
+	// within MaxAttempts.
+	Retries Retries
+	// Hedging is the pool's hedging; nil disables it.
+	Hedging Hedging
+	// Gate is the pool's capacity and priority queue; nil is none.
+	Gate *admission.Gate
+}
+
+// FallbackWhen says which failures of the pools above a Fallback send
+// requests to it.
+type FallbackWhen uint8
+
+const (
+	// WhenUnavailable: no upstream of the pools above can take the request
+	// (breakers open, every upstream busy, attempts spent on retryable
+	// failures, upstream 429), before commit.
+	WhenUnavailable FallbackWhen = 1 << iota
+	// WhenSaturated: the primary pool has no free capacity now (its
+	// capacity, or its saturation signal), so a tier allowed here is sent
+	// to the fallback at once instead of queueing for the primary.
+	WhenSaturated
+)
+
+// Reasons of a degradation: the "reason" label of
+// caddy_llm_proxy_degraded_total.
+const (
+	DegradeUnavailable = "unavailable"
+	DegradeSaturated   = "saturated"
+)
+
+// HeaderDegraded is the response header of a degraded answer (DESIGN §5):
+// "fallback=<name>[; model=<m>][; max_tokens=<n>]".
+const HeaderDegraded = "X-LLM-Proxy-Degraded"
+
+// Fallback is one rung of the degradation ladder (DESIGN §10): a pool that
+// serves the tiers allowed to degrade when the pools above it cannot,
+// possibly with a smaller model and a clamped max_tokens. Fallbacks are
+// tried in order, only before commit. A tenant's own limits never send a
+// request here: admission refuses it before any pool is tried.
+type Fallback struct {
+	// Name names the fallback in the degraded header, metrics and errors.
+	Name string
+	// Pool is where the fallback sends requests. Its Balancer is required.
+	Pool
+	// Model, when set, replaces the request body's "model".
+	Model string
+	// ContextWindow, when positive, is the fallback model's context in
+	// tokens: a request whose prompt estimate leaves no room in it is not
+	// sent here (zero calls), and max_tokens is clamped to what is left.
+	ContextWindow int
+	// MaxOutputTokens, when positive, caps max_tokens (or
+	// max_completion_tokens).
+	MaxOutputTokens int
+	// When is which failures of the pools above send requests here; 0 is
+	// WhenUnavailable.
+	When FallbackWhen
+	// Tiers lists the tiers that may degrade here; empty is every tier.
+	Tiers []string
+}
+
+// allows reports whether requests of tier may degrade to f.
+func (f *Fallback) allows(tier string) bool {
+	return len(f.Tiers) == 0 || slices.Contains(f.Tiers, tier)
+}
+
+// when returns f.When with its default.
+func (f *Fallback) when() FallbackWhen {
+	if f.When == 0 {
+		return WhenUnavailable
+	}
+	return f.When
+}
+
+// Clamp returns the max_tokens (per sequence) that a request described by
+// info is sent to f with: min(requested, MaxOutputTokens, ContextWindow −
+// prompt estimate), each bound applying when set; set is false when f
+// leaves max_tokens as the client sent it (no bound applies, or the
+// request's own is already within them). fits is false when the prompt
+// estimate leaves no room in f's context window: the request is not sent
+// to f at all.
+func (f *Fallback) Clamp(info RequestInfo) (maxTokens int, set, fits bool) {
+	limit := -1
+	if f.ContextWindow > 0 {
+		room := f.ContextWindow - max(info.PromptTokens, 0)
+		if room <= 0 {
+			return 0, false, false
+		}
+		limit = room
+	}
+	if m := f.MaxOutputTokens; m > 0 && (limit < 0 || m < limit) {
+		limit = m
+	}
+	switch {
+	case limit < 0:
+		return info.MaxTokens, false, true
+	case info.MaxTokensSet && info.MaxTokens <= limit:
+		return info.MaxTokens, false, true
+	}
+	return limit, true, true
+}
+
+// rewriteBody returns body as f's upstreams get it: "model" replaced by
+// model when set, and the client's max_completion_tokens and max_tokens
+// (whichever it sent; max_tokens when it sent neither) set to maxTokens
+// when setMax. Every other byte is as the client sent it.
+func rewriteBody(body []byte, model string, maxTokens int, setMax bool) ([]byte, error) {
+	end := len(body)
+	for end > 0 && isJSONSpace(body[end-1]) {
+		end--
+	}
+	out := body[:end:end]
+	var err error
+	if model != "" {
+		if out, err = sjson.SetBytes(out, "model", model); err != nil {
+			return nil, err
+		}
+	}
+	if setMax {
+		keys := make([]string, 0, 2)
+		for _, k := range [...]string{"max_completion_tokens", "max_tokens"} {
+			if v := gjson.GetBytes(out, k); v.Exists() && v.Type != gjson.Null {
+				keys = append(keys, k)
+			}
+		}
+		if len(keys) == 0 {
+			keys = append(keys, "max_tokens")
+		}
+		for _, k := range keys {
+			if out, err = sjson.SetBytes(out, k, maxTokens); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return append(out, body[end:]...), nil
+}
+
+// degradedHeader is the X-LLM-Proxy-Degraded value of a request sent to f
+// with model (when f rewrites it) and maxTokens (when set).
+func degradedHeader(f *Fallback, maxTokens int, setMax bool) string {
+	var b strings.Builder
+	b.WriteString("fallback=")
+	b.WriteString(f.Name)
+	if f.Model != "" {
+		b.WriteString("; model=")
+		b.WriteString(f.Model)
+	}
+	if setMax {
+		b.WriteString("; max_tokens=")
+		b.WriteString(strconv.Itoa(maxTokens))
+	}
+	return b.String()
+}
+
+// PoolAdmitter is an Admitter that can also place admitted requests in the
+// ladder's pools. *TenantAdmitter is one.
+type PoolAdmitter interface {
+	Admitter
+	// AdmitNoWait is Admit, except that when the primary pool has no free
+	// slot now the request is admitted by its tenant's limits without a
+	// slot (saturated true) rather than queued or shed: the ladder offers
+	// it to a fallback, or queues it for the primary (PoolAdmission.Queue).
+	// The Admission is then a PoolAdmission.
+	AdmitNoWait(ctx context.Context, id Identity, info RequestInfo) (adm Admission, saturated bool, err error)
+}
+
+// PoolAdmission is an Admission that the ladder moves between pools.
+type PoolAdmission interface {
+	Admission
+	// Queue takes a slot of the primary pool, waiting in its queue (or
+	// shed by priority) as Admit would. A refusal is returned as Admit
+	// returns it, with the tenant's reservation cancelled (it consumed
+	// nothing).
+	Queue(ctx context.Context) error
+	// MoveTo re-reserves the tenant's tokens for info (the clamped
+	// max_tokens), gives back the slot held and takes one of g (nil: a
+	// pool without capacity), at once (wait false: a *GatewayError when
+	// none is free) or waiting in g's queue. A refusal leaves the request
+	// admitted by its tenant with no slot: it is not sent to that pool.
+	MoveTo(ctx context.Context, g *admission.Gate, info RequestInfo, wait bool) error
+}
+
+// rung is the pool a request is being served from: the primary (fb nil,
+// index -1) or a fallback.
+type rung struct {
+	index  int
+	fb     *Fallback
+	pool   *Pool
+	reason string
+}
+
+// degradable reports whether the request's failure may descend the ladder:
+// no upstream of the pool could take it (no upstream at all, or attempts
+// spent on retryable failures), and neither the client nor stream_timeout
+// ended it.
+func (x *exchange) degradable(f *failure) bool {
+	if f == nil || f.ctxErr != nil || x.clientGone() || x.ctx.Err() != nil {
+		return false
+	}
+	if f.last == nil {
+		return errors.Is(f.pickErr, ErrNoUpstream)
+	}
+	return f.last.outcome.Retryable() && f.last.outcome != AttemptInternalError
+}
+
+// degrade is the ladder's step for a request whose pool failed it (why is
+// DegradeUnavailable) or is saturated (DegradeSaturated, before any
+// attempt): it moves the request to the next fallback below the current
+// rung that takes such requests, allows the tier, fits the prompt and has
+// room, and reports whether it did. Each fallback passed over for a reason
+// of its own leaves a note for the client's error message.
+func (x *exchange) degrade(why string) bool {
+	fbs := x.p.cfg.Fallbacks
+	want := WhenUnavailable
+	if why == DegradeSaturated {
+		want = WhenSaturated
+	}
+	for i := x.rung.index + 1; i < len(fbs); i++ {
+		f := &fbs[i]
+		if f.when()&want == 0 {
+			continue
+		}
+		if tier := x.res.Identity.Tier; !f.allows(tier) {
+			x.refuseFallback(f, fmt.Sprintf("tier %q may not degrade to it", tier))
+			continue
+		}
+		maxTokens, setMax, fits := f.Clamp(x.res.Info)
+		if !fits {
+			x.refuseFallback(f, fmt.Sprintf("the prompt estimate of %d tokens does not fit its context_window of %d",
+				x.res.Info.PromptTokens, f.ContextWindow))
+			continue
+		}
+		info := x.res.Info
+		if f.Model != "" {
+			info.Model = f.Model
+		}
+		if setMax {
+			info.MaxTokens, info.MaxTokensSet = maxTokens, true
+		}
+		body, err := rewriteBody(x.body, f.Model, maxTokens, setMax)
+		if err != nil {
+			x.refuseFallback(f, "the request body cannot be rewritten: "+err.Error())
+			continue
+		}
+		if !x.movePool(f, info, why == DegradeUnavailable) {
+			continue
+		}
+		x.body, x.res.Info = body, info
+		x.rung = rung{index: i, fb: f, pool: &f.Pool, reason: why}
+		x.degraded = degradedHeader(f, maxTokens, setMax)
+		x.res.Degraded, x.res.Fallback, x.res.DegradeReason = x.degraded, f.Name, why
+		x.failure, x.notes = nil, nil
+		return true
+	}
+	return false
+}
+
+// movePool moves the request's admission to f's pool: its tenant's
+// reservation recomputed for info, a slot of f's capacity (waiting in its
+// queue when wait). It reports false, with a note, when the request does
+// not fit there.
+func (x *exchange) movePool(f *Fallback, info RequestInfo, wait bool) bool {
+	pa, ok := x.admission.(PoolAdmission)
+	if !ok {
+		if f.Gate != nil {
+			// Admitted without a PoolAdmitter: f's capacity cannot be
+			// charged, so f is not used.
+			x.refuseFallback(f, "its capacity cannot be checked")
+			return false
+		}
+		return true
+	}
+	if err := pa.MoveTo(x.ctx, f.Gate, info, wait); err != nil {
+		msg := err.Error()
+		if ge, ok := errors.AsType[*GatewayError](err); ok {
+			msg = ge.Message
+		}
+		x.refuseFallback(f, msg)
+		return false
+	}
+	if qw, ok := x.admission.(QueueWaiter); ok {
+		x.res.QueueWait = qw.QueueWait()
+	}
+	return true
+}
+
+// refuseFallback notes why fallback f was not used.
+func (x *exchange) refuseFallback(f *Fallback, why string) {
+	x.notes = append(x.notes, fmt.Sprintf("fallback %s refused: %s", f.Name, why))
+}
+
+// withNotes returns msg with the ladder's notes appended.
+func (x *exchange) withNotes(msg string) string {
+	if len(x.notes) == 0 {
+		return msg
+	}
+	return msg + "; " + strings.Join(x.notes, "; ")
+}

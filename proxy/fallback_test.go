@@ -1,0 +1,495 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+)
+
+func TestFallbackClamp(t *testing.T) {
+	for _, tc := range []struct {
+		name              string
+		info              RequestInfo
+		f                 Fallback
+		wantMax           int
+		wantSet, wantFits bool
+	}{
+		{"no bounds keep the client's", RequestInfo{MaxTokens: 64000, MaxTokensSet: true, PromptTokens: 10},
+			Fallback{}, 64000, false, true},
+		{"max_output_tokens clamps", RequestInfo{MaxTokens: 64000, MaxTokensSet: true, PromptTokens: 10},
+			Fallback{MaxOutputTokens: 4096}, 4096, true, true},
+		{"within the bound stays", RequestInfo{MaxTokens: 100, MaxTokensSet: true, PromptTokens: 10},
+			Fallback{MaxOutputTokens: 4096, ContextWindow: 8192}, 100, false, true},
+		{"context window minus prompt is tighter", RequestInfo{MaxTokens: 64000, MaxTokensSet: true, PromptTokens: 6000},
+			Fallback{MaxOutputTokens: 4096, ContextWindow: 8192}, 2192, true, true},
+		{"absent max_tokens is set to the bound", RequestInfo{PromptTokens: 10},
+			Fallback{MaxOutputTokens: 4096}, 4096, true, true},
+		{"absent max_tokens without bounds stays absent", RequestInfo{PromptTokens: 10},
+			Fallback{Model: "small"}, 0, false, true},
+		{"prompt larger than the window is skipped", RequestInfo{MaxTokens: 10, MaxTokensSet: true, PromptTokens: 9000},
+			Fallback{ContextWindow: 8192}, 0, false, false},
+		{"prompt filling the window exactly is skipped", RequestInfo{PromptTokens: 8192},
+			Fallback{ContextWindow: 8192}, 0, false, false},
+		{"one token of room", RequestInfo{PromptTokens: 8191, MaxTokens: 50, MaxTokensSet: true},
+			Fallback{ContextWindow: 8192}, 1, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m, set, fits := tc.f.Clamp(tc.info)
+			if m != tc.wantMax || set != tc.wantSet || fits != tc.wantFits {
+				t.Fatalf("Clamp = %d, %v, %v; want %d, %v, %v", m, set, fits, tc.wantMax, tc.wantSet, tc.wantFits)
+			}
+		})
+	}
+}
+
+func TestRewriteBodyTouchesOnlyModelAndMaxTokens(t *testing.T) {
+	for _, tc := range []struct {
+		name, in, model string
+		max             int
+		set             bool
+		want            string
+	}{
+		{"model and max_tokens", `{"model":"big", "stream":true,"max_tokens":64000,"messages":[{"role":"user","content":"hi"}]}` + "\n",
+			"small", 4096, true, `{"model":"small", "stream":true,"max_tokens":4096,"messages":[{"role":"user","content":"hi"}]}` + "\n"},
+		{"max_completion_tokens keeps its name", `{"model":"big","max_completion_tokens":9000}`,
+			"", 100, true, `{"model":"big","max_completion_tokens":100}`},
+		{"both are clamped", `{"max_tokens":9000,"max_completion_tokens":9000,"model":"big"}`,
+			"s", 7, true, `{"max_tokens":7,"max_completion_tokens":7,"model":"s"}`},
+		{"absent is added as max_tokens", `{"model":"big","stream":false}`,
+			"", 4096, true, `{"model":"big","stream":false,"max_tokens":4096}`},
+		{"null is replaced as absent", `{"model":"big","max_tokens":null}`,
+			"", 5, true, `{"model":"big","max_tokens":5}`},
+		{"model only", `{"model":"big","max_tokens":3}`, "small", 0, false, `{"model":"small","max_tokens":3}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := rewriteBody([]byte(tc.in), tc.model, tc.max, tc.set)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(got) != tc.want {
+				t.Fatalf("got\n%s\nwant\n%s", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestFallbackEligibility(t *testing.T) {
+	f := Fallback{Tiers: []string{"free", "batch"}}
+	if !f.allows("free") || !f.allows("batch") || f.allows("gold") || f.allows("") {
+		t.Fatal("tiers list not applied")
+	}
+	if !(&Fallback{}).allows("gold") {
+		t.Fatal("an empty tiers list must allow every tier")
+	}
+	if (&Fallback{}).when() != WhenUnavailable {
+		t.Fatal("default when must be unavailable")
+	}
+	x := &exchange{r: httptest.NewRequest("POST", "/", nil), ctx: context.Background()}
+	for _, tc := range []struct {
+		name string
+		f    *failure
+		want bool
+	}{
+		{"no upstream", &failure{pickErr: &UnavailableError{CircuitOpen: true}}, true},
+		{"5xx spent", &failure{last: &attempt{outcome: AttemptHTTP5xx}}, true},
+		{"upstream 429", &failure{last: &attempt{outcome: AttemptHTTP429}}, true},
+		{"connect error", &failure{last: &attempt{outcome: AttemptConnectError}}, true},
+		{"first byte timeout", &failure{last: &attempt{outcome: AttemptFirstByteTimeout}}, true},
+		{"upstream 4xx is the request's", &failure{last: &attempt{outcome: AttemptHTTP4xx}}, false},
+		{"in-band 4xx is the request's", &failure{last: &attempt{outcome: AttemptInbandError4xx}}, false},
+		{"client gone", &failure{ctxErr: context.Canceled}, false},
+		{"gateway panic", &failure{last: &attempt{outcome: AttemptInternalError}}, false},
+	} {
+		if got := x.degradable(tc.f); got != tc.want {
+			t.Errorf("%s: degradable = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
+// fallbackProxy is a proxy whose primary pool is primary and whose one
+// fallback, "small", is fb's upstreams with f's settings.
+func fallbackProxy(t *testing.T, cfg Config, f Fallback, primary []*upstream, fb ...*upstream) (*Proxy, *recordingObserver) {
+	t.Helper()
+	b := &listBalancer{}
+	for _, u := range fb {
+		b.addrs = append(b.addrs, u.addr())
+	}
+	if f.Name == "" {
+		f.Name = "small"
+	}
+	f.Balancer = b
+	cfg.Fallbacks = append(cfg.Fallbacks, f)
+	p, _, obs := newTestProxy(t, cfg, primary...)
+	return p, obs
+}
+
+func failing(status int) func(http.ResponseWriter, *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		_, _ = w.Write([]byte(`{"error":{"message":"down"}}`))
+	}
+}
+
+func errorBodyOf(t *testing.T, w *httptest.ResponseRecorder) errorDetail {
+	t.Helper()
+	var e errorBody
+	if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil {
+		t.Fatalf("error body %q: %v", w.Body, err)
+	}
+	return e.Error
+}
+
+func TestFallbackServesWhenPrimaryFails(t *testing.T) {
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	p, obs := fallbackProxy(t, Config{MaxAttempts: 2},
+		Fallback{Model: "llama-8b", MaxOutputTokens: 4096, ContextWindow: 8192}, []*upstream{primary}, small)
+	w := httptest.NewRecorder()
+	body := `{"model":"llama-70b","stream":true,"max_tokens":64000,"messages":[{"role":"user","content":"hello"}]}`
+	res := p.ServeHTTP(w, post(body))
+	if w.Code != 200 || res.Outcome != OutcomeSuccess || w.Body.String() != chunkA+chunkEnd+done {
+		t.Fatalf("status %d outcome %s body %q", w.Code, res.Outcome, w.Body)
+	}
+	if got := w.Header().Get(HeaderDegraded); got != "fallback=small; model=llama-8b; max_tokens=4096" {
+		t.Fatalf("degraded header %q", got)
+	}
+	if primary.calls.Load() != 2 || small.calls.Load() != 1 {
+		t.Fatalf("calls: primary %d (want 2: its attempts), fallback %d", primary.calls.Load(), small.calls.Load())
+	}
+	want := `{"model":"llama-8b","stream":true,"max_tokens":4096,"messages":[{"role":"user","content":"hello"}]}`
+	if got := string(small.bodies[0]); got != want {
+		t.Fatalf("fallback got\n%s\nwant\n%s", got, want)
+	}
+	if string(primary.bodies[0]) != body {
+		t.Fatalf("primary got a changed body %s", primary.bodies[0])
+	}
+	if res.Fallback != "small" || res.DegradeReason != DegradeUnavailable || res.Info.Model != "llama-8b" ||
+		res.Info.MaxTokens != 4096 || res.Attempts != 3 || res.Upstream != small.addr() {
+		t.Fatalf("result %+v", res)
+	}
+	obs.waitFor(t, func() bool { return len(obs.results) == 1 })
+}
+
+func TestFallbackWhenNoPrimaryUpstream(t *testing.T) {
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	p, _ := fallbackProxy(t, Config{}, Fallback{}, nil, small)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"model":"m","stream":true}`))
+	if w.Code != 200 || res.Fallback != "small" || w.Header().Get(HeaderDegraded) != "fallback=small" {
+		t.Fatalf("status %d result %+v header %q", w.Code, res, w.Header().Get(HeaderDegraded))
+	}
+}
+
+func TestFallbackRefusedKeepsThePrimarysStatus(t *testing.T) {
+	t.Run("tier not allowed", func(t *testing.T) {
+		primary := newUpstream(t, failing(503))
+		small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _ := fallbackProxy(t, Config{Identifier: tierIdentifier{}},
+			Fallback{Tiers: []string{"free"}}, []*upstream{primary}, small)
+		w := httptest.NewRecorder()
+		r := post(`{"model":"m","stream":true}`)
+		r.Header.Set("X-Test-Tier", "gold")
+		res := p.ServeHTTP(w, r)
+		if w.Code != 503 || small.calls.Load() != 0 || res.Fallback != "" {
+			t.Fatalf("status %d, fallback calls %d, result %+v", w.Code, small.calls.Load(), res)
+		}
+		e := errorBodyOf(t, w)
+		if !strings.Contains(e.Message, `fallback small refused: tier "gold" may not degrade to it`) || e.Code != "upstream_error" {
+			t.Fatalf("error %+v", e)
+		}
+		if w.Header().Get(HeaderDegraded) != "" {
+			t.Fatal("a refused degradation must not say degraded")
+		}
+	})
+	t.Run("prompt too large", func(t *testing.T) {
+		primary := newUpstream(t, failing(502))
+		small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _ := fallbackProxy(t, Config{}, Fallback{ContextWindow: 100}, []*upstream{primary}, small)
+		w := httptest.NewRecorder()
+		p.ServeHTTP(w, post(`{"model":"m","stream":true,"messages":[{"role":"user","content":"`+strings.Repeat("x", 800)+`"}]}`))
+		if w.Code != 502 || small.calls.Load() != 0 {
+			t.Fatalf("status %d, fallback calls %d", w.Code, small.calls.Load())
+		}
+		if e := errorBodyOf(t, w); !strings.Contains(e.Message, "fallback small refused: the prompt estimate of 200 tokens does not fit its context_window of 100") {
+			t.Fatalf("error %+v", e)
+		}
+	})
+	t.Run("open breakers keep their 503 headers", func(t *testing.T) {
+		small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _ := fallbackProxy(t, Config{}, Fallback{ContextWindow: 1}, nil, small)
+		w := httptest.NewRecorder()
+		p.ServeHTTP(w, post(`{"model":"m","messages":[{"role":"user","content":"hello"}]}`))
+		if w.Code != 503 || small.calls.Load() != 0 || w.Header().Get("Retry-After") == "" {
+			t.Fatalf("status %d calls %d headers %v", w.Code, small.calls.Load(), w.Header())
+		}
+	})
+}
+
+func TestNoFallbackAfterCommitOrForTheRequestsOwnFault(t *testing.T) {
+	t.Run("failure after commit", func(t *testing.T) {
+		primary := newUpstream(t, sseUpstream(chunkA)) // cut after one event
+		small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _ := fallbackProxy(t, Config{}, Fallback{}, []*upstream{primary}, small)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, post(`{"model":"m","stream":true}`))
+		if res.Outcome != OutcomeTruncated || small.calls.Load() != 0 || !strings.Contains(w.Body.String(), `"upstream_stream_truncated"`) {
+			t.Fatalf("outcome %s, fallback calls %d, body %q", res.Outcome, small.calls.Load(), w.Body)
+		}
+	})
+	t.Run("upstream 400", func(t *testing.T) {
+		primary := newUpstream(t, failing(400))
+		small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+		p, _ := fallbackProxy(t, Config{}, Fallback{}, []*upstream{primary}, small)
+		w := httptest.NewRecorder()
+		p.ServeHTTP(w, post(`{"model":"m","stream":true}`))
+		if w.Code != 400 || small.calls.Load() != 0 || w.Body.String() != `{"error":{"message":"down"}}` {
+			t.Fatalf("status %d, fallback calls %d, body %q", w.Code, small.calls.Load(), w.Body)
+		}
+	})
+}
+
+func TestFallbacksTriedInOrder(t *testing.T) {
+	primary := newUpstream(t, failing(503))
+	second := newUpstream(t, failing(503))
+	third := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	b2, b3 := &listBalancer{addrs: []string{second.addr()}}, &listBalancer{addrs: []string{third.addr()}}
+	p, _, _ := newTestProxy(t, Config{MaxAttempts: 1, Fallbacks: []Fallback{
+		{Name: "saturated-only", Pool: Pool{Balancer: b3}, When: WhenSaturated},
+		{Name: "mid", Pool: Pool{Balancer: b2}},
+		{Name: "last", Pool: Pool{Balancer: b3}, Model: "tiny"},
+	}}, primary)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"model":"m","stream":true}`))
+	if w.Code != 200 || res.Fallback != "last" || second.calls.Load() != 1 || third.calls.Load() != 1 || res.Attempts != 3 {
+		t.Fatalf("status %d result %+v calls %d/%d", w.Code, res, second.calls.Load(), third.calls.Load())
+	}
+}
+
+func TestFallbackNewConfigValidation(t *testing.T) {
+	b := &listBalancer{}
+	for _, fbs := range [][]Fallback{
+		{{Pool: Pool{Balancer: b}}},
+		{{Name: "a", Pool: Pool{Balancer: b}}, {Name: "a", Pool: Pool{Balancer: b}}},
+		{{Name: "a"}},
+		{{Name: "a", Pool: Pool{Balancer: b}, ContextWindow: -1}},
+	} {
+		if _, err := New(Config{Transport: http.DefaultTransport, Balancer: b, Fallbacks: fbs}); err == nil {
+			t.Errorf("New accepted %+v", fbs)
+		}
+	}
+}
+
+// ladderTenancy is a tenancy whose gold tier has a small tpm, whose free
+// tier may degrade, and whose primary pool holds one request.
+func ladderTenancy(t *testing.T) *tenancy {
+	t.Helper()
+	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
+	var err error
+	cfg := admission.Config{
+		Tiers: []admission.Tier{
+			{Name: "gold", Priority: 1, TPM: 2000},
+			{Name: "free", Priority: -1, TPM: 100000},
+		},
+		Tenants: []admission.TenantConfig{{ID: "a", Tier: "gold"}, {ID: "c", Tier: "free"}},
+	}
+	if tn.c, err = admission.NewController(cfg, admClock{tn.clk}, tn.obs); err != nil {
+		t.Fatal(err)
+	}
+	tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	dir, err := admission.NewDirectory([]admission.Key{
+		{Hash: admission.HashKey("sk-a"), Tenant: "a"},
+		{Hash: admission.HashKey("sk-c"), Tenant: "c"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tn.ident = &KeyIdentifier{Keys: dir, Resolve: func(tenant, tier string) (string, bool) {
+		ti, ok := tn.c.Tier(tenant, tier)
+		return ti.Name, ok
+	}}
+	tn.adm = NewTenantAdmitter(tn.c, tn.g)
+	return tn
+}
+
+func keyed(body, key string) *http.Request {
+	r := post(body)
+	r.Header.Set("Authorization", "Bearer "+key)
+	return r
+}
+
+func TestTenantsOwnLimitNeverFallsBack(t *testing.T) {
+	tn := ladderTenancy(t)
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	cfg := Config{Fallbacks: []Fallback{{Name: "small", Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}},
+		When: WhenUnavailable | WhenSaturated}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	w := httptest.NewRecorder()
+	// 5000 tokens can never fit gold's tpm of 2000.
+	p.ServeHTTP(w, keyed(`{"model":"m","stream":true,"max_tokens":5000}`, "sk-a"))
+	if w.Code != 429 || primary.calls.Load() != 0 || small.calls.Load() != 0 || w.Header().Get(HeaderDegraded) != "" {
+		t.Fatalf("status %d, calls %d/%d", w.Code, primary.calls.Load(), small.calls.Load())
+	}
+	if e := errorBodyOf(t, w); e.Code != admission.CodeRequestExceedsLimit && e.Code != admission.CodeTenantTPM {
+		t.Fatalf("error %+v", e)
+	}
+}
+
+func TestReservationMovesToTheFallback(t *testing.T) {
+	tn := ladderTenancy(t)
+	primary := newUpstream(t, failing(503))
+	release := make(chan struct{})
+	small := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = w.Write([]byte(chunkA))
+		w.(http.Flusher).Flush()
+		<-release
+		_, _ = w.Write([]byte(chunkEnd + done))
+	})
+	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", MaxOutputTokens: 300,
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	w := newStreamRecorder()
+	done := make(chan *Result)
+	// 1500 of gold's 2000 tokens at admission; 300 + the prompt on the fallback.
+	go func() { done <- p.ServeHTTP(w, keyed(`{"model":"m","stream":true,"max_tokens":1500}`, "sk-a")) }()
+	w.waitBody(t, chunkA)
+	if v := tn.view(t, "a"); v.TokensInWindow != 300 {
+		t.Fatalf("tokens in window while the fallback streams: %d, want 300 (the clamped reservation)", v.TokensInWindow)
+	}
+	close(release)
+	res := <-done
+	if res.Fallback != "small" || res.Info.MaxTokens != 300 {
+		t.Fatalf("result %+v", res)
+	}
+}
+
+func TestGrownReservationThatDoesNotFitIsNotSent(t *testing.T) {
+	tn := ladderTenancy(t)
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	// No max_tokens: gold reserves the default 1024 (capped at what is
+	// left of 2000); the fallback sets 4096, which does not fit.
+	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", MaxOutputTokens: 4096,
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, keyed(`{"model":"m","stream":true}`, "sk-a"))
+	if w.Code != 503 || small.calls.Load() != 0 {
+		t.Fatalf("status %d, fallback calls %d", w.Code, small.calls.Load())
+	}
+	if e := errorBodyOf(t, w); !strings.Contains(e.Message, "fallback small refused: tenant a: 4096 tokens do not fit") {
+		t.Fatalf("error %+v", e)
+	}
+}
+
+func TestSaturatedPrimarySendsAllowedTiersToTheFallbackAtOnce(t *testing.T) {
+	tn := ladderTenancy(t)
+	hold := make(chan struct{})
+	primary := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = w.Write([]byte(chunkA))
+		w.(http.Flusher).Flush()
+		<-hold
+		_, _ = w.Write([]byte(chunkEnd + done))
+	})
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	cfg := Config{Fallbacks: []Fallback{{Name: "small", Tiers: []string{"free"}, When: WhenSaturated,
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+
+	// Gold takes the primary's only slot.
+	w1 := newStreamRecorder()
+	first := make(chan *Result)
+	go func() { first <- p.ServeHTTP(w1, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-a")) }()
+	w1.waitBody(t, chunkA)
+
+	// Free is served by the fallback at once.
+	w2 := httptest.NewRecorder()
+	res := p.ServeHTTP(w2, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-c"))
+	if w2.Code != 200 || res.Fallback != "small" || res.DegradeReason != DegradeSaturated || small.calls.Load() != 1 {
+		t.Fatalf("free: status %d result %+v", w2.Code, res)
+	}
+	if w2.Header().Get(HeaderDegraded) != "fallback=small" {
+		t.Fatalf("degraded header %q", w2.Header().Get(HeaderDegraded))
+	}
+
+	// A second gold request queues for the primary, never the fallback.
+	w3 := httptest.NewRecorder()
+	third := make(chan *Result)
+	go func() { third <- p.ServeHTTP(w3, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-a")) }()
+	tn.obs.waitQueued(t)
+	close(hold)
+	<-first
+	res3 := <-third
+	if w3.Code != 200 || res3.Fallback != "" || primary.calls.Load() != 2 || small.calls.Load() != 1 {
+		t.Fatalf("gold: status %d result %+v calls %d/%d", w3.Code, res3, primary.calls.Load(), small.calls.Load())
+	}
+}
+
+// tierIdentifier names the tier from X-Test-Tier.
+type tierIdentifier struct{}
+
+func (tierIdentifier) Identify(r *http.Request, _ RequestInfo) (Identity, error) {
+	return Identity{Tenant: "t", Tier: r.Header.Get("X-Test-Tier")}, nil
+}
+
+// streamRecorder is a ResponseRecorder that a test can watch while the
+// proxy streams into it.
+type streamRecorder struct {
+	mu   sync.Mutex
+	h    http.Header
+	code int
+	body bytes.Buffer
+	ch   chan struct{}
+}
+
+func newStreamRecorder() *streamRecorder {
+	return &streamRecorder{h: http.Header{}, ch: make(chan struct{}, 1)}
+}
+
+func (w *streamRecorder) Header() http.Header { return w.h }
+func (w *streamRecorder) WriteHeader(c int) {
+	w.mu.Lock()
+	w.code = c
+	w.mu.Unlock()
+}
+func (w *streamRecorder) Write(b []byte) (int, error) {
+	w.mu.Lock()
+	n, err := w.body.Write(b)
+	w.mu.Unlock()
+	select {
+	case w.ch <- struct{}{}:
+	default:
+	}
+	return n, err
+}
+func (w *streamRecorder) Flush() {}
+
+// waitBody waits until the body holds want.
+func (w *streamRecorder) waitBody(t *testing.T, want string) {
+	t.Helper()
+	deadline := time.After(5 * time.Second)
+	for {
+		w.mu.Lock()
+		ok := strings.Contains(w.body.String(), want)
+		w.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-w.ch:
+		case <-deadline:
+			t.Fatalf("body never held %q", want)
+		}
+	}
+}
