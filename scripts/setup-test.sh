@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything `make test` needs beyond Go: Node.js and npm (for the openai
-# SDK end-to-end test) and redis-server (the fleet tests start their own),
+# SDK end-to-end test), redis-server (the fleet tests start their own) and
+# prometheus with promtool (deploy/ and e2e/prometheus_test.go),
 # from Debian's packages when missing; the SDK itself (npm ci, pinned by
 # e2e/node/package-lock.json); and ./caddy (./xcaddy.sh, which installs
 # xcaddy and caches the build).
@@ -19,6 +20,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
 	echo "setup-test: installing redis-server" >&2
 	$sudo apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+fi
+# promtool checks the rules and the dashboard's queries (go test ./deploy);
+# e2e/prometheus_test.go runs prometheus itself, on its own port and data
+# directory. Both come with Debian's prometheus package; its service is not
+# needed (and not started where there is no init system).
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+	echo "setup-test: installing prometheus (prometheus, promtool)" >&2
+	$sudo apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 if [ ! -d e2e/node/node_modules/openai ]; then
 	echo "setup-test: npm ci in e2e/node" >&2
