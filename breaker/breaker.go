@@ -466,6 +466,9 @@ func (b *Breaker) doneProbe(w, id uint64, o Outcome, ttft time.Duration, reason 
 		return
 	default:
 		b.successes++
+		if b.fleet != nil && !b.local && !b.observed.Load() {
+			b.fleet.ProbeSuccess(b.key, c.s) // recovery counted fleet-wide
+		}
 	}
 	b.tickLocked(now)
 	b.updateBusyLocked()
@@ -497,10 +500,17 @@ func (b *Breaker) probeFailedLocked(now time.Time, reason string) {
 // observed or not, and publishes it unless local.
 func (b *Breaker) reopenLocked(now time.Time, observed, local bool, reason string) {
 	b.lastFailure, b.lastFailureAt = reason, now
+	if b.fleet != nil && !local {
+		b.reopens = max(b.reopens, b.fleet.Reopens(b.key)) // the fleet's re-opens
+	}
 	b.reopens++
 	b.openLocked(now, now.Add(b.cooldownLocked()), true, observed, reason)
 	if local {
 		b.local = true
+		return
+	}
+	if b.fleet != nil {
+		b.fleet.Reopen(b.key, b.gateTimeLocked(), reason, b.reopens)
 		return
 	}
 	b.publishOpenLocked(reason)

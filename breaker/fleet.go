@@ -46,7 +46,8 @@ import (
 //	event                                   store call   fleet-wide
 //	own trip rule fires (closed)            Failure      only if the fleet's counts fire
 //	probe failure re-opens a local trip     none         no: more of the same local evidence
-//	probe failure re-opens any other open   PutOpen      yes
+//	probe failure re-opens any other open   Reopen       yes, with the fleet's re-open count
+//	probe success of any other open         ProbeSuccess yes: counted toward the fleet's recovery
 //	half-open recovery of a local trip      none         no
 //	half-open recovery of any other open    ClearOpen    yes
 //	Retry-After (ExtendOpen)                PutOpen      yes: the upstream said so
@@ -78,6 +79,28 @@ type Fleet interface {
 	Failure(key string, s Settings, at time.Time, reason string)
 	// Success resets key's fleet consecutive count (and its reporters).
 	Success(key string)
+	// ProbeSuccess counts one successful half-open probe of key in this
+	// gateway, by a breaker open on a fleet verdict (not a local trip,
+	// not TripObserved), with that breaker's effective settings. The
+	// fleet counts probe successes over every gateway since key last
+	// opened or re-opened, and when they reach s.RecoverySuccesses it
+	// closes key fleet-wide: AdoptClose on every joined breaker of key,
+	// in every gateway, this one's included. So the fleet closes after
+	// RecoverySuccesses probe successes in all, not that many per
+	// gateway (a breaker still closes on its own count as well). It is
+	// called under the breaker's lock.
+	ProbeSuccess(key string, s Settings)
+	// Reopens returns the fleet's count of key's consecutive re-opens
+	// (failed half-open probes) since it last closed, from memory: a
+	// breaker re-opening key grows its cooldown from the larger of this
+	// and its own count, so cooldown growth follows the fleet's re-opens
+	// whichever gateway probed before.
+	Reopens(key string) int
+	// Reopen is PutOpen for a failed half-open probe that re-opens key
+	// until `until`: reopens is the re-open count the cooldown grew from,
+	// this re-open included, which the fleet keeps with the open state
+	// (Reopens) until key closes. It is called under the breaker's lock.
+	Reopen(key string, until time.Time, reason string, reopens int)
 }
 
 // notDirty is the flag of every breaker without a fleet: never set.

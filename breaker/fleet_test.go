@@ -224,6 +224,7 @@ type countingFleet struct {
 	dirty                              atomic.Bool
 	joins, leaves, failures, successes atomic.Int32
 	puts, clears                       atomic.Int32
+	probeSuccesses, reopens            atomic.Int32
 	mu                                 sync.Mutex
 	settings                           breaker.Settings
 	adoptOnFailure                     bool
@@ -245,6 +246,14 @@ func (c *countingFleet) Failure(_ string, s breaker.Settings, at time.Time, _ st
 func (c *countingFleet) Success(string)                    { c.successes.Add(1); c.dirty.Store(false) }
 func (c *countingFleet) PutOpen(string, time.Time, string) { c.puts.Add(1) }
 func (c *countingFleet) ClearOpen(string)                  { c.clears.Add(1) }
+func (c *countingFleet) ProbeSuccess(string, breaker.Settings) {
+	c.probeSuccesses.Add(1)
+}
+func (c *countingFleet) Reopens(string) int { return int(c.reopens.Load()) }
+func (c *countingFleet) Reopen(_ string, _ time.Time, _ string, n int) {
+	c.puts.Add(1)
+	c.reopens.Store(int32(n))
+}
 func (c *countingFleet) OpenUntil(string, time.Time) (time.Time, string, bool) {
 	return time.Time{}, "", false
 }

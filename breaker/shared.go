@@ -29,6 +29,14 @@ import (
 // counts whatever the successes in between). The ratio rules stay local:
 // they are not counted here.
 //
+// Recovery and re-opens are the fleet's too: the half-open probe successes
+// of every gateway's breakers of a key (ProbeSuccess) count toward one
+// RecoverySuccesses, and when they reach it the key closes fleet-wide
+// (AdoptClose on every joined breaker, the reporter's included); a failed
+// probe (Reopen) starts that count afresh and records the fleet's re-open
+// count (Reopens), which a gateway that re-opens the key later grows its
+// cooldown from; a close sets both to zero.
+//
 // PutOpen and ClearOpen by one gateway (a probe failure re-opening, a
 // recovery, Retry-After, an observed trip, an operator) record the entry
 // and push Adopt, or AdoptClose when the fleet had opened the key since
@@ -62,6 +70,10 @@ type sharedKey struct {
 	// entry expired: breakers that adopted it may still be open or
 	// half-open, and a gateway's recovery closes them.
 	verdict bool
+
+	// recovered is the fleet's probe successes since the key last
+	// opened; reopens its re-opens since it last closed.
+	recovered, reopens int
 
 	consec int
 	run    map[string]struct{} // reporters of the consecutive run
@@ -117,6 +129,11 @@ type SharedCounts struct {
 	InWindow int
 	// Joined is the number of breakers joined, over every gateway.
 	Joined int
+	// Recovered is the number of probe successes since the key last
+	// opened or re-opened, over every gateway.
+	Recovered int
+	// Reopens is the fleet's re-open count since the key last closed.
+	Reopens int
 }
 
 // Counts returns key's fleet counts.
@@ -128,7 +145,8 @@ func (sm *SharedMemory) Counts(key string) SharedCounts {
 		return SharedCounts{}
 	}
 	k.pruneLocked(sm.clock.Now())
-	c := SharedCounts{Consecutive: k.consec, Reporters: len(k.run), InWindow: len(k.fails)}
+	c := SharedCounts{Consecutive: k.consec, Reporters: len(k.run), InWindow: len(k.fails),
+		Recovered: k.recovered, Reopens: k.reopens}
 	for _, m := range k.members {
 		c.Joined += len(m.breakers)
 	}
@@ -312,6 +330,7 @@ func (v *SharedInstance) Failure(key string, s Settings, at time.Time, reason st
 	if why := k.ruleLocked(s, sm.minReporters); why != "" {
 		k.open, k.verdict, k.until = true, true, now.Add(s.OpenFor)
 		k.reason = "fleet: " + why + "; last: " + reason + " (" + v.id + ")"
+		k.recovered, k.reopens = 0, 0
 		k.resetLocked()
 		sm.pushLocked(k, v.id, true, true, k.until, k.reason)
 	}
@@ -332,12 +351,26 @@ func (v *SharedInstance) Success(key string) {
 }
 
 // PutOpen implements Store: it records the entry and pushes it to the
-// other gateways' breakers.
+// other gateways' breakers. The fleet's re-open count stays.
 func (v *SharedInstance) PutOpen(key string, until time.Time, reason string) {
+	v.putOpen(key, until, reason, -1)
+}
+
+// Reopen implements Fleet: PutOpen with the fleet's re-open count.
+func (v *SharedInstance) Reopen(key string, until time.Time, reason string, reopens int) {
+	v.putOpen(key, until, reason, max(reopens, 0))
+}
+
+// putOpen is PutOpen and Reopen; reopens < 0 keeps the count.
+func (v *SharedInstance) putOpen(key string, until time.Time, reason string, reopens int) {
 	sm := v.sm
 	sm.mu.Lock()
 	k := sm.keyLocked(key)
 	k.open, k.verdict, k.until, k.reason = true, true, until, reason
+	k.recovered = 0
+	if reopens >= 0 {
+		k.reopens = reopens
+	}
 	k.resetLocked()
 	sm.pushLocked(k, v.id, false, true, until, reason)
 	sm.mu.Unlock()
@@ -356,9 +389,44 @@ func (v *SharedInstance) ClearOpen(key string) {
 		sm.pushLocked(k, v.id, false, false, time.Time{}, "closed in fleet by "+v.id)
 	}
 	k.open, k.verdict, k.until, k.reason = false, false, time.Time{}, ""
+	k.recovered, k.reopens = 0, 0
 	k.resetLocked()
 	sm.mu.Unlock()
 	sm.flush()
+}
+
+// ProbeSuccess implements Fleet: it counts the success while the fleet has
+// the key open (since its last close), and closes the key fleet-wide when
+// the count reaches s.RecoverySuccesses.
+func (v *SharedInstance) ProbeSuccess(key string, s Settings) {
+	sm := v.sm
+	sm.mu.Lock()
+	k, ok := sm.keys[key]
+	if !ok || !k.verdict {
+		sm.mu.Unlock()
+		return
+	}
+	k.recovered++
+	if k.recovered >= max(s.RecoverySuccesses, 1) {
+		sm.pushLocked(k, v.id, true, false, time.Time{},
+			fmt.Sprintf("closed in fleet by %s: %d probe successes", v.id, k.recovered))
+		k.open, k.verdict, k.until, k.reason = false, false, time.Time{}, ""
+		k.recovered, k.reopens = 0, 0
+		k.resetLocked()
+	}
+	sm.mu.Unlock()
+	sm.flush()
+}
+
+// Reopens implements Fleet.
+func (v *SharedInstance) Reopens(key string) int {
+	sm := v.sm
+	sm.mu.Lock()
+	defer sm.mu.Unlock()
+	if k, ok := sm.keys[key]; ok {
+		return k.reopens
+	}
+	return 0
 }
 
 // OpenUntil implements Store. Expired entries are dropped when read.

@@ -244,8 +244,124 @@ func TestFleetProbesOfAFleetVerdict(t *testing.T) {
 		p.Done(breaker.Success, 0, "")
 	}
 	ff.wantStates(breaker.Closed, breaker.Closed, breaker.Closed)
-	if ts := ff.gw[0].rec.all(); ts[len(ts)-1].Reason != "closed in fleet by gw2" {
+	if ts := ff.gw[0].rec.all(); ts[len(ts)-1].Reason != "closed in fleet by gw2: 2 probe successes" {
 		t.Fatalf("gateway 0 transitions %+v", ts)
+	}
+}
+
+// TestFleetRecoverySuccessesCountedFleetWide: recovery_successes 3, and
+// each gateway's breaker sees one probe succeed: the third closes the key
+// on all three, though none has three of its own. A failed probe in
+// between starts the fleet's count afresh.
+func TestFleetRecoverySuccessesCountedFleetWide(t *testing.T) {
+	ff := newFleet(t, 3, 1, breaker.Settings{MinOpen: -1, RecoverySuccesses: 3})
+	for _, f := range ff.gw {
+		f.fail(1)
+	}
+	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
+	ff.clk.Advance(10 * time.Second)
+
+	succeed := func(i int) {
+		t.Helper()
+		p := ff.gw[i].probe()
+		p.Done(breaker.Success, 0, "")
+	}
+	succeed(0)
+	succeed(1)
+	if c := ff.sm.Counts("up1"); c.Recovered != 2 {
+		t.Fatalf("counts %+v, want 2 probe successes", c)
+	}
+	// Gateway 2 is still open on its cooldown's end; its probe fails.
+	p := ff.gw[2].probe()
+	p.Done(breaker.Failure, 0, "http 502")
+	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
+	if c := ff.sm.Counts("up1"); c.Recovered != 0 || c.Reopens != 1 {
+		t.Fatalf("counts %+v after a failed probe, want the successes forgotten and 1 re-open", c)
+	}
+
+	ff.clk.Advance(20 * time.Second)
+	succeed(2)
+	succeed(0)
+	ff.wantStates(breaker.HalfOpen, breaker.Open, breaker.HalfOpen)
+	p = ff.gw[1].probe()
+	p.Done(breaker.Success, 0, "")
+	ff.wantStates(breaker.Closed, breaker.Closed, breaker.Closed)
+	for i, f := range ff.gw {
+		ts := f.rec.all()
+		if last := ts[len(ts)-1]; last.Reason != "closed in fleet by gw1: 3 probe successes" {
+			t.Fatalf("gateway %d closed with %q", i, last.Reason)
+		}
+		if s := f.b.Snapshot(); s.Reopens != 0 || s.ProbeSuccesses != 0 {
+			t.Fatalf("gateway %d after the fleet's close: %+v", i, s)
+		}
+	}
+	if _, _, open := ff.fleetOpen(); open {
+		t.Fatal("still open in the fleet")
+	}
+	if c := ff.sm.Counts("up1"); c.Recovered != 0 || c.Reopens != 0 {
+		t.Fatalf("counts %+v after the close", c)
+	}
+}
+
+// TestFleetLocalTripRecoversOnItsOwnCount: a local trip's probes are not
+// the fleet's: they do not count toward a fleet recovery.
+func TestFleetLocalTripRecoversOnItsOwnCount(t *testing.T) {
+	ff := newFleet(t, 2, 2, breaker.Settings{MinOpen: -1, RecoverySuccesses: 2})
+	ff.gw[0].fail(3)
+	ff.wantStates(breaker.Open, breaker.Closed)
+	ff.clk.Advance(10 * time.Second)
+	p := ff.gw[0].probe()
+	p.Done(breaker.Success, 0, "")
+	if c := ff.sm.Counts("up1"); c.Recovered != 0 {
+		t.Fatalf("counts %+v, want a local trip's success not counted", c)
+	}
+	ff.wantStates(breaker.HalfOpen, breaker.Closed)
+	p = ff.gw[0].probe()
+	p.Done(breaker.Success, 0, "")
+	ff.wantStates(breaker.Closed, breaker.Closed)
+}
+
+// TestFleetCooldownGrowsWithTheFleetsReopens: each failed probe comes from
+// another gateway, whose own breaker never re-opened before; the cooldown
+// doubles with the fleet's re-opens all the same (10s, 20s, 40s, 80s),
+// and starts again from open_for once the fleet closed.
+func TestFleetCooldownGrowsWithTheFleetsReopens(t *testing.T) {
+	ff := newFleet(t, 3, 1, breaker.Settings{MinOpen: -1, MaxOpen: time.Hour})
+	for _, f := range ff.gw {
+		f.fail(1)
+	}
+	want := 10 * time.Second
+	for round, i := range []int{0, 1, 2, 0} {
+		ff.clk.Advance(want)
+		p := ff.gw[i].probe()
+		p.Done(breaker.Failure, 0, "http 502")
+		want *= 2
+		for j, f := range ff.gw {
+			if got := f.openFor(); got != want {
+				t.Fatalf("round %d (gateway %d probed): gateway %d open for %v, want %v", round, i, j, got, want)
+			}
+		}
+		if s := ff.gw[i].b.Snapshot(); s.Reopens != round+1 {
+			t.Fatalf("round %d: the prober's re-opens %d, want the fleet's %d", round, s.Reopens, round+1)
+		}
+		if c := ff.sm.Counts("up1"); c.Reopens != round+1 {
+			t.Fatalf("round %d: the fleet's re-opens %d", round, c.Reopens)
+		}
+	}
+	ff.clk.Advance(want)
+	for range 2 {
+		p := ff.gw[1].probe()
+		p.Done(breaker.Success, 0, "")
+	}
+	ff.wantStates(breaker.Closed, breaker.Closed, breaker.Closed)
+	for _, f := range ff.gw {
+		f.fail(1)
+	}
+	ff.clk.Advance(10 * time.Second)
+	p := ff.gw[2].probe()
+	p.Done(breaker.Failure, 0, "http 502")
+	if got := ff.gw[0].openFor(); got != 20*time.Second {
+		t.Fatalf("after the fleet closed and tripped again: open for %v, want 20s (one re-open)", got)
 	}
 }
 

@@ -27,6 +27,15 @@ import (
 //     publishes it, and every instance's breakers of the key adopt it. A
 //     success ends the fleet's run (only while the key's flag says the run
 //     may be non-zero).
+//   - Recovery and re-opens are counted fleet-wide: a half-open probe
+//     success of a breaker open on a fleet verdict (ProbeSuccess) adds to
+//     the key's recovered counter in Redis, and the success that brings it
+//     to the breaker's RecoverySuccesses closes the key for the fleet (the
+//     successes of every instance's lease holders add up; a success from
+//     an expired lease is not counted). A failed probe (Reopen) writes the
+//     fleet's re-open count into the open record; every instance keeps it
+//     in memory (Reopens), so whichever instance probes next grows the
+//     cooldown from it; a close sets it back to zero.
 //   - PutOpen and ClearOpen (operators, Retry-After, the probes of fleet
 //     verdicts, observed trips) change this instance's copy at once and are
 //     written and published in the background; the other instances' breakers
@@ -146,6 +155,9 @@ type keyState struct {
 	reason string
 	by     string // the instance that opened it
 	at     int64  // when the record was set, ms on Redis's clock; 0: not yet written
+	// reopens is the fleet's re-open count of the key since it last
+	// closed (the open record's "n").
+	reopens int
 	// changed is when this instance last changed the key (a write, a
 	// message): a bulk read that started before says nothing new.
 	changed time.Time
@@ -173,11 +185,16 @@ type write struct {
 	// lease is the probe lease held when the write was made: the write is
 	// the probe's result, applied only while the lease is still this one.
 	lease string
+	// reopens is the fleet's re-open count written with an open.
+	reopens int
 }
 
-// report is a queued Failure or reset.
+// report is a queued Failure, reset (Success) or ProbeSuccess.
 type report struct {
 	reset    bool
+	success  bool // a probe success; recov is the breaker's RecoverySuccesses
+	recov    int
+	lease    string // the probe lease held at a probe success
 	key      string
 	reason   string
 	consec   int
@@ -371,10 +388,49 @@ func (bs *Breakers) enqueue(r report, op string) {
 	}
 }
 
+// ProbeSuccess implements breaker.Fleet: it queues the success, with the
+// probe lease this instance holds, for the fleet's recovery count. The
+// script counts it only while the fleet has an open record of the key.
+func (bs *Breakers) ProbeSuccess(key string, s breaker.Settings) {
+	if bs.c.Degraded() {
+		return
+	}
+	bs.mu.Lock()
+	k, ok := bs.keys[key]
+	if !ok || bs.closed {
+		bs.mu.Unlock()
+		return
+	}
+	lease := k.lease
+	bs.mu.Unlock()
+	bs.enqueue(report{success: true, key: key, recov: max(s.RecoverySuccesses, 1), lease: lease}, "breaker_success")
+}
+
+// Reopens implements breaker.Fleet, from memory: the re-open count of the
+// fleet's open record of key, as the last message or refresh left it.
+func (bs *Breakers) Reopens(key string) int {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if k, ok := bs.keys[key]; ok && !bs.closed {
+		return k.reopens
+	}
+	return 0
+}
+
+// Reopen implements breaker.Fleet: PutOpen with the fleet's re-open count.
+func (bs *Breakers) Reopen(key string, until time.Time, reason string, reopens int) {
+	bs.putOpen(key, until, reason, max(reopens, 0))
+}
+
 // PutOpen implements breaker.Store: this instance's copy says open at once
 // (for its other breakers of the key, and those created next); the write
-// and its message go in the background.
+// and its message go in the background. The fleet's re-open count stays.
 func (bs *Breakers) PutOpen(key string, until time.Time, reason string) {
+	bs.putOpen(key, until, reason, -1)
+}
+
+// putOpen is PutOpen and Reopen; reopens < 0 keeps the known count.
+func (bs *Breakers) putOpen(key string, until time.Time, reason string, reopens int) {
 	now := time.Now()
 	if !until.IsZero() && !until.After(now) {
 		return
@@ -387,7 +443,10 @@ func (bs *Breakers) PutOpen(key string, until time.Time, reason string) {
 	k := bs.keyLocked(key)
 	k.open, k.until, k.reason, k.by, k.at, k.changed = true, until, reason, bs.id, 0, now
 	k.dirty.Store(false) // the write starts the counts afresh
-	bs.writes[key] = &write{open: true, until: until, reason: reason, made: now, lease: k.lease}
+	if reopens >= 0 {
+		k.reopens = reopens
+	}
+	bs.writes[key] = &write{open: true, until: until, reason: reason, made: now, lease: k.lease, reopens: k.reopens}
 	k.lease = ""
 	// This instance's open breakers of the key wait for the lease too, the
 	// writer's included (the worker delivers it with the write).
@@ -417,6 +476,7 @@ func (bs *Breakers) ClearOpen(key string) {
 	}
 	k := bs.keyLocked(key)
 	k.open, k.until, k.reason, k.by, k.at, k.changed = false, time.Time{}, "", "", 0, now
+	k.reopens = 0
 	k.dirty.Store(false)
 	bs.writes[key] = &write{made: now, lease: k.lease}
 	k.lease = ""

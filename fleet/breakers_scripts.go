@@ -8,11 +8,15 @@ import "github.com/redis/go-redis/v9"
 // after it). Records and messages are JSON (cjson), so reasons and keys
 // may hold any character.
 //
-//	KEYS for every script but resetScript: count, reporters, failures, open
-//	(putScript and clearScript take open, count, reporters, failures, probe)
+//	KEYS of failureScript: count, reporters, failures, open, recovered
+//	(putScript and clearScript take open, count, reporters, failures,
+//	probe, recovered; successScript open, recovered, probe, count,
+//	reporters, failures)
 //
 // An open record is {"s":"open","u":<until ms, 0: until closed>,"a":<set
-// at ms>,"by":<instance>,"r":<reason>}; a close leaves a tombstone
+// at ms>,"by":<instance>,"r":<reason>,"n":<the fleet's re-opens>}; the
+// recovered counter holds the fleet's probe successes since the record was
+// set (recovery_successes counted fleet-wide); a close leaves a tombstone
 // {"s":"closed","a":…,"by":…} for the grace time, so that a late replay of
 // an older write (after local mode) can tell that it is older.
 
@@ -81,7 +85,7 @@ local reason = 'fleet: ' .. why .. '; last: ' .. ARGV[8] .. ' (' .. id .. ')'
 local ttl = tonumber(ARGV[7])
 redis.call('SET', KEYS[4], cjson.encode({s = 'open', u = now + ttl, a = now, by = id, r = reason}),
   'PX', ttl + tonumber(ARGV[12]))
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
 redis.call('PUBLISH', ARGV[10], cjson.encode({t = 'trip', k = ARGV[11], by = id, a = now, ttl = ttl, r = reason}))
 return {'opened', now, ttl, reason}
 `)
@@ -104,9 +108,10 @@ return 1
 //	      at (0: now; a replay gives the time of the write, and a record
 //	      set later wins), lease ("": none; else the write is the result
 //	      of that probe lease's probe, and is dropped unless it is still
-//	      the key's lease)
+//	      the key's lease), reopens (the fleet's re-open count, kept in the
+//	      record)
 //
-// Any write ends the key's probe lease. It returns {"put", now, at},
+// Any write ends the key's probe lease and the recovery count. It returns {"put", now, at},
 // {"stale", now} or {"expired", now}.
 var putScript = redis.NewScript(`
 if redis.replicate_commands then redis.replicate_commands() end
@@ -126,14 +131,15 @@ end
 local ttl = tonumber(ARGV[2])
 local u = 0
 if ttl > 0 then u = now + ttl end
-local rec = cjson.encode({s = 'open', u = u, a = at, by = ARGV[1], r = ARGV[3]})
+local n = tonumber(ARGV[9]) or 0
+local rec = cjson.encode({s = 'open', u = u, a = at, by = ARGV[1], r = ARGV[3], n = n})
 if ttl > 0 then
   redis.call('SET', KEYS[1], rec, 'PX', ttl + tonumber(ARGV[4]))
 else
   redis.call('SET', KEYS[1], rec)
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'put', k = ARGV[6], by = ARGV[1], a = at, ttl = ttl, r = ARGV[3]}))
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'put', k = ARGV[6], by = ARGV[1], a = at, ttl = ttl, r = ARGV[3], n = n}))
 return {'put', now, at}
 `)
 
@@ -163,13 +169,46 @@ if at > 0 then
 else
   at = now
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = at, by = ARGV[1]}), 'PX', tonumber(ARGV[2]))
 if r and r.s == 'open' then
   redis.call('PUBLISH', ARGV[3], cjson.encode({t = 'clear', k = ARGV[4], by = ARGV[1], a = at}))
   return {'cleared', now}
 end
 return {'none', now}
+`)
+
+// successScript counts one half-open probe success of ARGV[1] toward the
+// fleet's recovery of an open key, and closes the key fleet-wide when the
+// count reaches the reporting breaker's recovery_successes:
+//
+//	ARGV: id, recovery successes, lease ("": none; else the success is of
+//	      that probe lease's probe, and is dropped unless it is still the
+//	      key's lease), grace ms, channel, key
+//
+// It returns {"none", now} when the key has no open record (a close came
+// first), {"expired", now}, {"counted", now, n} or {"closed", now, n,
+// reason}. The close leaves the probe lease to expire (the winner's own
+// close, which carries it, then finds the key closed), and publishes
+// "clear" with the reason.
+var successScript = redis.NewScript(`
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local raw = redis.call('GET', KEYS[1])
+if not raw then return {'none', now} end
+local ok, r = pcall(cjson.decode, raw)
+if not ok or type(r) ~= 'table' or r.s ~= 'open' then return {'none', now} end
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return {'expired', now} end
+local grace = tonumber(ARGV[4])
+local n = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], grace)
+if n < tonumber(ARGV[2]) then return {'counted', now, n} end
+local reason = n .. ' probe successes'
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6])
+redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = now, by = ARGV[1]}), 'PX', grace)
+redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'clear', k = ARGV[6], by = ARGV[1], a = now, r = reason}))
+return {'closed', now, n, reason}
 `)
 
 // breakerMsg is one message on the breakers channel.
@@ -188,6 +227,8 @@ type breakerMsg struct {
 	TTL int64 `json:"ttl,omitempty"`
 	// R is the reason.
 	R string `json:"r,omitempty"`
+	// N is the fleet's re-open count ("put").
+	N int `json:"n,omitempty"`
 }
 
 // openRecord is the value of a key's open record.
@@ -197,6 +238,7 @@ type openRecord struct {
 	A  int64  `json:"a"` // set at, ms on Redis's clock
 	By string `json:"by"`
 	R  string `json:"r"`
+	N  int    `json:"n,omitempty"` // the fleet's re-opens since the key last closed
 }
 
 // openAt reports whether the record says open at now (ms, Redis's clock).

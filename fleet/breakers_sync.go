@@ -13,8 +13,8 @@ import (
 	"go.uber.org/zap"
 )
 
-// breakerKeys are the Redis keys of one breaker key, in the order the
-// scripts take them: count, reporters, failures, open.
+// breakerKeys are the Redis keys of one breaker key, in the order
+// failureScript takes them: count, reporters, failures, open, recovered.
 func (bs *Breakers) breakerKeys(key string) []string {
 	obj := "breaker:" + key
 	return []string{
@@ -22,6 +22,7 @@ func (bs *Breakers) breakerKeys(key string) []string {
 		bs.c.Key(obj, "reporters"),
 		bs.c.Key(obj, "failures"),
 		bs.c.Key(obj, "open"),
+		bs.c.Key(obj, "recovered"),
 	}
 }
 
@@ -137,6 +138,10 @@ func (bs *Breakers) send(r report) {
 		bs.logError("breaker_reset", r.key, err)
 		return
 	}
+	if r.success {
+		bs.sendSuccess(r, keys)
+		return
+	}
 	member := bs.nonce + strconv.FormatUint(bs.seq.Add(1), 36) + ":" + bs.id
 	window := r.window
 	if window <= 0 {
@@ -158,6 +163,46 @@ func (bs *Breakers) send(r report) {
 		reason, _ := res[3].(string)
 		bs.applyOpen(breakerMsg{T: "trip", K: r.key, By: bs.id, A: now, TTL: ttl, R: reason}, time.Now())
 	}
+}
+
+// sendSuccess writes one probe success; like a failure it is not
+// replayed (a replayed success closes the key early).
+func (bs *Breakers) sendSuccess(r report, keys []string) {
+	probe := bs.c.Key("breaker:"+r.key, "probe")
+	res, err := bs.do("breaker_success", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
+		return runScript(successScript, ctx, c, []string{keys[3], keys[4], probe, keys[0], keys[1], keys[2]},
+			bs.id, r.recov, r.lease, breakerGrace.Milliseconds(), bs.channel, r.key)
+	})
+	if err != nil {
+		bs.logError("breaker_success", r.key, err)
+		return
+	}
+	if len(res) >= 4 && res[0] == "closed" {
+		reason, _ := res[3].(string)
+		bs.applyClear(breakerMsg{T: "clear", K: r.key, By: bs.id, R: reason}, time.Now())
+	}
+}
+
+// applyClear applies a close of the fleet: this instance forgets the open
+// record and every breaker of the key closes.
+func (bs *Breakers) applyClear(m breakerMsg, now time.Time) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	k, ok := bs.keys[m.K]
+	if !ok || bs.closed || bs.supersededLocked(m.K) {
+		return
+	}
+	k.open, k.until, k.reason, k.by, k.at, k.changed = false, time.Time{}, "", "", 0, now
+	k.reopens = 0
+	k.dirty.Store(false)
+	k.lease = "" // the close ended it
+	bs.armLocked(k, time.Time{})
+	reason := "closed in fleet by " + m.By
+	if m.R != "" {
+		reason += ": " + m.R
+	}
+	bs.pushLocked(k, false, time.Time{}, reason, false)
+	bs.forgetLocked(m.K, k, now)
 }
 
 func reasonOr(r, def string) string {
@@ -230,7 +275,7 @@ func (bs *Breakers) writeOne(key string, w *write) ([]any, error) {
 	}
 	if !w.open {
 		return bs.do("breaker_close", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-			return runScript(clearScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe},
+			return runScript(clearScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe, keys[4]},
 				bs.id, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease)
 		})
 	}
@@ -241,8 +286,8 @@ func (bs *Breakers) writeOne(key string, w *write) ([]any, error) {
 		}
 	}
 	return bs.do("breaker_open", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-		return runScript(putScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe},
-			bs.id, ttl, w.reason, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease)
+		return runScript(putScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe, keys[4]},
+			bs.id, ttl, w.reason, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease, w.reopens)
 	})
 }
 
@@ -309,6 +354,7 @@ func (bs *Breakers) refresh() {
 			if rec.U != 0 {
 				until = got.Add(time.Duration(rec.U-redisNow) * time.Millisecond)
 			}
+			k.reopens = rec.N
 			if k.open && k.at == rec.A && k.by == rec.By {
 				// Known: only breakers that are closed while the fleet
 				// says open (created, or back from local mode) adopt it.
@@ -339,6 +385,7 @@ func (bs *Breakers) refresh() {
 			// breakers that adopted it end their open time on their own.
 			k.open, k.until, k.reason, k.by, k.at = false, time.Time{}, "", "", 0
 			k.lease = ""
+			k.reopens = 0
 		}
 		bs.forgetLocked(key, k, got)
 	}
@@ -371,7 +418,8 @@ func (bs *Breakers) applyOpen(m breakerMsg, now time.Time) {
 		return // known: the script's reply and its message
 	}
 	k.open, k.until, k.reason, k.by, k.at, k.changed = true, until, m.R, m.By, m.A, now
-	k.lease = "" // a new record: its write ended the lease
+	k.reopens = m.N // a trip: 0
+	k.lease = ""    // a new record: its write ended the lease
 	bs.pushLocked(k, true, until, m.R, false)
 	bs.armLocked(k, until)
 }
@@ -402,16 +450,7 @@ func (bs *Breakers) apply(payload string) {
 		if m.By == bs.id {
 			return
 		}
-		bs.mu.Lock()
-		if k, ok := bs.keys[m.K]; ok && !bs.closed && !bs.supersededLocked(m.K) {
-			k.open, k.until, k.reason, k.by, k.at, k.changed = false, time.Time{}, "", "", 0, now
-			k.dirty.Store(false)
-			k.lease = "" // the close ended it
-			bs.armLocked(k, time.Time{})
-			bs.pushLocked(k, false, time.Time{}, "closed in fleet by "+m.By, false)
-			bs.forgetLocked(m.K, k, now)
-		}
-		bs.mu.Unlock()
+		bs.applyClear(m, now)
 	case "dirty", "clean":
 		bs.mu.Lock()
 		if k, ok := bs.keys[m.K]; ok && !bs.closed {

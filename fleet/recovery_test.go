@@ -1,0 +1,179 @@
+package fleet
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/redistest"
+)
+
+// recoveryFleet is leaseFleet with settings s: three gateways, up1 opened
+// fleet-wide on gw0's three failures; it returns the fleet's end of the
+// open time.
+func recoveryFleet(t *testing.T, s breaker.Settings) (*redistest.Server, []*gateway, *leaseCounts, time.Time) {
+	t.Helper()
+	srv := redistest.Start(t, redistest.Options{})
+	lc := &leaseCounts{n: make(map[string]int)}
+	var gws []*gateway
+	for i := range 3 {
+		id := fmt.Sprintf("gw%d", i)
+		g := startGateway(t, srv.URL(), id, 1, BreakersOptions{LeaseTTL: testLease, OnLease: lc.hook(id)})
+		g.s = s
+		g.b("up1")
+		gws = append(gws, g)
+	}
+	gws[0].fail("up1", 3)
+	waitState(t, "every gateway's up1", breaker.Open, breakersOf(gws)...)
+	var until time.Time
+	waitFor(t, "the fleet's open record everywhere", 2*time.Second, func() bool {
+		for _, g := range gws {
+			st, ok := g.bs.Opened("up1")
+			if !ok {
+				return false
+			}
+			until = st.Until
+		}
+		return true
+	})
+	return srv, gws, lc, until
+}
+
+// TestBreakersRecoverySuccessesCountedFleetWide: recovery_successes 3, and
+// the probe lease goes to a different gateway each time: one success on
+// each of three gateways closes up1 on all three, the first winner's
+// breaker (still half-open on its own single success) included. The count
+// lives in Redis with the breaker's hash tag and goes with the close.
+func TestBreakersRecoverySuccessesCountedFleetWide(t *testing.T) {
+	s := leaseSettings
+	s.RecoverySuccesses = 3
+	srv, gws, _, until := recoveryFleet(t, s)
+
+	var probed []*gateway
+	notBefore, wait := until.Add(-20*time.Millisecond), time.Until(until)+time.Second
+	for i := range 3 {
+		w, p := probeOnce(t, others(gws, probed...), notBefore, wait, 0)
+		won := time.Now()
+		p.Done(breaker.Success, 0, "")
+		probed = append(probed, w)
+		if i == 2 {
+			break
+		}
+		waitFor(t, fmt.Sprintf("%d probe successes in Redis", i+1), time.Second, func() bool {
+			v, _ := srv.Do("GET", redisKey("up1", "recovered"))
+			return v == fmt.Sprint(i+1)
+		})
+		if st := w.b("up1").State(); st != breaker.HalfOpen {
+			t.Fatalf("success %d: %s is %s, want half-open on its own count (1 of 3)", i+1, w.id, st)
+		}
+		// The next winner comes after this lease runs out.
+		notBefore, wait = won.Add(testLease-50*time.Millisecond), testLease+time.Second
+	}
+	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
+	last := probed[2]
+	for _, g := range probed[:2] {
+		ts := g.transitions("up1")
+		if r := ts[len(ts)-1].Reason; r != "closed in fleet by "+last.id+": 3 probe successes" {
+			t.Fatalf("%s closed with %q, want the fleet's third success", g.id, r)
+		}
+	}
+	if rec, _ := srv.Do("GET", redisKey("up1", "open")); !strings.Contains(rec, `"s":"closed"`) {
+		t.Fatalf("open record %s, want a tombstone", rec)
+	}
+	if v, _ := srv.Do("EXISTS", redisKey("up1", "recovered")); v != "0" {
+		t.Fatalf("recovered counter still there after the close (EXISTS %s)", v)
+	}
+}
+
+// TestBreakersFailedProbeForgetsTheRecovery: a failed probe re-opens the
+// key and starts the fleet's count of successes afresh.
+func TestBreakersFailedProbeForgetsTheRecovery(t *testing.T) {
+	s := leaseSettings
+	s.RecoverySuccesses = 2
+	srv, gws, _, until := recoveryFleet(t, s)
+	w, p := probeOnce(t, gws, until.Add(-20*time.Millisecond), time.Until(until)+time.Second, 0)
+	p.Done(breaker.Success, 0, "")
+	waitFor(t, "1 probe success in Redis", time.Second, func() bool {
+		v, _ := srv.Do("GET", redisKey("up1", "recovered"))
+		return v == "1"
+	})
+	p2, ok := w.b("up1").Allow()
+	if !ok || !p2.Probe() {
+		t.Fatalf("the winner's half-open breaker gave no second probe: %+v", w.b("up1").Snapshot())
+	}
+	p2.Done(breaker.Failure, 0, "http 502")
+	waitFor(t, "the re-open in Redis", time.Second, func() bool {
+		rec, _ := srv.Do("GET", redisKey("up1", "open"))
+		v, _ := srv.Do("EXISTS", redisKey("up1", "recovered"))
+		return strings.Contains(rec, `"n":1`) && v == "0"
+	})
+	waitState(t, "every gateway's up1", breaker.Open, breakersOf(gws)...)
+}
+
+// TestBreakersCooldownGrowsWithTheFleetsReopens: the first winner's probe
+// fails (one re-open: open_for 1s × 2), then that gateway leaves and the
+// next winner, whose own breaker never re-opened, fails too: the fleet's
+// open time is 4s (two re-opens), not 2s, and every gateway knows the
+// fleet's count.
+func TestBreakersCooldownGrowsWithTheFleetsReopens(t *testing.T) {
+	s := leaseSettings
+	s.MaxOpen = time.Minute
+	srv, gws, _, until := recoveryFleet(t, s)
+
+	first, p := probeOnce(t, gws, until.Add(-20*time.Millisecond), time.Until(until)+time.Second, 0)
+	p.Done(breaker.Failure, 0, "http 502")
+	var next time.Time
+	waitFor(t, "every gateway seeing the first re-open", 2*time.Second, func() bool {
+		for _, g := range gws {
+			st, ok := g.bs.Opened("up1")
+			if !ok || st.By != first.id || g.bs.Reopens("up1") != 1 {
+				return false
+			}
+			next = st.Until
+		}
+		return true
+	})
+	if left := time.Until(next); left < 1500*time.Millisecond || left > 2100*time.Millisecond {
+		t.Fatalf("first re-open: open for %v more, want about 2s (open_for 1s × 2)", left)
+	}
+	first.b("up1").Close() // out of the next lease
+	rest := others(gws, first)
+
+	second, p := probeOnce(t, rest, next.Add(-20*time.Millisecond), time.Until(next)+time.Second, 0)
+	if n := second.b("up1").Snapshot().Reopens; n != 0 {
+		t.Fatalf("%s's breaker had re-opened %d times itself, want 0 for the test to mean anything", second.id, n)
+	}
+	p.Done(breaker.Failure, 0, "http 502")
+	reopened := time.Now()
+	waitFor(t, "every gateway seeing the second re-open", 2*time.Second, func() bool {
+		for _, g := range rest {
+			st, ok := g.bs.Opened("up1")
+			if !ok || st.By != second.id || g.bs.Reopens("up1") != 2 {
+				return false
+			}
+			next = st.Until
+		}
+		return true
+	})
+	if left := next.Sub(reopened); left < 3500*time.Millisecond || left > 4100*time.Millisecond {
+		t.Fatalf("second re-open by another gateway: open for %v, want about 4s (open_for 1s × 2², the fleet's two re-opens)", left)
+	}
+	if snap := second.b("up1").Snapshot(); snap.Reopens != 2 {
+		t.Fatalf("%s's breaker: %d re-opens, want the fleet's 2", second.id, snap.Reopens)
+	}
+	if rec, _ := srv.Do("GET", redisKey("up1", "open")); !strings.Contains(rec, `"n":2`) {
+		t.Fatalf("open record %s, want the fleet's re-open count 2", rec)
+	}
+	// An operator's close ends it for good: the count starts again.
+	second.b("up1").ForceClose("")
+	waitFor(t, "the count back to zero", 2*time.Second, func() bool {
+		for _, g := range rest {
+			if g.bs.Reopens("up1") != 0 || g.b("up1").State() != breaker.Closed {
+				return false
+			}
+		}
+		return true
+	})
+}
