@@ -88,6 +88,11 @@ type ChunkInfo struct {
 // as with encoding/json. Malformed input yields what was found before the
 // point where it stops making sense.
 func InspectChunk(data []byte) ChunkInfo {
+	if plainChunk(data) {
+		// Most chunks of a stream carry one token: no finish_reason, no
+		// usage. Three byte searches prove it without walking the JSON.
+		return ChunkInfo{}
+	}
 	info, choices := inspectChunk(data)
 	info.UsageOnly = info.Usage && choices == 0
 	return info
@@ -131,6 +136,46 @@ func inspectChunk(data []byte) (info ChunkInfo, choices int) {
 				info.PromptTokens, info.CompletionTokens = usageCounts(val)
 			}
 		}
+	}
+}
+
+// plainChunk reports that data has no non-null finish_reason and no
+// non-null usage anywhere, so that InspectChunk would find nothing: every
+// occurrence of the bytes finish_reason" and usage" is followed by a colon
+// and a null (whitespace allowed). Inside a JSON string a quote is escaped,
+// so such an occurrence ends a key; a key can only spell those names
+// differently through a \u escape, so data holding \u is not plain. Any
+// other occurrence (a model writing "finish_reason" in its content) makes
+// the answer false, and InspectChunk walks the JSON as before.
+func plainChunk(data []byte) bool {
+	return !bytes.Contains(data, []byte(`\u`)) &&
+		onlyNullValues(data, []byte(`finish_reason"`)) && onlyNullValues(data, []byte(`usage"`))
+}
+
+// onlyNullValues reports whether every occurrence of key in data is
+// followed by optional whitespace, a colon, optional whitespace and a null
+// literal that ends where skipValue would end it.
+func onlyNullValues(data, key []byte) bool {
+	for {
+		i := bytes.Index(data, key)
+		if i < 0 {
+			return true
+		}
+		j := skipWS(data, i+len(key))
+		if j >= len(data) || data[j] != ':' {
+			return false
+		}
+		j = skipWS(data, j+1)
+		if !bytes.HasPrefix(data[j:], []byte("null")) {
+			return false
+		}
+		j += len("null")
+		if j < len(data) {
+			if c := data[j]; !isWS(c) && c != ',' && c != '}' && c != ']' && c != ':' {
+				return false
+			}
+		}
+		data = data[j:]
 	}
 }
 

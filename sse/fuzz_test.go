@@ -61,6 +61,14 @@ var chunkSeeds = []string{
 	`{"choices":null,"usage":{"prompt_tokens":2,"completion_tokens":3}}`,
 	`{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`,
 	`{"choices":[{"delta":{}}],"usage":{},"choices":"x"}`,
+	// The plain-chunk shortcut: null values it may skip, and near misses.
+	`{"choices":[{"finish_reason":nullx}]}`,
+	`{"choices":[{"finish_reason" :	null }],"usage" : null}`,
+	`{"choices":[{"finish_reason":null}],"xusage":{"prompt_tokens":1}}`,
+	`{"choices":[{"finish_reason":null,"finish_reason":"stop"}]}`,
+	`{"choices":[{"finish_reason":null}]}trailing"usage":{"prompt_tokens":1}`,
+	`{"choices":[{"delta":{"content":"usage\":{}"},"finish_reason":null}]}`,
+	`{"choices":[{"finish_reason":`,
 }
 
 var errorSeeds = []string{
@@ -233,6 +241,9 @@ func FuzzInspectChunk(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		got := sse.InspectChunk(data)
+		if walk := sse.InspectChunkWalk(data); got != walk {
+			t.Fatalf("InspectChunk(%q) = %+v, the JSON walk says %+v", data, got, walk)
+		}
 		ev := sse.Event{Data: data, HasData: true}
 		_ = ev.Kind()
 		if !json.Valid(data) {
