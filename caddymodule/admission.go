@@ -91,10 +91,11 @@ var gates = registry.NewTable[*sharedGate](nil)
 // gate takes the handler's reference to its pool's shared gate and returns
 // it with the capacity this config will apply when it starts: a gate
 // whenever capacity or tenants are configured (the gate counts admission
-// decisions), nil when neither.
-func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller) (*sharedGate, *gateCapacity, error) {
+// decisions) or need is set (the degradation ladder reads the pool's
+// saturation from it), nil otherwise.
+func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller, need bool) (*sharedGate, *gateCapacity, error) {
 	hasCapacity := ac != nil && (ac.Capacity > 0 || ac.PerUpstream > 0)
-	if !hasCapacity && ctl == nil {
+	if !hasCapacity && ctl == nil && !need {
 		return nil, nil, nil
 	}
 	want := &gateCapacity{pool: pool}

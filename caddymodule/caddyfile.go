@@ -72,6 +72,15 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        capacity <n> | per_upstream <n>
 //	        queue <n>
 //	    }
+//	    fallback <name> {
+//	        to <upstreams...> | dynamic <source> [...]
+//	        model <name>
+//	        context_window <tokens>
+//	        max_output_tokens <tokens>
+//	        when unavailable|saturated ...
+//	        tiers <names...>
+//	        capacity <n> | per_upstream <n>
+//	    }
 //	    saturation {
 //	        metrics_path <path>
 //	        interval <duration>
@@ -287,6 +296,18 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Saturation = sc
+
+		case "fallback":
+			fc, err := parseFallback(d, &schemes)
+			if err != nil {
+				return err
+			}
+			for _, o := range h.Fallbacks {
+				if o.Name == fc.Name {
+					return d.Errf("fallback %s already specified", fc.Name)
+				}
+			}
+			h.Fallbacks = append(h.Fallbacks, fc)
 
 		case "breaker":
 			if h.Breaker != nil {

@@ -104,6 +104,13 @@ type Handler struct {
 	// pool capacity; tenants' own limits still apply when configured).
 	Admission *AdmissionConfig `json:"admission,omitempty"`
 
+	// Fallbacks are the degradation ladder's pools, tried in order when
+	// the primary cannot serve a request before commit (see
+	// FallbackConfig). Each is a pool of its own, with its own breakers,
+	// retry budget, capacity and saturation, under this handler's
+	// settings. Default: none.
+	Fallbacks []*FallbackConfig `json:"fallbacks,omitempty"`
+
 	// Saturation scrapes each upstream's Prometheus /metrics for its queue
 	// depth and KV-cache usage, routes by them (least_queue), keeps
 	// saturated upstreams out of the candidates, trips breakers on
@@ -116,6 +123,7 @@ type Handler struct {
 	// claims holds the handler's references outside its pool (its gate).
 	claims       *registry.Claims
 	proxy        *proxy.Proxy
+	models       *proxy.Models // GET /v1/models with fallbacks
 	transport    *transport
 	ownTransport bool // the default transport, cleaned up by the handler
 	logger       *zap.Logger
@@ -159,27 +167,14 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
+	if err := registerDegradedMetric(ctx.GetMetricsRegistry()); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
 	if err := h.check(); err != nil {
 		return err
 	}
 	// The pool's identity, before loading the source clears its raw config.
 	key := poolKeyOf(h.Upstreams, h.DynamicUpstreamsRaw)
-	var source upstream.Source
-	if h.DynamicUpstreamsRaw != nil {
-		mod, err := ctx.LoadModule(h, "DynamicUpstreamsRaw")
-		if err != nil {
-			return fmt.Errorf("loading dynamic upstream source: %w", err)
-		}
-		source = (&dynamicSource{src: mod.(reverseproxy.UpstreamSource)}).upstreams
-	}
-	var static []upstream.Target
-	for _, u := range h.Upstreams {
-		t, err := newTarget(u)
-		if err != nil {
-			return err
-		}
-		static = append(static, t)
-	}
 	sel, err := h.loadSelector(ctx)
 	if err != nil {
 		return err
@@ -187,45 +182,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.transport, err = newTransport(ctx, h); err != nil {
 		return err
 	}
-	sat, err := h.Saturation.upstreamConfig()
-	if err != nil {
+	if h.pool, err = h.newPool(ctx, app, key, h, h.Upstreams, sel); err != nil {
 		return err
 	}
-	if sat != nil {
-		// Scrapes go over the handler's transport (TLS, dial timeouts),
-		// dialled as the breaker's prober does.
-		sat.Transport, sat.Dial = h.transport, dialFor
-	}
-	retry, err := h.Retries.upstreamConfig()
-	if err != nil {
-		return err
-	}
-	hc, err := h.Hedge.upstreamConfig(h.maxAttempts())
-	if err != nil {
-		return err
-	}
-	cfg := upstream.Config{
-		Key:        key,
-		Static:     static,
-		Source:     source,
-		Selector:   sel,
-		Retry:      retry,
-		Hedge:      hc,
-		Saturation: sat,
-	}
-	if h.Breaker == nil || !h.Breaker.Disabled {
-		s := h.Breaker.settings(h.firstByteTimeout())
-		cfg.Breaker = &s
-		cfg.ScopeModel = h.Breaker != nil && h.Breaker.Scope == "model"
-		if p := h.Breaker.prober(h.transport, h.firstByteTimeout()); p != nil {
-			p.Dial = dialFor
-			cfg.Prober = p
-		}
-	}
-	if h.pool, err = app.registry().NewPool(cfg); err != nil {
-		return err
-	}
-	app.adopt(h.pool)
 
 	var identifier proxy.Identifier
 	var admitter proxy.Admitter
@@ -244,7 +203,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 	}
 	h.claims = new(registry.Claims)
-	sg, want, err := h.Admission.gate(h.claims, key, h.pool, ctl)
+	// A fallback that takes the primary's saturated overflow needs the
+	// primary's gate (its capacity and saturation signal) to know when.
+	sg, want, err := h.Admission.gate(h.claims, key, h.pool, ctl, h.takesOverflow())
 	if err != nil {
 		return err
 	}
@@ -255,7 +216,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		admitter = proxy.NewTenantAdmitter(ctl, nil)
 	}
 
+	fallbacks, err := h.provisionFallbacks(ctx, app, sel, ctl)
+	if err != nil {
+		return err
+	}
 	p, err := proxy.New(proxy.Config{
+		Fallbacks:         fallbacks,
 		Identifier:        identifier,
 		Admitter:          admitter,
 		RequestUsage:      app.tenancy != nil,
@@ -277,6 +243,88 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.proxy = p
+	if len(fallbacks) > 0 {
+		srcs := []proxy.ModelSource{{Name: "primary", Balancer: h.pool}}
+		for _, f := range fallbacks {
+			srcs = append(srcs, proxy.ModelSource{Name: f.Name, Balancer: f.Balancer})
+		}
+		h.models = &proxy.Models{Sources: srcs, Transport: h.transport}
+	}
+	return nil
+}
+
+// newPool builds one of the handler's pools (the primary, or a fallback's)
+// from its upstreams (static, or the dynamic source loaded from owner's
+// DynamicUpstreamsRaw field) with the handler's breaker, retry, hedge and
+// saturation settings, and hands it to the app.
+func (h *Handler) newPool(ctx caddy.Context, app *App, key string, owner any, ups reverseproxy.UpstreamPool, sel upstream.Selector) (*upstream.Pool, error) {
+	var source upstream.Source
+	if raw := dynamicRaw(owner); raw != nil {
+		mod, err := ctx.LoadModule(owner, "DynamicUpstreamsRaw")
+		if err != nil {
+			return nil, fmt.Errorf("loading dynamic upstream source: %w", err)
+		}
+		source = (&dynamicSource{src: mod.(reverseproxy.UpstreamSource)}).upstreams
+	}
+	var static []upstream.Target
+	for _, u := range ups {
+		t, err := newTarget(u)
+		if err != nil {
+			return nil, err
+		}
+		static = append(static, t)
+	}
+	sat, err := h.Saturation.upstreamConfig()
+	if err != nil {
+		return nil, err
+	}
+	if sat != nil {
+		// Scrapes go over the handler's transport (TLS, dial timeouts),
+		// dialled as the breaker's prober does.
+		sat.Transport, sat.Dial = h.transport, dialFor
+	}
+	retry, err := h.Retries.upstreamConfig()
+	if err != nil {
+		return nil, err
+	}
+	hc, err := h.Hedge.upstreamConfig(h.maxAttempts())
+	if err != nil {
+		return nil, err
+	}
+	cfg := upstream.Config{
+		Key:        key,
+		Static:     static,
+		Source:     source,
+		Selector:   sel,
+		Retry:      retry,
+		Hedge:      hc,
+		Saturation: sat,
+	}
+	if h.Breaker == nil || !h.Breaker.Disabled {
+		s := h.Breaker.settings(h.firstByteTimeout())
+		cfg.Breaker = &s
+		cfg.ScopeModel = h.Breaker != nil && h.Breaker.Scope == "model"
+		if p := h.Breaker.prober(h.transport, h.firstByteTimeout()); p != nil {
+			p.Dial = dialFor
+			cfg.Prober = p
+		}
+	}
+	pool, err := app.registry().NewPool(cfg)
+	if err != nil {
+		return nil, err
+	}
+	app.adopt(pool)
+	return pool, nil
+}
+
+// dynamicRaw returns the DynamicUpstreamsRaw of a handler or fallback.
+func dynamicRaw(owner any) json.RawMessage {
+	switch o := owner.(type) {
+	case *Handler:
+		return o.DynamicUpstreamsRaw
+	case *FallbackConfig:
+		return o.DynamicUpstreamsRaw
+	}
 	return nil
 }
 
@@ -305,6 +353,16 @@ func (h *Handler) check() error {
 	}
 	if err := h.Admission.validate(); err != nil {
 		return err
+	}
+	names := map[string]bool{}
+	for _, fc := range h.Fallbacks {
+		if err := fc.check(); err != nil {
+			return err
+		}
+		if names[fc.Name] {
+			return fmt.Errorf("llm_proxy: fallback %s named twice", fc.Name)
+		}
+		names[fc.Name] = true
 	}
 	if _, err := h.Saturation.upstreamConfig(); err != nil {
 		return err
@@ -351,6 +409,11 @@ func (h *Handler) Cleanup() error {
 	if h.pool != nil {
 		h.pool.Release()
 	}
+	for _, fc := range h.Fallbacks {
+		if fc.pool != nil {
+			fc.pool.Release()
+		}
+	}
 	if h.ownTransport && h.transport != nil {
 		return h.transport.Cleanup()
 	}
@@ -358,7 +421,14 @@ func (h *Handler) Cleanup() error {
 }
 
 // ServeHTTP proxies r and sets the {http.llm_proxy.*} placeholders.
+//
+// With fallbacks, GET /v1/models is answered by the gateway: the union of
+// the models that its pools serve.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	if h.models != nil && proxy.IsModelsRequest(r) {
+		h.models.ServeHTTP(w, r)
+		return nil
+	}
 	res := h.proxy.ServeHTTP(w, r)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Set("http.llm_proxy.upstream", res.Upstream)
@@ -368,7 +438,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.hedged", res.Hedged)
 		repl.Set("http.llm_proxy.outcome", res.Outcome.String())
 		repl.Set("http.llm_proxy.model", res.Info.Model)
-		repl.Set("http.llm_proxy.breaker_state", h.pool.BreakerState(res.Upstream, res.Info.Model))
+		repl.Set("http.llm_proxy.breaker_state", h.poolOf(res.Fallback).BreakerState(res.Upstream, res.Info.Model))
+		repl.Set("http.llm_proxy.degraded", res.Degraded)
 		repl.Set("http.llm_proxy.tenant", res.Identity.Tenant)
 		repl.Set("http.llm_proxy.tier", res.Identity.Tier)
 		repl.Set("http.llm_proxy.queue_ms", res.QueueWait.Milliseconds())
@@ -377,6 +448,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		if h.Saturation != nil && res.Upstream != "" {
 			repl.Set("http.llm_proxy.saturation", strconv.FormatFloat(res.Saturation, 'f', 3, 64))
 		}
+	}
+	if res.Fallback != "" {
+		degradedTotal.WithLabelValues(res.Fallback, res.DegradeReason, res.Identity.Tier).Inc()
 	}
 	h.logResult(res)
 	return nil
@@ -403,6 +477,7 @@ func (h *Handler) logResult(res *proxy.Result) {
 			zap.Duration("ttft", res.TTFT),
 			zap.Duration("duration", res.Duration),
 			zap.Int("events", res.Events),
+			zap.String("degraded", res.Degraded),
 		)
 	}
 }

@@ -1,0 +1,230 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/tidwall/gjson"
+	"github.com/tidwall/sjson"
+)
+
+// Defaults of Models.
+const (
+	// DefaultModelsTTL is how long a merged model list is served before
+	// the pools are asked again.
+	DefaultModelsTTL = 30 * time.Second
+	// DefaultModelsTimeout bounds one upstream's /v1/models answer.
+	DefaultModelsTimeout = 5 * time.Second
+	// maxModelsBody bounds one upstream's /v1/models body.
+	maxModelsBody = 4 << 20
+)
+
+// ModelSource is a pool whose upstreams are asked for the models they serve.
+type ModelSource struct {
+	// Name attributes the pool's entries: "primary", or a fallback's name.
+	Name string
+	// Balancer picks the upstream to ask (breakers respected).
+	Balancer Balancer
+}
+
+// Models answers GET /v1/models with the union of the models that a
+// handler's pools serve, so that SDKs listing models see every route: each
+// pool is asked through one of its upstreams (another if that one fails),
+// the lists are merged by model id in pool order, and each entry gains
+// "pools", the names of the pools that serve it. The merged list is cached
+// for TTL; when no pool answers, the last list is served, and without one
+// the client gets 502. Safe for concurrent use.
+type Models struct {
+	// Sources are the pools, primary first.
+	Sources []ModelSource
+	// Transport performs the requests (the handler's). Required.
+	Transport http.RoundTripper
+	// TTL is how long a merged list is served; default DefaultModelsTTL.
+	TTL time.Duration
+	// Timeout bounds each upstream's answer; default DefaultModelsTimeout.
+	Timeout time.Duration
+	// Clock is the source of time; nil is the real clock.
+	Clock Clock
+
+	mu   sync.Mutex
+	body []byte
+	at   time.Time
+}
+
+// IsModelsRequest reports whether r asks for the model list (GET …/v1/models).
+func IsModelsRequest(r *http.Request) bool {
+	p := r.URL.Path
+	return r.Method == http.MethodGet && len(p) >= len("/v1/models") && p[len(p)-len("/v1/models"):] == "/v1/models"
+}
+
+// ServeHTTP writes the merged model list.
+func (m *Models) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := m.list(r)
+	if err != nil {
+		(&GatewayError{Status: http.StatusBadGateway, Type: TypeServer, Code: "upstream_error",
+			Message: "no pool listed its models: " + err.Error()}).Write(w)
+		return
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(body)
+}
+
+func (m *Models) clock() Clock {
+	if m.Clock == nil {
+		return realClock{}
+	}
+	return m.Clock
+}
+
+// list returns the cached list, or a fresh one when it is older than TTL.
+func (m *Models) list(r *http.Request) ([]byte, error) {
+	ttl := m.TTL
+	if ttl <= 0 {
+		ttl = DefaultModelsTTL
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock() // one refresh at a time; the others wait for it
+	now := m.clock().Now()
+	if m.body != nil && now.Sub(m.at) < ttl {
+		return m.body, nil
+	}
+	body, err := m.merge(r)
+	if err != nil {
+		if m.body != nil {
+			return m.body, nil
+		}
+		return nil, err
+	}
+	m.body, m.at = body, now
+	return body, nil
+}
+
+// merge asks every pool and merges their lists.
+func (m *Models) merge(r *http.Request) ([]byte, error) {
+	type entry struct {
+		raw   []byte
+		pools []string
+	}
+	var order []string
+	byID := map[string]*entry{}
+	var lastErr error
+	answered := 0
+	for _, src := range m.Sources {
+		data, err := m.ask(r, src)
+		if err != nil {
+			lastErr = fmt.Errorf("%s: %w", src.Name, err)
+			continue
+		}
+		answered++
+		for _, item := range data {
+			id := gjson.GetBytes(item, "id").String()
+			if id == "" {
+				continue
+			}
+			e := byID[id]
+			if e == nil {
+				e = &entry{raw: item}
+				byID[id] = e
+				order = append(order, id)
+			}
+			e.pools = append(e.pools, src.Name)
+		}
+	}
+	if answered == 0 {
+		if lastErr == nil {
+			lastErr = ErrNoUpstream
+		}
+		return nil, lastErr
+	}
+	out := []byte(`{"object":"list","data":[]}`)
+	for i, id := range order {
+		e := byID[id]
+		item, err := sjson.SetBytes(e.raw, "pools", e.pools)
+		if err != nil {
+			continue
+		}
+		if out, err = sjson.SetRawBytes(out, "data."+strconv.Itoa(i), item); err != nil {
+			return nil, err
+		}
+	}
+	return append(out, '\n'), nil
+}
+
+// ask returns the "data" entries of one pool's /v1/models, trying a second
+// upstream when the first fails.
+func (m *Models) ask(r *http.Request, src ModelSource) ([]json.RawMessage, error) {
+	timeout := m.Timeout
+	if timeout <= 0 {
+		timeout = DefaultModelsTimeout
+	}
+	var tried []string
+	var lastErr error
+	for range 2 {
+		up, err := src.Balancer.Pick(nowhereWriter{}, r, PickRequest{Tried: tried})
+		if err != nil {
+			if lastErr == nil {
+				lastErr = err
+			}
+			break
+		}
+		tried = append(tried, up.Addr)
+		data, err := m.fetch(r, up, timeout)
+		release(up)
+		if err == nil {
+			return data, nil
+		}
+		lastErr = err
+	}
+	return nil, lastErr
+}
+
+func (m *Models) fetch(r *http.Request, up Upstream, timeout time.Duration) ([]json.RawMessage, error) {
+	ctx, cancel := context.WithTimeout(r.Context(), timeout)
+	defer cancel()
+	if up.Context != nil {
+		ctx = up.Context(ctx)
+	}
+	// A request of the gateway's own: no client header (keys) goes along.
+	out, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+up.Addr+"/v1/models", nil)
+	if err != nil {
+		return nil, err
+	}
+	out.URL.Scheme = "" // the transport sets its own (https for TLS upstreams)
+	out.Header.Set("Accept", "application/json")
+	resp, err := m.Transport.RoundTrip(out)
+	if err != nil {
+		return nil, fmt.Errorf("upstream %s: %w", up.Addr, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("upstream %s: status %d", up.Addr, resp.StatusCode)
+	}
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxModelsBody))
+	if err != nil {
+		return nil, fmt.Errorf("upstream %s: %w", up.Addr, err)
+	}
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
+	if err := json.Unmarshal(b, &list); err != nil {
+		return nil, fmt.Errorf("upstream %s: not a model list: %w", up.Addr, err)
+	}
+	return list.Data, nil
+}
+
+// nowhereWriter is the writer a Balancer gets for the gateway's own
+// requests: a cookie a policy sets goes nowhere.
+type nowhereWriter struct{}
+
+func (nowhereWriter) Header() http.Header         { return http.Header{} }
+func (nowhereWriter) Write(b []byte) (int, error) { return len(b), nil }
+func (nowhereWriter) WriteHeader(int)             {}

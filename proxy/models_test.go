@@ -1,0 +1,92 @@
+package proxy
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+)
+
+func modelsUpstream(t *testing.T, ids ...string) *upstream {
+	return newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" || r.Header.Get("Authorization") != "" {
+			http.Error(w, "wrong request", 400)
+			return
+		}
+		body := `{"object":"list","data":[`
+		for i, id := range ids {
+			if i > 0 {
+				body += ","
+			}
+			body += `{"id":"` + id + `","object":"model","owned_by":"vllm","max_model_len":8192}`
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(body + "]}"))
+	})
+}
+
+func TestModelsListsTheUnionOfThePools(t *testing.T) {
+	big := modelsUpstream(t, "llama-70b", "shared")
+	small := modelsUpstream(t, "llama-8b", "shared")
+	down := newUpstream(t, failing(503))
+	clk := newFakeClock()
+	m := &Models{
+		Sources: []ModelSource{
+			{Name: "primary", Balancer: &listBalancer{addrs: []string{down.addr(), big.addr()}}},
+			{Name: "small", Balancer: &listBalancer{addrs: []string{small.addr()}}},
+		},
+		Transport: schemeTransport{http.DefaultTransport}, Clock: clk,
+	}
+	get := func() *httptest.ResponseRecorder {
+		w := httptest.NewRecorder()
+		r := httptest.NewRequest("GET", "/v1/models", nil)
+		r.Header.Set("Authorization", "Bearer sk-secret")
+		if !IsModelsRequest(r) {
+			t.Fatal("GET /v1/models not recognised")
+		}
+		m.ServeHTTP(w, r)
+		return w
+	}
+	w := get()
+	want := `{"object":"list","data":[` +
+		`{"id":"llama-70b","object":"model","owned_by":"vllm","max_model_len":8192,"pools":["primary"]},` +
+		`{"id":"shared","object":"model","owned_by":"vllm","max_model_len":8192,"pools":["primary","small"]},` +
+		`{"id":"llama-8b","object":"model","owned_by":"vllm","max_model_len":8192,"pools":["small"]}]}` + "\n"
+	if w.Code != 200 || w.Body.String() != want {
+		t.Fatalf("status %d body\n%s\nwant\n%s", w.Code, w.Body, want)
+	}
+	if down.calls.Load() != 1 || big.calls.Load() != 1 {
+		t.Fatalf("the failing upstream is tried once, then the next: calls %d/%d", down.calls.Load(), big.calls.Load())
+	}
+	get()
+	if small.calls.Load() != 1 {
+		t.Fatalf("within the TTL the list is cached: %d calls", small.calls.Load())
+	}
+	clk.Advance(DefaultModelsTTL)
+	if w := get(); w.Body.String() != want || small.calls.Load() != 2 {
+		t.Fatalf("after the TTL the pools are asked again: calls %d", small.calls.Load())
+	}
+	// Every pool down: the last list is served.
+	small.Close()
+	big.Close()
+	clk.Advance(DefaultModelsTTL)
+	if w := get(); w.Code != 200 || w.Body.String() != want {
+		t.Fatalf("stale list not served: %d %s", w.Code, w.Body)
+	}
+}
+
+func TestModelsWithoutAnyAnswerIs502(t *testing.T) {
+	down := newUpstream(t, failing(500))
+	m := &Models{Sources: []ModelSource{{Name: "primary", Balancer: &listBalancer{addrs: []string{down.addr()}}}},
+		Transport: schemeTransport{http.DefaultTransport}, Timeout: time.Second}
+	w := httptest.NewRecorder()
+	m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil))
+	if w.Code != 502 || errorBodyOf(t, w).Code != "upstream_error" {
+		t.Fatalf("status %d body %s", w.Code, w.Body)
+	}
+	for _, r := range []*http.Request{httptest.NewRequest("POST", "/v1/models", nil), httptest.NewRequest("GET", "/v1/chat/completions", nil)} {
+		if IsModelsRequest(r) {
+			t.Fatalf("%s %s taken for a model list", r.Method, r.URL.Path)
+		}
+	}
+}
