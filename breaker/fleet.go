@@ -23,8 +23,9 @@ import (
 //   - Failure is called for every failure the breaker records while closed
 //     (slow calls too), under the breaker's lock, with the breaker's
 //     effective settings (the fleet applies the ConsecutiveFailures and
-//     Failures/FailuresWindow rules to its counts), the breaker's clock
-//     time and the failure's reason.
+//     Failures/FailuresWindow rules to its counts, and may apply the
+//     ratio rules to the sums of every gateway's RatioCounts), the
+//     breaker's clock time and the failure's reason.
 //   - Success is called by a closed-state success only while the flag is
 //     set: a success resets a non-zero fleet consecutive count, and a zero
 //     one costs nothing (the success path stays one atomic load, without a
@@ -270,4 +271,24 @@ func (b *Breaker) adoptCloseLocked(now time.Time, reason string) {
 		return
 	}
 	b.closeLocked(now, reason, false, false)
+}
+
+// RatioCounts are the sums of a breaker's RatioWindow (RatioCounts).
+type RatioCounts struct {
+	// Requests, Failures and Slow are the successes and failures, the
+	// failures (slow calls included) and the slow calls in the window.
+	Requests, Failures, Slow int
+}
+
+// RatioCounts returns the sums of the breaker's RatioWindow at now, as its
+// FailureRatio and SlowRatio rules see them; all zero when both rules are
+// off. A Fleet reads them (off the request path) to decide the ratio rules
+// on the fleet's sums. It takes no lock.
+func (b *Breaker) RatioCounts() RatioCounts {
+	c := b.cfg.Load()
+	if c.ratio == nil {
+		return RatioCounts{}
+	}
+	rc := c.ratio.sum(b.clock.Now())
+	return RatioCounts{Requests: rc.requests, Failures: rc.failures, Slow: rc.slow}
 }

@@ -26,8 +26,9 @@ import (
 // jitter, no MinOpen), calling Adopt on every joined breaker of the key in
 // every gateway, and starting its counts afresh. A success resets the
 // consecutive run and its reporters (not the window: the Failures rule
-// counts whatever the successes in between). The ratio rules stay local:
-// they are not counted here.
+// counts whatever the successes in between). The ratio rules stay local
+// here (fleet's Redis store decides them on the fleet's sums, read from
+// the breakers' windows with RatioCounts).
 //
 // Recovery and re-opens are the fleet's too: the half-open probe successes
 // of every gateway's breakers of a key (ProbeSuccess) count toward one

@@ -27,6 +27,17 @@ import (
 //     publishes it, and every instance's breakers of the key adopt it. A
 //     success ends the fleet's run (only while the key's flag says the run
 //     may be non-zero).
+//   - The ratio rules (FailureRatio, SlowRatio over RatioWindow) are
+//     decided on the fleet's sums: every Refresh, and after a failure
+//     report (at most every Refresh/5), each instance writes the sums of
+//     its breaker's ratio window for the key into a hash in Redis (one
+//     field per instance, dropped when older than 3 × Refresh), and the
+//     script opens the key when the sums over every instance fire a rule
+//     with at least MinRequests requests, from Config.MinReporters
+//     instances. So ten gateways that see 5 requests each, all failing,
+//     open the key although none has MinRequests of its own. Nothing of
+//     it is on the request path: the sums are read from the breakers'
+//     lock-free windows by the worker.
 //   - Recovery and re-opens are counted fleet-wide: a half-open probe
 //     success of a breaker open on a fleet verdict (ProbeSuccess) adds to
 //     the key's recovered counter in Redis, and the success that brings it
@@ -169,6 +180,11 @@ type keyState struct {
 	lost string
 	// timer tries the lease at the end of the fleet's open time.
 	timer *time.Timer
+
+	// ratioSent is set while the last ratio window sums written for this
+	// instance were non-zero; ratioAt is when they were written.
+	ratioSent bool
+	ratioAt   time.Time
 }
 
 func (k *keyState) openAt(now time.Time) bool {

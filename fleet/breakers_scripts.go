@@ -8,10 +8,10 @@ import "github.com/redis/go-redis/v9"
 // after it). Records and messages are JSON (cjson), so reasons and keys
 // may hold any character.
 //
-//	KEYS of failureScript: count, reporters, failures, open, recovered
-//	(putScript and clearScript take open, count, reporters, failures,
-//	probe, recovered; successScript open, recovered, probe, count,
-//	reporters, failures)
+//	KEYS of failureScript: count, reporters, failures, open, recovered,
+//	ratio (putScript and clearScript take open, count, reporters,
+//	failures, probe, recovered, ratio; successScript open, recovered,
+//	probe, count, reporters, failures, ratio)
 //
 // An open record is {"s":"open","u":<until ms, 0: until closed>,"a":<set
 // at ms>,"by":<instance>,"r":<reason>,"n":<the fleet's re-opens>}; the
@@ -85,7 +85,7 @@ local reason = 'fleet: ' .. why .. '; last: ' .. ARGV[8] .. ' (' .. id .. ')'
 local ttl = tonumber(ARGV[7])
 redis.call('SET', KEYS[4], cjson.encode({s = 'open', u = now + ttl, a = now, by = id, r = reason}),
   'PX', ttl + tonumber(ARGV[12]))
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6])
 redis.call('PUBLISH', ARGV[10], cjson.encode({t = 'trip', k = ARGV[11], by = id, a = now, ttl = ttl, r = reason}))
 return {'opened', now, ttl, reason}
 `)
@@ -138,7 +138,7 @@ if ttl > 0 then
 else
   redis.call('SET', KEYS[1], rec)
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'put', k = ARGV[6], by = ARGV[1], a = at, ttl = ttl, r = ARGV[3], n = n}))
 return {'put', now, at}
 `)
@@ -169,7 +169,7 @@ if at > 0 then
 else
   at = now
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = at, by = ARGV[1]}), 'PX', tonumber(ARGV[2]))
 if r and r.s == 'open' then
   redis.call('PUBLISH', ARGV[3], cjson.encode({t = 'clear', k = ARGV[4], by = ARGV[1], a = at}))
@@ -205,10 +205,80 @@ local n = redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], grace)
 if n < tonumber(ARGV[2]) then return {'counted', now, n} end
 local reason = n .. ' probe successes'
-redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = now, by = ARGV[1]}), 'PX', grace)
 redis.call('PUBLISH', ARGV[5], cjson.encode({t = 'clear', k = ARGV[6], by = ARGV[1], a = now, r = reason}))
 return {'closed', now, n, reason}
+`)
+
+// ratioScript records one instance's sums of a breaker key's ratio window
+// (FailureRatio, SlowRatio) and opens the key when the fleet's sums fire a
+// ratio rule of the reporting breaker, with failures (slow calls for the
+// slow rule) from at least min reporters instances:
+//
+//	KEYS: ratio, open, count, reporters, failures, recovered
+//	ARGV: id, requests, failures, slow, fresh ms, min requests, failure
+//	      ratio (0: off), slow ratio (0: off), min reporters, open_for ms,
+//	      channel, key, grace ms, window as text
+//
+// The ratio hash holds "<at ms> <requests> <failures> <slow>" per
+// instance; an instance with an empty window deletes its field, and a
+// field older than fresh ms (an instance gone, or in local mode) is
+// dropped. It returns {"open", now} when the key is open already,
+// {"summed", now, requests, failures, slow} or {"opened", now, ttl,
+// reason}.
+var ratioScript = redis.NewScript(`
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local id = ARGV[1]
+local fresh = tonumber(ARGV[5])
+if tonumber(ARGV[2]) > 0 then
+  redis.call('HSET', KEYS[1], id, now .. ' ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], fresh)
+else
+  redis.call('HDEL', KEYS[1], id)
+end
+local raw = redis.call('GET', KEYS[2])
+if raw then
+  local ok, r = pcall(cjson.decode, raw)
+  if ok and type(r) == 'table' and r.s == 'open' and (r.u == 0 or r.u > now) then
+    return {'open', now}
+  end
+end
+local req, fail, slow, frep, srep = 0, 0, 0, 0, 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local at, q, f, s = string.match(all[i + 1], '^(%d+) (%d+) (%d+) (%d+)$')
+  if not at or tonumber(at) < now - fresh then
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    req, fail, slow = req + tonumber(q), fail + tonumber(f), slow + tonumber(s)
+    if tonumber(f) > 0 then frep = frep + 1 end
+    if tonumber(s) > 0 then srep = srep + 1 end
+  end
+end
+local minq, fr, sr, minr = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local function gateways(k)
+  if k == 1 then return '1 gateway' end
+  return k .. ' gateways'
+end
+local why
+if req >= minq then
+  if fr > 0 and fail >= fr * req and frep >= minr then
+    why = string.format('failure ratio %d/%d ≥ %s within %s from %s', fail, req, ARGV[7], ARGV[14], gateways(frep))
+  elseif sr > 0 and slow >= sr * req and srep >= minr then
+    why = string.format('slow call ratio %d/%d ≥ %s within %s from %s', slow, req, ARGV[8], ARGV[14], gateways(srep))
+  end
+end
+if not why then return {'summed', now, req, fail, slow} end
+local reason = 'fleet: ' .. why .. ' (' .. id .. ')'
+local ttl = tonumber(ARGV[10])
+redis.call('SET', KEYS[2], cjson.encode({s = 'open', u = now + ttl, a = now, by = id, r = reason}),
+  'PX', ttl + tonumber(ARGV[13]))
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('PUBLISH', ARGV[11], cjson.encode({t = 'trip', k = ARGV[12], by = id, a = now, ttl = ttl, r = reason}))
+return {'opened', now, ttl, reason}
 `)
 
 // breakerMsg is one message on the breakers channel.

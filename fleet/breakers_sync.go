@@ -11,10 +11,13 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
 
 // breakerKeys are the Redis keys of one breaker key, in the order
-// failureScript takes them: count, reporters, failures, open, recovered.
+// failureScript takes them: count, reporters, failures, open, recovered,
+// ratio.
 func (bs *Breakers) breakerKeys(key string) []string {
 	obj := "breaker:" + key
 	return []string{
@@ -23,6 +26,7 @@ func (bs *Breakers) breakerKeys(key string) []string {
 		bs.c.Key(obj, "failures"),
 		bs.c.Key(obj, "open"),
 		bs.c.Key(obj, "recovered"),
+		bs.c.Key(obj, "ratio"),
 	}
 }
 
@@ -63,6 +67,93 @@ func (bs *Breakers) sync() {
 	bs.refresh()
 	bs.flush() // the refresh's verdicts first: the lease looks at the breakers' states
 	bs.leases()
+	bs.ratios()
+}
+
+// ratioMember returns the breaker of ms whose ratio window the fleet's
+// ratio rules read: a closed one with FailureRatio or SlowRatio on, the
+// one with the most requests when several breakers of the key live here
+// (a reload's old and new), nil if none. An open or half-open breaker's
+// window still holds what opened it, and is fresh again once it closes.
+func ratioMember(ms []*breaker.Breaker) *breaker.Breaker {
+	var best *breaker.Breaker
+	most := -1
+	for _, b := range ms {
+		s := b.Settings()
+		if (s.FailureRatio <= 0 && s.SlowRatio <= 0) || b.State() != breaker.Closed {
+			continue
+		}
+		if n := b.RatioCounts().Requests; n > most {
+			best, most = b, n
+		}
+	}
+	return best
+}
+
+// ratios writes this instance's ratio window sums of every key with a
+// ratio rule here that the fleet does not have open.
+func (bs *Breakers) ratios() {
+	now := time.Now()
+	var keys []string
+	bs.mu.Lock()
+	for key, k := range bs.keys {
+		if !k.openAt(now) && ratioMember(k.members) != nil {
+			keys = append(keys, key)
+		}
+	}
+	bs.mu.Unlock()
+	for _, key := range keys {
+		bs.sendRatio(key, 0)
+	}
+}
+
+// sendRatio writes this instance's sums of key's ratio window, unless
+// they were written less than every ago, or they are zero and so were the
+// last ones; a rule that fires opens the key as a trip does.
+func (bs *Breakers) sendRatio(key string, every time.Duration) {
+	now := time.Now()
+	bs.mu.Lock()
+	k, ok := bs.keys[key]
+	var b *breaker.Breaker
+	if ok && !bs.closed {
+		b = ratioMember(k.members)
+	}
+	if b == nil || (every > 0 && now.Sub(k.ratioAt) < every) {
+		bs.mu.Unlock()
+		return
+	}
+	rc := b.RatioCounts()
+	if rc.Requests == 0 && !k.ratioSent {
+		bs.mu.Unlock()
+		return
+	}
+	k.ratioAt = now
+	bs.mu.Unlock()
+	s := b.Settings()
+	keys := bs.breakerKeys(key)
+	fresh := 3 * bs.c.cfg.Refresh
+	res, err := bs.do("breaker_ratio", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
+		return runScript(ratioScript, ctx, c, []string{keys[5], keys[3], keys[0], keys[1], keys[2], keys[4]},
+			bs.id, rc.Requests, rc.Failures, rc.Slow, fresh.Milliseconds(), s.MinRequests,
+			strconv.FormatFloat(s.FailureRatio, 'g', -1, 64), strconv.FormatFloat(s.SlowRatio, 'g', -1, 64),
+			bs.c.cfg.MinReporters, max(s.OpenFor, time.Millisecond).Milliseconds(), bs.channel, key,
+			breakerGrace.Milliseconds(), s.RatioWindow.String())
+	})
+	if err != nil {
+		bs.logError("breaker_ratio", key, err)
+		return
+	}
+	bs.mu.Lock()
+	if k, ok := bs.keys[key]; ok {
+		k.ratioSent = rc.Requests > 0
+	}
+	bs.mu.Unlock()
+	if len(res) >= 4 && res[0] == "opened" {
+		ttl, _ := res[2].(int64)
+		at, _ := res[1].(int64)
+		reason, _ := res[3].(string)
+		bs.applyOpen(breakerMsg{T: "trip", K: key, By: bs.id, A: at, TTL: ttl, R: reason}, time.Now())
+	}
 }
 
 // modeChanged is the client's hook: into local mode the queue is dropped;
@@ -162,6 +253,10 @@ func (bs *Breakers) send(r report) {
 		ttl, _ := res[2].(int64)
 		reason, _ := res[3].(string)
 		bs.applyOpen(breakerMsg{T: "trip", K: r.key, By: bs.id, A: now, TTL: ttl, R: reason}, time.Now())
+		return
+	}
+	if len(res) > 0 && res[0] == "counted" {
+		bs.sendRatio(r.key, bs.c.cfg.Refresh/5) // the fleet's ratio with this failure
 	}
 }
 
@@ -170,7 +265,7 @@ func (bs *Breakers) send(r report) {
 func (bs *Breakers) sendSuccess(r report, keys []string) {
 	probe := bs.c.Key("breaker:"+r.key, "probe")
 	res, err := bs.do("breaker_success", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-		return runScript(successScript, ctx, c, []string{keys[3], keys[4], probe, keys[0], keys[1], keys[2]},
+		return runScript(successScript, ctx, c, []string{keys[3], keys[4], probe, keys[0], keys[1], keys[2], keys[5]},
 			bs.id, r.recov, r.lease, breakerGrace.Milliseconds(), bs.channel, r.key)
 	})
 	if err != nil {
@@ -275,7 +370,7 @@ func (bs *Breakers) writeOne(key string, w *write) ([]any, error) {
 	}
 	if !w.open {
 		return bs.do("breaker_close", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-			return runScript(clearScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe, keys[4]},
+			return runScript(clearScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe, keys[4], keys[5]},
 				bs.id, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease)
 		})
 	}
@@ -286,7 +381,7 @@ func (bs *Breakers) writeOne(key string, w *write) ([]any, error) {
 		}
 	}
 	return bs.do("breaker_open", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
-		return runScript(putScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe, keys[4]},
+		return runScript(putScript, ctx, c, []string{keys[3], keys[0], keys[1], keys[2], probe, keys[4], keys[5]},
 			bs.id, ttl, w.reason, breakerGrace.Milliseconds(), bs.channel, key, at, w.lease, w.reopens)
 	})
 }

@@ -30,9 +30,10 @@
 //
 //	<prefix>{instances}           sorted set: instance id → last heartbeat (ms, Redis clock)
 //	<prefix>{instances}:<id>      string: one instance's last heartbeat, PX 3 × Refresh
-//	<prefix>{breaker:<key>}:count, :reporters, :failures, :open, :recovered, :probe, :probegen
+//	<prefix>{breaker:<key>}:count, :reporters, :failures, :open, :recovered, :ratio, :probe, :probegen
 //	                              a breaker key's fleet counts, open record (with the fleet's re-open
-//	                              count), probe successes toward recovery and probe lease (breakers*.go, lease.go)
+//	                              count), probe successes toward recovery, every instance's ratio
+//	                              window sums and probe lease (breakers*.go, lease.go)
 //	<prefix>breakers              channel: the open set's changes and the runs' starts and ends
 //	<prefix>{tenant:<id>}:win, :leases, :hold:<req>, :done:<req>
 //	                              a tenant's sliding window, concurrency leases, reservations and settlements (limits*.go)

@@ -1,0 +1,91 @@
+package fleet
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
+// ratioSettings: only the failure ratio rule (the consecutive rule off),
+// 20 requests at least.
+var ratioSettings = breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 20,
+	RatioWindow: 10 * time.Second, MinOpen: -1, OpenFor: 3 * time.Second}
+
+// TestBreakersFailureRatioOnTheFleetsSums: four gateways see 6 requests
+// each, half of them failing: none has min_requests 20 of its own, the
+// fleet has 24, and the fleet's ratio opens the key on every gateway.
+// Three gateways' 18 requests are not enough.
+func TestBreakersFailureRatioOnTheFleetsSums(t *testing.T) {
+	s, gws := fleetOf(t, 4, 1)
+	for _, g := range gws {
+		g.s = ratioSettings
+	}
+	traffic := func(g *gateway) {
+		for range 3 {
+			g.call("up1", breaker.Success)
+			g.call("up1", breaker.Failure)
+		}
+	}
+	for _, g := range gws[:3] {
+		traffic(g)
+	}
+	waitFor(t, "three gateways' sums in Redis", 2*time.Second, func() bool {
+		n, _ := s.Do("HLEN", redisKey("up1", "ratio"))
+		return n == "3"
+	})
+	stays(t, breaker.Closed, gws[0].b("up1"), gws[1].b("up1"), gws[2].b("up1"), gws[3].b("up1"))
+	traffic(gws[3])
+	waitState(t, "every gateway's up1", breaker.Open, gws[0].b("up1"), gws[1].b("up1"), gws[2].b("up1"), gws[3].b("up1"))
+	for _, g := range gws {
+		if snap := g.b("up1").Snapshot(); snap.Local {
+			t.Fatalf("%s: %+v, want the fleet's verdict", g.id, snap)
+		}
+	}
+	st, _ := gws[0].bs.Opened("up1")
+	if !strings.HasPrefix(st.Reason, "fleet: failure ratio 12/24 ≥ 0.5 within 10s from 4 gateways") {
+		t.Fatalf("reason %q", st.Reason)
+	}
+	if n, _ := s.Do("EXISTS", redisKey("up1", "ratio")); n != "0" {
+		t.Fatalf("ratio sums still in Redis after the open (EXISTS %s)", n)
+	}
+}
+
+// TestBreakersSlowRatioOnTheFleetsSums: the slow call ratio too, and a
+// gateway's sums that stop coming (it left) are not counted for long.
+func TestBreakersSlowRatioOnTheFleetsSums(t *testing.T) {
+	s, gws := fleetOf(t, 3, 1)
+	for _, g := range gws {
+		g.s = breaker.Settings{ConsecutiveFailures: -1, SlowTTFT: time.Second, SlowRatio: 0.5, MinRequests: 20,
+			RatioWindow: 10 * time.Second, MinOpen: -1, OpenFor: 3 * time.Second}
+	}
+	calls := func(g *gateway, n int) {
+		for range n {
+			for _, ttft := range []time.Duration{100 * time.Millisecond, 2 * time.Second} {
+				p, ok := g.b("up1").Allow()
+				if !ok {
+					t.Fatalf("%s refused a call", g.id)
+				}
+				p.Done(breaker.Success, ttft, "")
+			}
+		}
+	}
+	calls(gws[0], 5) // 10 requests, 5 slow
+	waitFor(t, "gw0's sums in Redis", 2*time.Second, func() bool {
+		n, _ := s.Do("HLEN", redisKey("up1", "ratio"))
+		return n == "1"
+	})
+	// gw0 leaves: its sums are dropped once they are older than 3 ×
+	// refresh, so gw1's 10 requests alone do not reach 20.
+	gws[0].b("up1").Close()
+	time.Sleep(4 * testRefresh)
+	calls(gws[1], 5)
+	stays(t, breaker.Closed, gws[1].b("up1"), gws[2].b("up1"))
+	calls(gws[2], 5)
+	waitState(t, "gw1 and gw2", breaker.Open, gws[1].b("up1"), gws[2].b("up1"))
+	st, _ := gws[2].bs.Opened("up1")
+	if !strings.HasPrefix(st.Reason, "fleet: slow call ratio 10/20 ≥ 0.5 within 10s from 2 gateways") {
+		t.Fatalf("reason %q", st.Reason)
+	}
+}
