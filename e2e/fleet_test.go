@@ -323,39 +323,70 @@ func TestFleetOperatorActionsApplyFleetWide(t *testing.T) {
 }
 
 // TestFleetProbesOncePerIntervalAndSurvivesAKilledProber: three gateways
-// with active probing every 1s; replica 0 fails everything (503, and 503
-// on /health). Once the fleet has it open, the fleet sends it at most
-// about one probe per interval over 8s, not one per gateway per interval
-// (24), and no user request. Then one gateway is killed (-9) and the
-// replica recovers: the two left close its breaker within a few seconds,
-// whoever held the lease — it is never wedged.
+// in front of three replicas, with active probing every 2s (open_for 2s,
+// so the fleet's probe lease is 1.6s); replica 0 becomes degraded: it
+// accepts completions and hangs, and its /health says 503. Once the fleet
+// has it open, the test counts the probes at the mock over 30s: at most
+// one per probe interval (30s / 2s, +1 at the edges), never two closer
+// than the lease time (three gateways probing on their own cooldowns
+// would send about three times as many, some a moment apart), and no user
+// request. Then one gateway is killed (-9) and the replica recovers: the
+// two left close its breaker within a few seconds, whoever held the
+// lease — it is never wedged.
 func TestFleetProbesOncePerIntervalAndSurvivesAKilledProber(t *testing.T) {
 	t.Parallel()
+	const (
+		interval = 2 * time.Second
+		window   = 30 * time.Second
+		lease    = interval * 8 / 10 // 0.8 × open_for (= interval), under the default 4s
+	)
 	rs := redistest.Start(t, redistest.Options{})
-	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3,
 		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
 	sick := fleet.Replica(0)
-	site := "llm_proxy " + upstreams(fleet) + " {\n\tmax_attempts 2\n\tbreaker {\n\t\tconsecutive_failures 3\n\t\topen_for 1s\n\t\tmin_open 1s\n\t\tmax_open 2s\n\t\trecovery_successes 1\n\t\tprobe {\n\t\t\turi /health\n\t\t\tinterval 1s\n\t\t}\n\t}\n}"
+	site := "llm_proxy " + upstreams(fleet) + " {\n\tfirst_byte_timeout 300ms\n\tmax_attempts 2\n\tbreaker {\n\t\tconsecutive_failures 3\n\t\topen_for 2s\n\t\tmin_open 2s\n\t\tmax_open 4s\n\t\trecovery_successes 1\n\t\tprobe {\n\t\t\turi /health\n\t\t\tinterval 2s\n\t\t}\n\t}\n}"
 	gws := startFleetGateways(t, 3, rs.Addr(), fleet, site)
-	b := sick.Behavior()
-	b.Fault = mockllm.Fault{Kind: mockllm.FaultStatus, Status: 503}
-	b.HealthStatus = 503
-	sick.SetBehavior(b)
 	var loads []*loadGen
 	for _, g := range gws {
 		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 1))
 	}
+	time.Sleep(300 * time.Millisecond)
+	b := sick.Behavior()
+	b.Fault = mockllm.Fault{Kind: mockllm.FaultHang}
+	b.HealthStatus = 503
+	sick.SetBehavior(b)
 	for i, g := range gws {
 		if _, ok := g.waitBreaker(sick.Addr(), 10*time.Second, func(v breakerView) bool { return v.State == "open" }); !ok {
 			t.Fatalf("gateway %d: replica 0's breaker never opened", i)
 		}
 	}
-	before := sick.Stats().HealthChecks
+	// The probes' arrival times, from the mock's health check counter
+	// sampled every 10ms.
 	from := time.Now()
-	time.Sleep(8 * time.Second)
-	probes := sick.Stats().HealthChecks - before
-	if probes < 1 || probes > 10 {
-		t.Errorf("the fleet sent %d probes to the failing replica in 8s at a 1s interval, want between 1 and about one per interval (≤ 10), not one per gateway", probes)
+	last := sick.Stats().HealthChecks
+	var at []time.Time
+	for time.Since(from) < window {
+		time.Sleep(10 * time.Millisecond)
+		if n := sick.Stats().HealthChecks; n != last {
+			for range n - last {
+				at = append(at, time.Now())
+			}
+			last = n
+		}
+	}
+	probes := len(at)
+	if limit := int(window/interval) + 1; probes < 1 || probes > limit {
+		t.Errorf("the fleet sent %d probes to the degraded replica in %s at a %s interval, want between 1 and one per interval (≤ %d), not one per gateway",
+			probes, window, interval, limit)
+	}
+	var gaps []time.Duration
+	for i := 1; i < len(at); i++ {
+		gaps = append(gaps, at[i].Sub(at[i-1]).Round(10*time.Millisecond))
+	}
+	// Lease time less slack for the sampling and the probers' 250ms look.
+	if minGap := lease - 400*time.Millisecond; len(gaps) > 0 && slices.Min(gaps) < minGap {
+		t.Errorf("two probes %s apart (gaps %v), want every two at least the lease time %s apart (less %s slack): one prober at a time for the fleet",
+			slices.Min(gaps), gaps, lease, lease-minGap)
 	}
 	if n := len(recordsBetween(userRecords(sick, "load-"), from, time.Time{})); n != 0 {
 		t.Errorf("%d user requests reached the open replica while the fleet probed it", n)
@@ -364,10 +395,10 @@ func TestFleetProbesOncePerIntervalAndSurvivesAKilledProber(t *testing.T) {
 	for _, g := range gws {
 		won += metricValueOrZero(t, g.scrapeMetrics(), "caddy_llm_proxy_probe_leases_total", map[string]string{"result": "won"})
 	}
-	if won < 1 {
-		t.Errorf("caddy_llm_proxy_probe_leases_total{result=won} summed over the fleet = %v, want the probes' leases counted", won)
+	if won < float64(probes) {
+		t.Errorf("caddy_llm_proxy_probe_leases_total{result=won} summed over the fleet = %v, want at least one lease per probe (%d)", won, probes)
 	}
-	t.Logf("%d probes in 8s across three gateways; %v leases won", probes, won)
+	t.Logf("%d probes in %s across three gateways, gaps %v; %v leases won", probes, window, gaps, won)
 
 	loads[0].stop()
 	_ = gws[0].cmd.Process.Kill() // kill -9, lease or not
