@@ -415,7 +415,8 @@ func TestDashboardReadsPercentilesFromRecordingRules(t *testing.T) {
 func strconvQuote(s string) string { q, _ := json.Marshal(s); return string(q) }
 
 // moduleMetrics reads the metric names the module registers from the
-// caddymodule sources (Name: "..." in the collectors' options, and the
+// caddymodule sources (Name: "..." in the collectors' options, with the
+// caddy/llm_proxy namespace as constants or literals, and the
 // fleet_degraded descriptor): histograms also answer to _bucket, _sum and
 // _count.
 func moduleMetrics(t *testing.T) (names map[string]bool, histograms map[string]bool) {
@@ -425,7 +426,7 @@ func moduleMetrics(t *testing.T) (names map[string]bool, histograms map[string]b
 		t.Fatalf("no caddymodule sources (%v)", err)
 	}
 	names, histograms = map[string]bool{}, map[string]bool{}
-	opt := regexp.MustCompile(`(Counter|Gauge|Histogram|Summary)Opts\{\s*Namespace: ns, Subsystem: sub, Name: "(\w+)"`)
+	opt := regexp.MustCompile(`(Counter|Gauge|Histogram|Summary)Opts\{\s*Namespace:\s*(?:ns|"caddy"),\s*Subsystem:\s*(?:sub|"llm_proxy"),\s*Name:\s*"(\w+)"`)
 	desc := regexp.MustCompile(`NewDesc\(ns\s*\+\s*"_"\s*\+\s*sub\s*\+\s*"_(\w+)"`)
 	for _, f := range files {
 		if strings.HasSuffix(f, "_test.go") {
