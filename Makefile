@@ -1,5 +1,5 @@
 # Developer entry points. See scripts/ for what demo and bench-overhead do.
-.PHONY: build demo bench-overhead bench-hedge bench-isolation test clean
+.PHONY: build demo bench bench-overhead bench-hedge bench-isolation test clean
 
 # ./caddy with the llm_proxy module (cached by source hash) and the tools.
 build:
@@ -9,6 +9,16 @@ build:
 # Mock fleet (two flaky replicas) + Caddy + 20 s of streaming load + summary.
 demo:
 	scripts/demo.sh
+
+# The whole benchmark suite (issue 12) in one run, under 15 minutes: S1, S3,
+# S4, S4b, S6, S7 and the request-body burst, each against a direct
+# connection, stock reverse_proxy and nginx (installed by
+# scripts/setup-bench.sh when missing); rewrites the suite section of
+# docs/benchmarks.md and docs/img/suite-*.png. SMOKE=1 (or BENCH_SMOKE=1): a
+# few seconds per scenario, results in a temp dir. SCENARIOS="S4b": only
+# those, docs/ untouched (same as scripts/bench.sh S4b).
+bench:
+	BENCH_SMOKE=$(or $(SMOKE),$(BENCH_SMOKE)) scripts/bench.sh $(SCENARIOS)
 
 # TTFT and inter-event gap: direct vs llm_proxy vs reverse_proxy.
 bench-overhead:

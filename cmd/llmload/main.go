@@ -14,6 +14,8 @@
 //	    --noisy-key KA --victim-keys KB,KC,KD [--mock http://127.0.0.1:9401] [--access-log file] [--plot out.png]
 //	llmload overload --target round_robin=http://127.0.0.1:8111 --target least_conn=http://127.0.0.1:8112 \
 //	    --target least_queue=http://127.0.0.1:8113 [--mock http://127.0.0.1:9501]... --rate 30 [--plot out.png]
+//	llmload suite run --scenario S4 --out DIR --target direct=URL --target llm_proxy=URL --pid llm_proxy=PID ...
+//	llmload suite report --dir DIR --md DIR/suite.md [--docs docs/benchmarks.md --img docs/img]
 //
 // Every run is bounded (by duration and/or request count), and llmload only
 // targets this machine unless --allow-remote is given.
@@ -62,6 +64,8 @@ func main() {
 		err = isolationCmd(os.Args[2:])
 	case "overload":
 		err = overloadCmd(os.Args[2:])
+	case "suite":
+		err = suiteCmd(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

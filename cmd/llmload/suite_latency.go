@@ -1,0 +1,224 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// LatencyReport is S1 or S3: streamed requests to every target, interleaved
+// in round-robin batches so that every target sees the same machine.
+type LatencyReport struct {
+	Config SuiteConfig `json:"config"`
+	// Upstream says what the mock did on every request.
+	Upstream string         `json:"upstream"`
+	Started  time.Time      `json:"started"`
+	Levels   []LatencyLevel `json:"levels"`
+}
+
+// LatencyLevel is one concurrency level of a latency scenario.
+type LatencyLevel struct {
+	Streams int             `json:"streams"`
+	Targets []LatencyTarget `json:"targets"`
+}
+
+// LatencyTarget is one target at one level. Added* are this target minus
+// direct at the same percentile, in ms (negative values are noise).
+type LatencyTarget struct {
+	Name     string `json:"name"`
+	Requests int64  `json:"requests"`
+	Errors   int64  `json:"errors"`
+	Example  string `json:"error_example,omitempty"`
+	TTFT     Dist   `json:"ttft"`
+	Gap      Dist   `json:"inter_event_gap"`
+
+	AddedTTFTP50 float64 `json:"added_ttft_p50_ms"`
+	AddedTTFTP99 float64 `json:"added_ttft_p99_ms"`
+	AddedGapP99  float64 `json:"added_gap_p99_ms"`
+	// TTFTSamples are the TTFTs in ms, sorted (for the CDF plots).
+	TTFTSamples []float64 `json:"ttft_samples_ms,omitempty"`
+}
+
+// latencyPlan is one level of a latency scenario: how many requests each
+// target gets and in batches of how many.
+type latencyPlan struct{ streams, requests, batch int }
+
+// latencyPlans returns the levels of S1 or S3 (override: "1,100" keeps
+// the scenario's request counts per level where it has them).
+func latencyPlans(cfg *SuiteConfig) ([]latencyPlan, error) {
+	var plans []latencyPlan
+	switch {
+	case cfg.Scenario == ScenarioS1 && cfg.Smoke:
+		plans = []latencyPlan{{1, 40, 10}}
+	case cfg.Scenario == ScenarioS1:
+		plans = []latencyPlan{{1, 2000, 100}}
+	case cfg.Smoke:
+		plans = []latencyPlan{{1, 6, 3}, {100, 200, 100}}
+	default:
+		// c=1: 100 requests of ~0.2 s per target; c=100: 2,000 per target.
+		plans = []latencyPlan{{1, 100, 20}, {100, 2000, 400}}
+	}
+	if cfg.Levels == "" {
+		return plans, nil
+	}
+	levels, err := parseLevels(cfg.Levels)
+	if err != nil {
+		return nil, err
+	}
+	var out []latencyPlan
+	for _, l := range levels {
+		p := latencyPlan{l, max(200, 10*l), max(10, 2*l)}
+		for _, q := range plans {
+			if q.streams == l {
+				p = q
+			}
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+func runLatencyScenario(ctx context.Context, cfg *SuiteConfig) (*LatencyReport, error) {
+	plans, err := latencyPlans(cfg)
+	if err != nil {
+		return nil, err
+	}
+	// S1: the floor, no delay anywhere in the mock. S3: a stream of 10
+	// events 20 ms apart after a 20 ms TTFT (issue 12's setup).
+	ttft, tokens, interval := time.Duration(0), 1, time.Duration(0)
+	if cfg.Scenario == ScenarioS3 {
+		ttft, tokens, interval = 20*time.Millisecond, 10, 20*time.Millisecond
+	}
+	rep := &LatencyReport{Config: *cfg, Started: time.Now(),
+		Upstream: fmt.Sprintf("mock TTFT %s, %d tokens %s apart (chat chunks: role, tokens, [DONE])", ttft, tokens, interval)}
+	maxLevel := 0
+	for _, p := range plans {
+		maxLevel = max(maxLevel, p.streams)
+	}
+	reqs := map[string]*Requester{}
+	var order []string
+	for _, t := range cfg.Targets {
+		reqs[t.Name] = &Requester{
+			Client:  newHTTPClient(maxLevel),
+			URL:     t.URL + "/v1/chat/completions",
+			Body:    chatBody("mock-llama", true, 0, 0),
+			Header:  mockHeaders(ttft, tokens, interval),
+			Timeout: cfg.Timeout,
+		}
+		order = append(order, t.Name)
+	}
+	for _, p := range plans {
+		if ctx.Err() != nil {
+			break
+		}
+		suiteLog("%s: %d streams, %d requests per target in batches of %d", cfg.Scenario, p.streams, p.requests, p.batch)
+		rep.Levels = append(rep.Levels, measureLatencyLevel(ctx, reqs, order, p, cfg.Scenario == ScenarioS3))
+	}
+	return rep, nil
+}
+
+// measureLatencyLevel warms every target up, then sends p.requests to each
+// in batches, rotating which target goes first in each round so that drift
+// in machine load spreads over all of them. With keep, TTFT samples are kept
+// for plots.
+func measureLatencyLevel(ctx context.Context, reqs map[string]*Requester, order []string, p latencyPlan, keep bool) LatencyLevel {
+	type acc struct {
+		ttft, gaps Samples
+		n, errs    int64
+		example    string
+	}
+	accs := map[string]*acc{}
+	remaining := map[string]int{}
+	for _, name := range order {
+		accs[name] = &acc{}
+		remaining[name] = p.requests
+		// Warm-up: opens the connections this level uses; not measured.
+		runBatch(ctx, reqs[name], max(p.streams, 5), p.streams)
+	}
+	for round := 0; ctx.Err() == nil; round++ {
+		progressed := false
+		for i := range order {
+			name := order[(round+i)%len(order)]
+			n := min(max(p.batch, p.streams), remaining[name])
+			if n == 0 {
+				continue
+			}
+			progressed = true
+			remaining[name] -= n
+			a := accs[name]
+			for _, r := range runBatch(ctx, reqs[name], n, p.streams) {
+				a.n++
+				if !r.OK() {
+					a.errs++
+					if a.example == "" {
+						a.example = r.Outcome + ": " + r.Detail
+					}
+					continue
+				}
+				a.ttft.Add(r.TTFT)
+				for _, g := range r.Gaps {
+					a.gaps.Add(g)
+				}
+			}
+		}
+		if !progressed {
+			break
+		}
+	}
+	lvl := LatencyLevel{Streams: p.streams}
+	for _, name := range order {
+		a := accs[name]
+		t := LatencyTarget{Name: name, Requests: a.n, Errors: a.errs, Example: a.example,
+			TTFT: a.ttft.Dist(), Gap: a.gaps.Dist()}
+		if keep {
+			for _, v := range a.ttft.vals {
+				t.TTFTSamples = append(t.TTFTSamples, ms(v))
+			}
+			slices.Sort(t.TTFTSamples)
+		}
+		lvl.Targets = append(lvl.Targets, t)
+	}
+	base := lvl.Targets[0] // direct
+	for i := range lvl.Targets {
+		t := &lvl.Targets[i]
+		t.AddedTTFTP50 = t.TTFT.P50 - base.TTFT.P50
+		t.AddedTTFTP99 = t.TTFT.P99 - base.TTFT.P99
+		t.AddedGapP99 = t.Gap.P99 - base.Gap.P99
+	}
+	return lvl
+}
+
+// target returns the named target's result, nil when absent.
+func (l *LatencyLevel) target(name string) *LatencyTarget {
+	for i := range l.Targets {
+		if l.Targets[i].Name == name {
+			return &l.Targets[i]
+		}
+	}
+	return nil
+}
+
+// level returns the level with that many streams, nil when absent.
+func (r *LatencyReport) level(streams int) *LatencyLevel {
+	if r == nil {
+		return nil
+	}
+	for i := range r.Levels {
+		if r.Levels[i].Streams == streams {
+			return &r.Levels[i]
+		}
+	}
+	return nil
+}
+
+// fmtLevels is "1 and 100".
+func fmtLevels(ls []int) string {
+	s := make([]string, len(ls))
+	for i, l := range ls {
+		s[i] = strconv.Itoa(l)
+	}
+	return strings.Join(s, ", ")
+}

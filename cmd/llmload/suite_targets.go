@@ -1,0 +1,181 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/dustin/go-humanize"
+)
+
+// suiteGoal is one target of issue 12 item 3, as measured in one run.
+type suiteGoal struct {
+	What     string // what is compared
+	Measured string // the figures and their ratio
+	Goal     string
+	// Met is whether the run met the goal; Known false when the run could
+	// not tell (a scenario or target missing).
+	Met, Known bool
+}
+
+func (g suiteGoal) verdict() string {
+	switch {
+	case !g.Known:
+		return "not measured"
+	case g.Met:
+		return "met"
+	}
+	return "**not met**"
+}
+
+// suiteTargets computes the ratios of issue 12 item 3 from a run.
+func suiteTargets(run *suiteRun) []suiteGoal {
+	var gs []suiteGoal
+	ratioGoal := func(what string, a, b float64, unit string, max float64, ok bool) suiteGoal {
+		g := suiteGoal{What: what, Goal: fmt.Sprintf("≤ %.2f×", max)}
+		if !ok || b <= 0 {
+			g.Measured = "—"
+			return g
+		}
+		r := a / b
+		g.Measured = fmt.Sprintf("%.1f / %.1f %s = **%.2f×**", a, b, unit, r)
+		g.Known, g.Met = true, r <= max
+		return g
+	}
+	// CPU per event (S4 at each level, S4b) against reverse_proxy and nginx.
+	for _, sc := range []struct {
+		name string
+		r    *StreamsReport
+	}{{"S4", run.S4}, {"S4b", run.S4b}} {
+		if sc.r == nil {
+			gs = append(gs, suiteGoal{What: "CPU per event, " + sc.name, Goal: "≤ 0.75× reverse_proxy, ≤ 1.5× nginx", Measured: "—"})
+			continue
+		}
+		for _, level := range sc.r.Levels {
+			_, l := sc.r.cell(TargetLLMProxy, level)
+			_, c := sc.r.cell(TargetReverseProxy, level)
+			_, n := sc.r.cell(TargetNginx, level)
+			okL := l != nil && l.Skipped == "" && l.Events > 0
+			what := fmt.Sprintf("CPU per event, %s %s streams", sc.name, humanize.Comma(int64(level)))
+			gs = append(gs,
+				ratioGoal(what+", llm_proxy ÷ reverse_proxy", val(l, okL), cpuOf(c), "µs", 0.75, okL && cpuOf(c) > 0),
+				ratioGoal(what+", llm_proxy ÷ nginx", val(l, okL), cpuOf(n), "µs", 1.5, okL && cpuOf(n) > 0))
+		}
+	}
+	// RSS per stream against reverse_proxy.
+	if run.S4 != nil {
+		for _, level := range run.S4.Levels {
+			_, l := run.S4.cell(TargetLLMProxy, level)
+			_, c := run.S4.cell(TargetReverseProxy, level)
+			ok := l != nil && c != nil && l.Skipped == "" && c.Skipped == ""
+			a, b := 0.0, 0.0
+			if ok {
+				a, b = l.RSSPerStreamKB, c.RSSPerStreamKB
+			}
+			gs = append(gs, ratioGoal(fmt.Sprintf("RSS per stream, %s streams, llm_proxy ÷ reverse_proxy", humanize.Comma(int64(level))),
+				a, b, "KB", 0.5, ok))
+		}
+	} else {
+		gs = append(gs, suiteGoal{What: "RSS per stream, llm_proxy ÷ reverse_proxy", Goal: "≤ 0.50×", Measured: "—"})
+	}
+	// Added TTFT against reverse_proxy.
+	addedGoal := func(what string, lr *LatencyReport, streams int, p99 bool) suiteGoal {
+		g := suiteGoal{What: what, Goal: "≤ 1.00× (added TTFT no more than reverse_proxy's)", Measured: "—"}
+		lvl := lr.level(streams)
+		if lvl == nil {
+			return g
+		}
+		l, c := lvl.target(TargetLLMProxy), lvl.target(TargetReverseProxy)
+		if l == nil || c == nil {
+			return g
+		}
+		a, b := l.AddedTTFTP50, c.AddedTTFTP50
+		if p99 {
+			a, b = l.AddedTTFTP99, c.AddedTTFTP99
+		}
+		g.Known, g.Met = true, a <= b
+		g.Measured = fmt.Sprintf("%s / %s", fmtAdded(a), fmtAdded(b))
+		if b > 0.01 {
+			g.Measured += fmt.Sprintf(" = **%.2f×**", a/b)
+		}
+		return g
+	}
+	gs = append(gs,
+		addedGoal("added TTFT p50, S3 100 streams, llm_proxy ÷ reverse_proxy", run.S3, 100, false),
+		addedGoal("added TTFT p99, S3 100 streams, llm_proxy ÷ reverse_proxy", run.S3, 100, true),
+		addedGoal("added TTFT p50, S3 1 stream, llm_proxy ÷ reverse_proxy", run.S3, 1, false),
+		addedGoal("added TTFT p50, S1 1 stream (zero-delay mock), llm_proxy ÷ reverse_proxy", run.S1, 1, false))
+	// 5,000 streams with no event later than 50 ms.
+	g := suiteGoal{What: "streams held by llm_proxy with no event later than 50 ms", Goal: "5,000 streams, 0 late", Measured: "—"}
+	if run.S4 != nil && len(run.S4.Levels) > 0 {
+		top := run.S4.Levels[len(run.S4.Levels)-1]
+		_, l := run.S4.cell(TargetLLMProxy, top)
+		switch {
+		case l == nil:
+		case l.Skipped != "":
+			g.Known, g.Measured = true, fmt.Sprintf("%s not held: %s", humanize.Comma(int64(top)), l.Skipped)
+		default:
+			g.Known = true
+			g.Met = l.Late == 0 && l.Failed == 0 && top >= 5000
+			g.Measured = fmt.Sprintf("%s streams: %s of %s events late, %d failed", humanize.Comma(int64(top)),
+				humanize.Comma(l.Late), humanize.Comma(l.Events), l.Failed)
+		}
+	}
+	gs = append(gs, g)
+	// Retry amplification at 100% failure.
+	g = suiteGoal{What: "retry amplification at 100% failure, llm_proxy (S6)", Goal: "≤ 1.10 upstream attempts per request", Measured: "—"}
+	if run.S6 != nil {
+		for _, t := range run.S6.Targets {
+			if t.Name != TargetLLMProxy || len(t.Points) == 0 {
+				continue
+			}
+			pt := t.Points[len(t.Points)-1]
+			if pt.Rate < 1 {
+				break
+			}
+			g.Known, g.Met = true, pt.PerRequest <= 1.1
+			g.Measured = fmt.Sprintf("**%.2f×**", pt.PerRequest)
+			for _, o := range run.S6.Targets {
+				if o.Name == TargetReverseProxy || o.Name == TargetNginx {
+					if n := len(o.Points); n > 0 {
+						g.Measured += fmt.Sprintf(" (%s %.2f×)", o.Name, o.Points[n-1].PerRequest)
+					}
+				}
+			}
+		}
+	}
+	gs = append(gs, g)
+	return gs
+}
+
+func val(l *StreamsLevel, ok bool) float64 {
+	if !ok {
+		return 0
+	}
+	return l.CPUPerEventUS
+}
+
+func cpuOf(l *StreamsLevel) float64 {
+	if l == nil || l.Skipped != "" || l.Events == 0 {
+		return 0
+	}
+	return l.CPUPerEventUS
+}
+
+func writeSuiteTargets(w io.Writer, gs []suiteGoal) {
+	fmt.Fprintf(w, "### Targets of issue 12 (item 3) in this run\n\n")
+	rows := [][]string{{"target", "measured", "goal", "verdict"}}
+	for _, g := range gs {
+		rows = append(rows, []string{g.What, g.Measured, g.Goal, g.verdict()})
+	}
+	writeMarkdown(w, rows, "llll")
+	fmt.Fprintln(w)
+}
+
+// printSuiteTargets prints the goals for a terminal, one a line.
+func printSuiteTargets(w io.Writer, gs []suiteGoal) {
+	fmt.Fprintln(w, "Targets of issue 12 (item 3), this run:")
+	for _, g := range gs {
+		fmt.Fprintf(w, "  %-12s %s: %s (goal %s)\n", g.verdict(), g.What, strings.ReplaceAll(g.Measured, "**", ""), g.Goal)
+	}
+}
