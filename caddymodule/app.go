@@ -10,6 +10,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -51,6 +52,20 @@ type App struct {
 	// Fleet shares state between the gateways of a fleet through Redis.
 	// Default: none — every gateway keeps its state to itself.
 	Fleet *FleetConfig `json:"fleet,omitempty"`
+
+	// MaxBufferedBodies bounds the memory that request bodies held by
+	// every llm_proxy handler and llm_model matcher of the process take at
+	// once, in bytes. Each body is charged its buffer (its declared
+	// Content-Length, or what arrived so far) before it is read and given
+	// back when its request ends; a body that does not fit waits up to 1s
+	// for room, then gets 503 with Retry-After: 1 and code
+	// body_memory_exhausted, and a body larger than the whole budget gets
+	// 413. Configs of the same size share one budget across reloads.
+	// Default: 256MiB.
+	MaxBufferedBodies int64 `json:"max_buffered_bodies,omitempty"`
+
+	// bodies is the process-wide body budget of MaxBufferedBodies.
+	bodies *proxy.BodyBudget
 
 	// tenancy is what the handlers of this config use to identify and
 	// admit; nil without tenants.
@@ -97,6 +112,11 @@ func (a *App) Provision(ctx caddy.Context) error {
 		}
 		a.fleetCfg, a.fleet = cfg, new(fleetSlot)
 	}
+	bodies, err := bodyBudgetFor(a.MaxBufferedBodies)
+	if err != nil {
+		return err
+	}
+	a.bodies = bodies
 	ev, err := ctx.App("events")
 	if err != nil {
 		return fmt.Errorf("loading events app: %w", err)
@@ -111,6 +131,32 @@ func (a *App) Provision(ctx caddy.Context) error {
 }
 
 func (a *App) registry() *upstream.Registry { return reg }
+
+// bodyBudgets holds the process's body budgets by size: a reload that
+// keeps max_buffered_bodies keeps the budget, with the charges of the
+// requests still running; a new size starts a new budget while the old
+// one's requests finish.
+var bodyBudgets sync.Map // int64 → *proxy.BodyBudget
+
+// bodyBudgetFor returns the process-wide body budget of size bytes (0:
+// proxy.DefaultMaxBufferedBodies).
+func bodyBudgetFor(size int64) (*proxy.BodyBudget, error) {
+	if size < 0 {
+		return nil, fmt.Errorf("llm_proxy: negative max_buffered_bodies %d", size)
+	}
+	if size == 0 {
+		size = proxy.DefaultMaxBufferedBodies
+	}
+	if b, ok := bodyBudgets.Load(size); ok {
+		return b.(*proxy.BodyBudget), nil
+	}
+	b, err := proxy.NewBodyBudget(size, proxy.DefaultBodyBudgetWait)
+	if err != nil {
+		return nil, err
+	}
+	got, _ := bodyBudgets.LoadOrStore(size, b)
+	return got.(*proxy.BodyBudget), nil
+}
 
 // adoptedGate is a shared gate with the capacity this config gives it.
 type adoptedGate struct {

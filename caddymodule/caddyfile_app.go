@@ -4,6 +4,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/dustin/go-humanize"
 )
 
 func init() {
@@ -51,6 +52,7 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 //	            tpm <n>
 //	        }
 //	        metrics_tenant_label
+//	        max_buffered_bodies <size>
 //	        fleet redis <url> {
 //	            password <secret>|{env.X}
 //	            db <n>
@@ -113,6 +115,18 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			a.Fleet = new(FleetConfig)
 			if err := parseFleet(d, a.Fleet); err != nil {
 				return err
+			}
+		case "max_buffered_bodies":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			size, err := humanize.ParseBytes(d.Val())
+			if err != nil || size == 0 || size > 1<<40 {
+				return d.Errf("bad max_buffered_bodies %q: want a positive size such as 256MiB", d.Val())
+			}
+			a.MaxBufferedBodies = int64(size)
+			if d.NextArg() {
+				return d.ArgErr()
 			}
 		case "metrics_tenant_label":
 			if d.NextArg() {

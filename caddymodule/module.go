@@ -238,6 +238,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		MaxAttempts:       h.MaxAttempts,
 		Retries:           h.pool.Retries(),
 		Hedging:           h.pool.Hedging(),
+		BodyBudget:        app.bodies,
 	})
 	if err != nil {
 		return err

@@ -350,6 +350,10 @@ type Config struct {
 	// (DESIGN §10), tried in order, only before commit; each gets up to
 	// MaxAttempts attempts of its own. Default: none.
 	Fallbacks []Fallback
+	// BodyBudget, when set, is charged for every request body before it
+	// is read (503 body_memory_exhausted when it has no room in time);
+	// nil bounds bodies only by MaxRequestBody.
+	BodyBudget *BodyBudget
 }
 
 // Defaults of Config.

@@ -5,19 +5,22 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/tidwall/gjson"
-	"github.com/tidwall/sjson"
 )
 
-// read is step 1: the body into memory, bounded by max_request_body, and
-// the parse of the few fields the gateway acts on. It records why it could
-// not go on (finish answers 400, 408 or 413) and reports whether to go on.
+// read is step 1: the body into memory, bounded by max_request_body and
+// charged to the body budget, and the parse of the few fields the gateway
+// acts on. A body the llm_model matcher already read (a *Body in r.Body)
+// is taken as it is, neither read nor charged again. It records why it
+// could not go on (finish answers 400, 408, 413, or 503 when the body
+// budget has no room) and reports whether to go on. The body's charge is
+// given back when the request's context ends, which run's deferred cancel
+// does after finish, on every path.
 func (x *exchange) read() bool {
 	if d := x.p.cfg.StreamTimeout; d > 0 {
 		// stream_timeout runs from the request's arrival: a body that
@@ -28,21 +31,27 @@ func (x *exchange) read() bool {
 			defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
 		}
 	}
-	body, err := ReadBody(x.r, x.p.cfg.MaxRequestBody)
+	body, err := BufferBody(x.ctx, x.r, BodyLimits{Limit: x.p.cfg.MaxRequestBody, Budget: x.p.cfg.BodyBudget, Clock: x.p.clock})
+	if errors.Is(err, ErrBodyBudget) {
+		x.refusal = &GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer,
+			Code: "body_memory_exhausted", RetryAfter: 1,
+			Message: "the gateway has no memory free for the request body now (max_buffered_bodies); retry shortly"}
+		return false
+	}
 	if err != nil {
 		x.readErr, x.readGone = err, x.clientGone()
 		return false
 	}
-	x.body = body
+	x.body = body.Bytes()
 	if isJSONRequest(x.r) {
-		info, err := ParseRequest(body)
+		info, err := body.Parse()
 		if err != nil {
 			x.jsonErr = err
 			return false
 		}
 		x.res.Info = info
 		if x.p.cfg.RequestUsage && info.Stream && !info.IncludeUsage {
-			if edited, ok := requestUsage(body); ok {
+			if edited, ok := requestUsage(x.body); ok {
 				x.body, x.stripUsage = edited, true
 			}
 		}
@@ -53,19 +62,77 @@ func (x *exchange) read() bool {
 // requestUsage returns body with stream_options.include_usage set to true,
 // every other byte as the client sent it: the upstream then reports the
 // stream's real usage in a usage-only chunk, which relay reads and keeps
-// from the client that did not ask for it. ok is false when the body
-// cannot be edited (it is then sent unchanged).
+// from the client that did not ask for it. The edit is made in place when
+// body has the room after it (a read body keeps usageSlack bytes), else in
+// a copy. ok is false when the body cannot be edited (it is then sent
+// unchanged).
 func requestUsage(body []byte) (edited []byte, ok bool) {
-	// sjson drops what follows the object; keep it (a trailing newline).
+	at, del, ins, ok := usageEdit(body)
+	if !ok {
+		return body, false
+	}
+	n := len(body) - del + len(ins)
+	var out []byte
+	if n <= cap(body) {
+		out = body[:n]
+	} else {
+		out = make([]byte, n)
+		copy(out, body[:at])
+	}
+	copy(out[at+len(ins):], body[at+del:])
+	copy(out[at:], ins)
+	return out, true
+}
+
+// usageEdit finds the edit that sets stream_options.include_usage to true,
+// as sjson.SetBytes would make it: replace body[at:at+del] with ins. A
+// missing member is appended at the end of its object; a stream_options
+// that is not an object (null) is replaced by one. ok is false when body is
+// not an object or a value cannot be located.
+func usageEdit(body []byte) (at, del int, ins string, ok bool) {
 	end := len(body)
 	for end > 0 && isJSONSpace(body[end-1]) {
 		end--
 	}
-	out, err := sjson.SetBytes(body[:end:end], "stream_options.include_usage", true)
-	if err != nil {
-		return body, false
+	if end == 0 || body[end-1] != '}' || firstNonSpace(body) != '{' {
+		return 0, 0, "", false
 	}
-	return append(out, body[end:]...), true
+	so := gjson.GetBytes(body[:end], "stream_options")
+	switch {
+	case !so.Exists():
+		ins = `"stream_options":{"include_usage":true}`
+		if hasMembers(body[skipSpace(body, 0):end]) {
+			ins = "," + ins
+		}
+		return end - 1, 0, ins, true
+	case so.Index <= 0:
+		return 0, 0, "", false
+	case so.IsObject():
+		iu := so.Get("include_usage")
+		if iu.Exists() {
+			if iu.Index <= 0 {
+				return 0, 0, "", false
+			}
+			return iu.Index, len(iu.Raw), "true", true // Result.Get indexes the whole body
+		}
+		ins = `"include_usage":true`
+		if hasMembers([]byte(so.Raw)) {
+			ins = "," + ins
+		}
+		return so.Index + len(so.Raw) - 1, 0, ins, true
+	}
+	return so.Index, len(so.Raw), `{"include_usage":true}`, true
+}
+
+// hasMembers reports whether the JSON object obj (braces included, no
+// space around them) has a member.
+func hasMembers(obj []byte) bool {
+	for _, c := range obj[1 : len(obj)-1] {
+		if !isJSONSpace(c) {
+			return true
+		}
+	}
+	return false
 }
 
 func isJSONSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\r' || c == '\n' }
@@ -79,41 +146,17 @@ var ErrBodyTooLarge = errors.New("request body too large")
 
 // ReadBody reads r's body into memory, refusing more than limit bytes. A
 // declared Content-Length over the limit is refused without reading a byte.
-// The returned slice is what every attempt sends, so all attempts carry an
-// identical body. Errors wrap ErrBodyTooLarge or the read error.
+// The buffer is sized once from a declared length (at most 256 KiB of it
+// before the bytes arrive), else doubles as the body arrives. The returned
+// slice is what every attempt sends, so all attempts carry an identical
+// body. It charges no budget (the lifecycle's read does). Errors wrap
+// ErrBodyTooLarge or the read error.
 func ReadBody(r *http.Request, limit int64) ([]byte, error) {
-	if r.Body == nil || r.Body == http.NoBody {
-		return nil, nil
+	b, err := readBody(r.Context(), r, BodyLimits{Limit: limit})
+	if err != nil {
+		return nil, err
 	}
-	if r.ContentLength > limit {
-		return nil, fmt.Errorf("%w: declared %d bytes, limit %d", ErrBodyTooLarge, r.ContentLength, limit)
-	}
-	// Start from the declared length, but not more than 64 KiB: a client
-	// that declares 16 MiB and sends a byte must not cost 16 MiB.
-	size := 512
-	if r.ContentLength > 0 {
-		size = int(min(r.ContentLength, 64<<10))
-	}
-	buf := make([]byte, 0, size+1)
-	for {
-		if int64(len(buf)) > limit {
-			return nil, fmt.Errorf("%w: more than %d bytes", ErrBodyTooLarge, limit)
-		}
-		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
-		}
-		n, err := r.Body.Read(buf[len(buf):cap(buf)])
-		buf = buf[:len(buf)+n]
-		if err == io.EOF {
-			if int64(len(buf)) > limit {
-				return nil, fmt.Errorf("%w: more than %d bytes", ErrBodyTooLarge, limit)
-			}
-			return buf, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("reading request body: %w", err)
-		}
-	}
+	return b.Bytes(), nil
 }
 
 // RequestInfo holds the few fields of an OpenAI-style request body that the
@@ -237,21 +280,39 @@ var readFields = [...]string{"model", "stream", "max_tokens", "max_completion_to
 // "MAX_TOKENS":1} would be reserved as 1 token and generate 100,000.
 func ambiguousField(body []byte) string {
 	var seen [len(readFields)]bool
-	bad := ""
-	gjson.ParseBytes(body).ForEach(func(k, _ gjson.Result) bool {
-		for i, f := range readFields {
-			if !strings.EqualFold(k.Str, f) {
+	// body is one valid JSON object (ParseRequest checked): walk its
+	// top-level keys in place (gjson.ParseBytes would copy the body).
+	i := skipSpace(body, skipSpace(body, 0)+1)
+	for i < len(body) && body[i] != '}' {
+		if body[i] == ',' {
+			i = skipSpace(body, i+1)
+			continue
+		}
+		ke := skipJSON(body, i)
+		key := jsonKey(body[i:ke])
+		i = skipSpace(body, skipSpace(body, ke)+1) // past the colon
+		i = skipSpace(body, skipJSON(body, i))      // past the value
+		for j, f := range readFields {
+			if !strings.EqualFold(key, f) {
 				continue
 			}
-			if k.Str != f || seen[i] {
-				bad = k.Str
-				return false
+			if key != f || seen[j] {
+				return key
 			}
-			seen[i] = true
+			seen[j] = true
 		}
-		return true
-	})
-	return bad
+	}
+	return ""
+}
+
+// jsonKey decodes the quoted JSON key q; only an escaped one allocates.
+func jsonKey(q []byte) string {
+	if bytes.IndexByte(q, '\\') < 0 {
+		return string(q[1 : len(q)-1]) // compared only: does not escape
+	}
+	var k string
+	_ = json.Unmarshal(q, &k)
+	return k
 }
 
 // messageContent measures a chat message's content: a string, null, or an
