@@ -291,7 +291,7 @@ func ambiguousField(body []byte) string {
 		ke := skipJSON(body, i)
 		key := jsonKey(body[i:ke])
 		i = skipSpace(body, skipSpace(body, ke)+1) // past the colon
-		i = skipSpace(body, skipJSON(body, i))      // past the value
+		i = skipSpace(body, skipJSON(body, i))     // past the value
 		for j, f := range readFields {
 			if !strings.EqualFold(key, f) {
 				continue
