@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -110,19 +111,22 @@ func TestFleetTenantTPMReservesFleetWide(t *testing.T) {
 }
 
 // TestFleetTenantConcurrencyLeases: a tenant with max_concurrent 2 runs
-// two streams of about 12s (longer than a lease's 10s time-to-live, so
-// the heartbeat must renew them) on two gateways. Sampled every 300ms,
-// Redis holds exactly two leases for the tenant throughout, and a third
-// request on the third gateway is refused with 429 tenant_concurrency
-// throughout; after the streams end the count is 0, never negative.
+// two 60s streams (122 tokens, one every 500ms: six times a lease's 10s
+// time-to-live, so the heartbeat must renew them) on two gateways.
+// Sampled every 500ms while both run, Redis holds exactly two leases for
+// the tenant, a third request on the third gateway is refused with 429
+// tenant_concurrency, and no gateway's admin view shows a negative
+// in-flight count; after the streams end the count is 0 in Redis and on
+// every gateway, and a request fits again.
 func TestFleetTenantConcurrencyLeases(t *testing.T) {
 	t.Parallel()
+	const streamFor = 60 * time.Second
 	rs := redistest.Start(t, redistest.Options{})
 	key := newKey("fleetslots")
 	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
 	gws := startFleetTenantGateways(t, 3, rs.Addr(), fleet, fmt.Sprintf("\ttenants {\n\t\tkey %s acme tier two\n\t}\n\ttier two {\n\t\tmax_concurrent 2\n\t}", key), key)
 	c := newClient(t)
-	ctx := testContext(t, 40*time.Second)
+	ctx := testContext(t, streamFor+30*time.Second)
 	leases := func() int {
 		out, err := rs.Do("ZCARD", "llmproxy:{tenant:acme}:leases")
 		if err != nil {
@@ -134,41 +138,89 @@ func TestFleetTenantConcurrencyLeases(t *testing.T) {
 		}
 		return n
 	}
+	inflight := func() []int {
+		var n []int
+		for _, g := range gws {
+			n = append(n, g.tenants()["acme"].Inflight) // no state yet: 0
+		}
+		return n
+	}
 	long := chatOf("a long one", true, nil)
-	slow := []string{bearer(key), "X-Mock-Tokens: 24", "X-Mock-Token-Interval: 500ms"}
-	var streams []func() reply
+	slow := []string{bearer(key), "X-Mock-Tokens: 122", "X-Mock-Token-Interval: 500ms"}
+	var (
+		mu      sync.Mutex
+		ended   []time.Duration
+		results = make([]reply, 2)
+		wg      sync.WaitGroup
+	)
+	began := time.Now()
 	for i := range 2 {
-		streams = append(streams, asyncSend(ctx, c, gws[i].URL+"/v1/chat/completions", long, slow...))
+		wait := asyncSend(ctx, c, gws[i].URL+"/v1/chat/completions", long, slow...)
+		wg.Go(func() {
+			results[i] = wait()
+			mu.Lock()
+			ended = append(ended, time.Since(began))
+			mu.Unlock()
+		})
+	}
+	running := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(ended) == 0
 	}
 	if !waitFor(5*time.Second, func() bool { return leases() == 2 }) {
 		t.Fatalf("Redis holds %d leases for the tenant with two streams running, want 2", leases())
 	}
-	start := time.Now()
-	samples, refusals := 0, 0
-	for time.Since(start) < 11*time.Second {
-		if n := leases(); n != 2 {
-			t.Fatalf("after %v: Redis holds %d leases with two streams running, want exactly 2", time.Since(start).Round(time.Millisecond), n)
+	samples := 0
+	// Both streams run until about streamFor after they began; stop
+	// sampling a second early so that the last sample is not racing the
+	// ends.
+	for time.Since(began) < streamFor-time.Second {
+		n := leases()
+		if !running() {
+			break // checked below: a stream ended early
 		}
-		samples++
+		at := time.Since(began).Round(time.Millisecond)
+		if n != 2 {
+			t.Fatalf("after %v: Redis holds %d leases with two streams running, want exactly 2", at, n)
+		}
+		for i, v := range inflight() {
+			if v < 0 || v > 2 {
+				t.Fatalf("after %v: gateway %d's admin view shows %d in flight for the tenant, want 0..2", at, i, v)
+			}
+		}
 		r := mustSend(ctx, t, c, gws[2].URL+"/v1/chat/completions", chatOf("a third", false, nil), bearer(key))
 		if r.Status != http.StatusTooManyRequests || errorCode(r.Body) != "tenant_concurrency" {
-			t.Fatalf("after %v: a third request on another gateway got %d %s, want 429 tenant_concurrency", time.Since(start).Round(time.Millisecond), r.Status, r.Body)
+			t.Fatalf("after %v: a third request on another gateway got %d %s, want 429 tenant_concurrency", at, r.Status, r.Body)
 		}
-		refusals++
-		time.Sleep(300 * time.Millisecond)
+		samples++
+		time.Sleep(500 * time.Millisecond)
 	}
-	for i, wait := range streams {
-		if r := wait(); r.Err != nil || r.Status != http.StatusOK {
+	wg.Wait()
+	for i, r := range results {
+		if r.Err != nil || r.Status != http.StatusOK {
 			t.Fatalf("stream %d: %d %v", i, r.Status, r.Err)
 		}
 	}
+	if first := slices.Min(ended); first < streamFor-time.Second {
+		t.Fatalf("a stream ended after %v, want both to run for about %v", first, streamFor)
+	}
+	if min := int((streamFor - 6*time.Second) / (700 * time.Millisecond)); samples < min {
+		t.Errorf("%d samples over the streams, want at least %d (one every ~500ms)", samples, min)
+	}
 	if !waitFor(5*time.Second, func() bool { return leases() == 0 }) {
 		t.Fatalf("Redis holds %d leases after both streams ended, want 0", leases())
+	}
+	if !waitFor(5*time.Second, func() bool { return !slices.ContainsFunc(inflight(), func(n int) bool { return n != 0 }) }) {
+		t.Fatalf("in flight per gateway %v after the streams ended, want 0 everywhere", inflight())
+	}
+	if n := leases(); n != 0 {
+		t.Fatalf("Redis holds %d leases after the gateways settled, want 0 (never negative, never left over)", n)
 	}
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	if r := mustSend(cctx, t, c, gws[2].URL+"/v1/chat/completions", chatOf("now it fits", false, nil), bearer(key)); r.Status != http.StatusOK {
 		t.Fatalf("after the streams ended: %d %s, want 200", r.Status, r.Body)
 	}
-	t.Logf("%d samples of exactly 2 leases, %d refusals of a third request", samples, refusals)
+	t.Logf("%d samples of exactly 2 leases and a refused third request over %v; streams ended after %v", samples, streamFor, ended)
 }
