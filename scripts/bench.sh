@@ -36,6 +36,10 @@
 #   OUT=dir                     where the JSON, suite.md and plots go
 #                               (default: a new temp dir)
 #   BENCH_DOCS=0                a full run leaves docs/ alone
+#   TARGETS="llm_proxy nginx"   only these targets (direct always runs) in
+#                               S1-S6; implies docs/ untouched
+#   LEVELS=1000 WINDOW=20s      override the streams levels / the window of
+#                               S4, S4b (LEVELS also the c= levels of S1, S3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCRIPT_NAME=bench
@@ -69,7 +73,7 @@ wants() {
 	return 1
 }
 docs=""
-if [ -n "$full" ] && [ -z "$SMOKE" ] && [ "${BENCH_DOCS:-1}" != 0 ]; then docs=1; fi
+if [ -n "$full" ] && [ -z "$SMOKE" ] && [ "${BENCH_DOCS:-1}" != 0 ] && [ -z "${TARGETS:-}${LEVELS:-}${WINDOW:-}" ]; then docs=1; fi
 
 install_cleanup
 started=$(date +%s)
@@ -253,14 +257,16 @@ wait_ports nginx "$ng_pid" "$ngdir/error.log" 30 "$ng_one" "$ng_three"
 # --- scenarios -------------------------------------------------------------
 failed=()
 missing=()
-targets=(--target "direct=http://$m0"
-	--target "llm_proxy=http://127.0.0.1:$llm_one" --storm "llm_proxy=http://127.0.0.1:$llm_three" --pid "llm_proxy=$llm_pid"
-	--target "reverse_proxy=http://127.0.0.1:$rp_one" --storm "reverse_proxy=http://127.0.0.1:$rp_three" --pid "reverse_proxy=$rp_pid"
-	--target "nginx=http://127.0.0.1:$ng_one" --storm "nginx=http://127.0.0.1:$ng_three" --pid "nginx=$ng_pid")
+targets=(--target "direct=http://$m0")
+want_target() { [ -z "${TARGETS:-}" ] || [[ " $TARGETS " == *" $1 "* ]]; }
+want_target llm_proxy && targets+=(--target "llm_proxy=http://127.0.0.1:$llm_one" --storm "llm_proxy=http://127.0.0.1:$llm_three" --pid "llm_proxy=$llm_pid")
+want_target reverse_proxy && targets+=(--target "reverse_proxy=http://127.0.0.1:$rp_one" --storm "reverse_proxy=http://127.0.0.1:$rp_three" --pid "reverse_proxy=$rp_pid")
+want_target nginx && targets+=(--target "nginx=http://127.0.0.1:$ng_one" --storm "nginx=http://127.0.0.1:$ng_three" --pid "nginx=$ng_pid")
 for s in S1 S3 S4 S4b S6; do
 	wants "$s" || continue
 	log "scenario $s"
-	if ! run_fg "$llmload" suite run --scenario "$s" --out "$OUT" --mock "http://$m0" ${SMOKE:+--smoke} "${targets[@]}"; then
+	if ! run_fg "$llmload" suite run --scenario "$s" --out "$OUT" --mock "http://$m0" ${SMOKE:+--smoke} \
+		${LEVELS:+--levels "$LEVELS"} ${WINDOW:+--window "$WINDOW"} "${targets[@]}"; then
 		failed+=("$s")
 		missing+=("$s: failed (llmload suite run exited with an error; logs in $logdir)")
 	fi

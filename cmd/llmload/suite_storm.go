@@ -47,7 +47,7 @@ type StormPoint struct {
 }
 
 func runStormScenario(ctx context.Context, cfg *SuiteConfig) (*StormReport, error) {
-	rep := &StormReport{Config: *cfg, Rates: []float64{0, 0.25, 0.5, 0.75, 1}, Rate: 50, Duration: 5 * time.Second,
+	rep := &StormReport{Config: *cfg, Rates: []float64{0, 0.25, 0.5, 0.75, 1}, Rate: 50, Duration: 4 * time.Second,
 		Started: time.Now(), Upstream: "3 mock replicas, TTFT 0, 2 tokens; a failing attempt gets 503 before any byte (X-Mock-Fault: status=503,fraction=F)"}
 	if cfg.Smoke {
 		rep.Rates, rep.Duration = []float64{0, 0.5, 1}, time.Second

@@ -91,13 +91,13 @@ func streamsPlanFor(cfg *SuiteConfig) (streamsPlan, error) {
 	p := streamsPlan{settle: 2 * time.Second, startTimeout: 30 * time.Second, rampPerSec: 2000, perStreamBudgetK: 1024}
 	switch {
 	case cfg.Scenario == ScenarioS4 && cfg.Smoke:
-		p.levels, p.interval, p.window = []int{20, 50}, 100*time.Millisecond, 2*time.Second
+		p.levels, p.interval, p.window = []int{20, 50}, 100*time.Millisecond, time.Second
 	case cfg.Scenario == ScenarioS4:
 		// 12 s at 1,000 streams is 12,000 events: at ~20 µs each 24 ticks of
 		// 10 ms, so the CPU figure is good to about 5%.
 		p.levels, p.interval, p.window = []int{1000, 4000, 5000}, time.Second, 12*time.Second
 	case cfg.Smoke:
-		p.levels, p.interval, p.window = []int{20}, 20*time.Millisecond, 2*time.Second
+		p.levels, p.interval, p.window = []int{20}, 20*time.Millisecond, time.Second
 	default:
 		p.levels, p.interval, p.window = []int{200}, 20*time.Millisecond, 10*time.Second
 	}

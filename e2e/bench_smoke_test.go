@@ -1,0 +1,137 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// suiteTargetColumns are the target columns every table of the benchmark
+// suite (scripts/bench.sh) has.
+var suiteTargetColumns = []string{"direct", "llm_proxy", "reverse_proxy", "nginx"}
+
+// TestBenchSuiteSmoke runs `make bench` in its smoke mode (BENCH_SMOKE=1: a
+// few seconds per scenario, results in a temp dir, docs/ untouched) so that
+// the suite cannot rot: every scenario must run against every target (nginx
+// is installed by scripts/setup-bench.sh when missing), and every table it
+// writes must have a number in each proxy's column.
+func TestBenchSuiteSmoke(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs the benchmark suite's smoke mode (about two minutes)")
+	}
+	out := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "../scripts/bench.sh")
+	cmd.Env = append(os.Environ(), "BENCH_SMOKE=1", "CADDY="+caddyBin, "OUT="+out)
+	// The script stops what it started on TERM; give it the time to.
+	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+	cmd.WaitDelay = 15 * time.Second
+	var logs bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	start := time.Now()
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("scripts/bench.sh (smoke): %v after %s; last output:\n%s", err, time.Since(start).Round(time.Second), tail(logs.String(), 60))
+	}
+	t.Logf("smoke suite took %s", time.Since(start).Round(time.Second))
+
+	md, err := os.ReadFile(filepath.Join(out, "suite.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(md)
+	for _, h := range []string{"### Targets of issue 12", "### S1 latency floor", "### S3 stream fidelity",
+		"### S4 stream capacity", "### S4b event rate", "### S6 retry storm", "### S7 hedging"} {
+		if !strings.Contains(doc, h) {
+			t.Errorf("suite.md has no %q section", h)
+		}
+	}
+	tables := markdownTables(doc)
+	withTargets := 0
+	for _, tb := range tables {
+		cols := map[string]int{}
+		for i, c := range tb[0] {
+			cols[c] = i
+		}
+		if _, ok := cols["llm_proxy"]; !ok {
+			continue
+		}
+		withTargets++
+		for _, name := range suiteTargetColumns {
+			i, ok := cols[name]
+			if !ok {
+				t.Errorf("table %v has no %s column", tb[0], name)
+				continue
+			}
+			for _, row := range tb[1:] {
+				cell := ""
+				if i < len(row) {
+					cell = row[i]
+				}
+				// direct has no proxy process: its CPU and RSS cells are "—".
+				if name == "direct" && cell == "—" {
+					continue
+				}
+				if !strings.ContainsAny(cell, "0123456789") {
+					t.Errorf("table %v, row %q: %s cell %q has no number", tb[0], row[:min(2, len(row))], name, cell)
+				}
+			}
+		}
+	}
+	// S1, S3, S4, S4b, S6.
+	if withTargets < 5 {
+		t.Errorf("%d tables with the target columns, want at least 5:\n%s", withTargets, doc)
+	}
+	for _, png := range []string{"suite-ttft-cdf-100.png", "suite-rss-per-stream.png", "suite-cpu-per-event.png", "suite-amplification.png"} {
+		if fi, err := os.Stat(filepath.Join(out, "img", png)); err != nil || fi.Size() == 0 {
+			t.Errorf("plot %s: %v", png, err)
+		}
+	}
+	if t.Failed() {
+		t.Logf("suite.md:\n%s", doc)
+	}
+}
+
+// markdownTables returns the tables of a markdown document: each a header
+// row and data rows of trimmed cells (the separator row dropped).
+func markdownTables(doc string) [][][]string {
+	var tables [][][]string
+	var cur [][]string
+	flush := func() {
+		if len(cur) > 1 {
+			tables = append(tables, cur)
+		}
+		cur = nil
+	}
+	for line := range strings.SplitSeq(doc, "\n") {
+		line = strings.TrimSpace(line)
+		if !strings.HasPrefix(line, "|") {
+			flush()
+			continue
+		}
+		var cells []string
+		for _, c := range strings.Split(strings.Trim(line, "|"), "|") {
+			cells = append(cells, strings.TrimSpace(c))
+		}
+		if strings.Trim(strings.Join(cells, ""), "-: ") == "" {
+			continue // the separator row
+		}
+		cur = append(cur, cells)
+	}
+	flush()
+	return tables
+}
+
+// tail returns the last n lines of s.
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
