@@ -136,7 +136,17 @@ func (s *Slot) Release() { s.s.release() }
 // func: on success, slot.Release must be called exactly once.
 func (g *Gate) AcquireSlot(ctx context.Context, tenant string, tier Tier, slot *Slot) (waited time.Duration, err error) {
 	slot.s = slotRelease{}
-	_, waited, err = g.acquireInto(ctx, tenant, tier, &slot.s)
+	_, waited, err = g.acquireInto(ctx, tenant, tier, &slot.s, true)
+	return waited, err
+}
+
+// AcquireMovedSlot is AcquireSlot for a request that was admitted by
+// another pool first and moves here (the degradation ladder): the same
+// queue and refusals, but no admission decision is counted (the request's
+// decision was counted where it arrived) — only its queue wait.
+func (g *Gate) AcquireMovedSlot(ctx context.Context, tenant string, tier Tier, slot *Slot) (waited time.Duration, err error) {
+	slot.s = slotRelease{}
+	_, waited, err = g.acquireInto(ctx, tenant, tier, &slot.s, false)
 	return waited, err
 }
 
@@ -174,10 +184,11 @@ func (g *Gate) releaseFunc(tier string, slot *slotRelease) func() {
 }
 
 func (g *Gate) acquire(ctx context.Context, tenant string, tier Tier) (func(), time.Duration, error) {
-	return g.acquireInto(ctx, tenant, tier, nil)
+	return g.acquireInto(ctx, tenant, tier, nil, true)
 }
 
-func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *slotRelease) (func(), time.Duration, error) {
+// acquireInto takes a slot, queueing; decide counts the admission decision.
+func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *slotRelease, decide bool) (func(), time.Duration, error) {
 	if tier.Queue <= 0 {
 		tier.Queue = DefaultQueue
 	}
@@ -187,7 +198,9 @@ func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *
 	name := tier.Name
 	refuse := func(r *Refusal, waited time.Duration) (func(), time.Duration, error) {
 		g.obs.QueueWait(tenant, name, waited)
-		g.obs.Decision(tenant, name, r.Code)
+		if decide {
+			g.obs.Decision(tenant, name, r.Code)
+		}
 		return nil, waited, r
 	}
 	if err := ctx.Err(); err != nil {
@@ -202,7 +215,9 @@ func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *
 		g.admitLocked(name)
 		g.mu.Unlock()
 		g.obs.QueueWait(tenant, name, 0)
-		g.obs.Decision(tenant, name, DecisionAdmitted)
+		if decide {
+			g.obs.Decision(tenant, name, DecisionAdmitted)
+		}
 		return g.releaseFunc(name, slot), 0, nil
 	}
 	if tier.Priority < 0 {
@@ -273,7 +288,9 @@ func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *
 		return refuse(w.refusal, waited)
 	}
 	g.obs.QueueWait(tenant, name, waited)
-	g.obs.Decision(tenant, name, DecisionQueuedAdmitted)
+	if decide {
+		g.obs.Decision(tenant, name, DecisionQueuedAdmitted)
+	}
 	return g.releaseFunc(name, slot), waited, nil
 }
 

@@ -122,3 +122,21 @@ func TestTryAcquireSlotNeverQueues(t *testing.T) {
 	s2.Release()
 	s3.Release()
 }
+
+func TestAcquireMovedSlotCountsNoDecision(t *testing.T) {
+	c, clk, obs := newCtl(t, oneTier(Tier{Name: "t"}))
+	g := NewGate(GateConfig{Capacity: func() int { return 1 }, Controller: c}, clk, obs)
+	var s1, s2 Slot
+	if _, err := g.AcquireMovedSlot(context.Background(), "a", Tier{Name: "t"}, &s1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := g.AcquireSlot(context.Background(), "a", Tier{Name: "t", Priority: -1}, &s2); err == nil {
+		t.Fatal("a full gate admitted a sheddable request")
+	}
+	s1.Release()
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
+	if len(obs.decisions) != 1 || obs.decisions[0] != "a/t/"+CodeSaturated {
+		t.Fatalf("decisions %v: want only the second request's refusal (a moved request was counted where it arrived)", obs.decisions)
+	}
+}

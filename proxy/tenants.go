@@ -155,7 +155,7 @@ func (ad *tenantAdmission) MoveTo(ctx context.Context, g *admission.Gate, info R
 		ad.slotted = true
 		return nil
 	}
-	waited, err := g.AcquireSlot(ctx, ad.tenant, ad.tier, &ad.slot)
+	waited, err := g.AcquireMovedSlot(ctx, ad.tenant, ad.tier, &ad.slot)
 	ad.waited += waited
 	if err != nil {
 		if r, ok := errors.AsType[*admission.Refusal](err); ok {

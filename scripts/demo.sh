@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The llm_proxy demo (make demo): a fleet of three mock vLLM replicas, one of
-# them flaky, behind Caddy with llm_proxy; 20 s of streaming load; a summary
-# of what the clients saw and what the gateway counted (attempts, failovers).
+# The llm_proxy demo (make demo): a fleet of three mock vLLM replicas, two of
+# them flaky, and a smaller fallback model behind Caddy with llm_proxy; 20 s
+# of streaming load from a free and a gold tenant, with the whole primary
+# pool failing for 10 s in the middle (the degradation act); a summary of
+# what the clients saw and what the gateway counted (attempts, failovers,
+# answers served by the fallback, by tier).
 #
 # Needs only Go. Builds ./caddy and bin/{mockllm,llmload}, refuses to start
 # if a port it needs is taken, and stops everything it started on exit,
 # Ctrl-C or TERM. Logs go to a temporary directory whose path is printed.
 #
-# Environment: DURATION (default 20s), CONCURRENCY (default 8).
+# Environment: DURATION (default 20s), CONCURRENCY (default 8), RATE
+# (default 10 requests per second per tenant).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCRIPT_NAME=demo
@@ -15,15 +19,19 @@ SCRIPT_NAME=demo
 
 DURATION=${DURATION:-20s}
 CONCURRENCY=${CONCURRENCY:-8}
+# Each tenant sends at most RATE requests per second: clients that ignore
+# Retry-After would otherwise spin on the outage's instant 503s.
+RATE=${RATE:-10}
 ADMIN_PORT=2019
 GATEWAY_PORT=8089
 MOCK_PORTS=(9101 9102 9103)
+FALLBACK_PORT=9104
 
 install_cleanup
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/llm-proxy-demo.XXXXXX")
 log "logs in $logdir"
 build_all "$logdir"
-require_free_ports "$ADMIN_PORT" "$GATEWAY_PORT" "${MOCK_PORTS[@]}"
+require_free_ports "$ADMIN_PORT" "$GATEWAY_PORT" "${MOCK_PORTS[@]}" "$FALLBACK_PORT"
 
 # Replicas are numbered from 0 and listen on consecutive ports. Replica 0
 # (127.0.0.1:9101) is healthy; replica 1 (:9102) cuts 5% of its streams after
@@ -39,27 +47,83 @@ start_bg mockllm "$logdir/mockllm.log" bin/mockllm \
 	--replica-fault 2=status=503,fraction=0.3
 mock_pid=$!
 wait_ports mockllm "$mock_pid" "$logdir/mockllm.log" 30 "${MOCK_PORTS[@]}"
+# The fallback: a smaller, faster model on its own replica.
+start_bg mockllm-small "$logdir/mockllm-small.log" bin/mockllm \
+	--listen "127.0.0.1:$FALLBACK_PORT" --replicas 1 --model mock-llama-small \
+	--ttft 60ms --tokens 32 --token-interval 10ms
+small_pid=$!
+wait_ports mockllm-small "$small_pid" "$logdir/mockllm-small.log" 30 "$FALLBACK_PORT"
 
 start_bg caddy "$logdir/caddy.log" ./caddy run \
 	--config caddyfile-examples/demo.Caddyfile --adapter caddyfile
 caddy_pid=$!
 wait_ports caddy "$caddy_pid" "$logdir/caddy.log" 30 "$ADMIN_PORT" "$GATEWAY_PORT"
 
+secs=${DURATION%s}
+case "$secs" in '' | *[!0-9]*) die "DURATION must be whole seconds such as 20s, not $DURATION" ;; esac
+outage_at=$(((secs - 10) / 2))
+[ "$outage_at" -lt 0 ] && outage_at=0
+
 cat >&2 <<EOF
 
   mock fleet   127.0.0.1:9101 (healthy), 127.0.0.1:9102 (5% of streams cut after 8 tokens),
                127.0.0.1:9103 (30% of requests answered 503)
+  fallback     127.0.0.1:$FALLBACK_PORT (mock-llama-small, max_output_tokens 256, tier free only)
   gateway      http://127.0.0.1:$GATEWAY_PORT/v1/chat/completions (llm_proxy, round_robin, max_attempts 3)
   metrics      http://127.0.0.1:$ADMIN_PORT/metrics
-  load         $DURATION of streaming chat completions, $CONCURRENCY concurrent
+  load         $DURATION of streaming chat completions, $CONCURRENCY concurrent, half free, half gold
+  outage       every primary replica answers 503 from ${outage_at}s to $((outage_at + 10))s
 
 EOF
 
-run_fg bin/llmload run \
+# The degradation act: the whole primary pool fails for 10 s mid-run, then
+# each replica gets its own behaviour back.
+outage() {
+	sleep "$outage_at"
+	local p i saved=()
+	for p in "${MOCK_PORTS[@]}"; do
+		saved+=("$(curl -fsS "http://127.0.0.1:$p/mock/behavior")")
+		curl -fsS -X PUT "http://127.0.0.1:$p/mock/behavior" -d '{"fault":"status=503"}' >/dev/null
+	done
+	echo "outage: every primary replica answers 503 for 10s"
+	sleep 10
+	for i in "${!MOCK_PORTS[@]}"; do
+		curl -fsS -X PUT "http://127.0.0.1:${MOCK_PORTS[$i]}/mock/behavior" --data-binary "${saved[$i]}" >/dev/null
+	done
+	echo "outage over: the primary replicas are back"
+}
+start_bg outage "$logdir/outage.log" bash -c "$(declare -f outage); MOCK_PORTS=(${MOCK_PORTS[*]}); outage_at=$outage_at; outage"
+
+half=$(((CONCURRENCY + 1) / 2))
+start_bg load-gold "$logdir/llmload-gold.txt" bin/llmload run --progress=false --label gold \
 	--url "http://127.0.0.1:$GATEWAY_PORT/v1/chat/completions" \
-	--concurrency "$CONCURRENCY" --duration "$DURATION" --stream=true \
+	--header "Authorization: Bearer sk-demo-gold" \
+	--concurrency "$half" --rate "$RATE" --duration "$DURATION" --stream=true \
+	--json "$logdir/llmload-gold.json"
+gold_pid=$!
+run_fg bin/llmload run --label free \
+	--url "http://127.0.0.1:$GATEWAY_PORT/v1/chat/completions" \
+	--header "Authorization: Bearer sk-demo-free" \
+	--concurrency "$half" --rate "$RATE" --duration "$DURATION" --stream=true \
 	--metrics-url "http://127.0.0.1:$ADMIN_PORT/metrics" \
-	--json "$logdir/llmload.json"
+	--json "$logdir/llmload-free.json"
+while alive "$gold_pid"; do sleep 0.2; done
+echo
+echo "--- the gold tenant's run ---"
+cat "$logdir/llmload-gold.txt"
+
+# By tier: what each tenant's requests got, and how many the fallback served.
+metrics=$(curl -fsS "http://127.0.0.1:$ADMIN_PORT/metrics")
+sum_of() { printf '%s\n' "$metrics" | awk -v m="$1" -v t="tier=\"$2\"" -v d="$3" \
+	'index($0, m "{") == 1 && index($0, t) && (d == "" || $0 ~ d) { s += $NF } END { printf "%d", s }'; }
+echo
+echo "--- the degradation act, by tier ---"
+printf '%-6s %10s %20s\n' tier admitted "served by fallback"
+for t in free gold; do
+	printf '%-6s %10s %20s\n' "$t" \
+		"$(sum_of caddy_llm_proxy_admission_total "$t" 'decision="(admitted|queued_admitted)"')" \
+		"$(sum_of caddy_llm_proxy_degraded_total "$t" '')"
+done
 
 cat <<EOF
 
@@ -73,5 +137,8 @@ What to look for:
   committed to the client: no retry is possible, so the client got an in-band
   error event ("error_event") instead of a silent truncation.
 - TTFT p99 shows the 2% stragglers (1-3 s); p50 stays near 150 ms.
+- During the outage the primary's breakers open: free requests are served by
+  mock-llama-small (X-LLM-Proxy-Degraded, "served by fallback" above), gold
+  requests get 503 with the reason (their tier may not degrade).
 Logs and the JSON report: $logdir
 EOF
