@@ -84,9 +84,10 @@ func (x *exchange) admit() bool {
 		return true
 	}
 	if err := adm.(PoolAdmission).Queue(x.ctx); err != nil {
-		return x.refuse(err)
+		return x.refuse(err) // the notes say why no fallback took it
 	}
 	x.admitted(adm)
+	x.notes = nil // served by the primary after all
 	return true
 }
 
