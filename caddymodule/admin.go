@@ -157,7 +157,7 @@ func (adminAPI) tenants(w http.ResponseWriter, r *http.Request) error {
 	views := []admission.TenantView{}
 	if ctl := liveController(); ctl != nil {
 		if v := ctl.Tenants(); v != nil {
-			views = v
+			views = fleetTenantViews(v)
 		}
 	}
 	return writeJSON(w, views)
@@ -172,7 +172,7 @@ func (adminAPI) tenant(w http.ResponseWriter, r *http.Request) error {
 		}
 		for _, v := range ctl.Tenants() {
 			if v.Tenant == id {
-				return v, true
+				return fleetTenantViews([]admission.TenantView{v})[0], true
 			}
 		}
 		return admission.TenantView{}, false

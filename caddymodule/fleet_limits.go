@@ -1,6 +1,7 @@
 package caddymodule
 
 import (
+	"context"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -121,6 +122,34 @@ func liveLimitStore() *fleet.Limits {
 		return f.l.Load()
 	}
 	return nil
+}
+
+// fleetTenantViews gives the admin API the fleet's in-flight count: in
+// fleet mode, each tenant with max_concurrent shows its unexpired leases
+// in Redis (every gateway's requests), not this gateway's alone. Without a
+// fleet, in local mode, or when Redis does not answer within op_timeout,
+// the views are returned as they are (this gateway's count).
+func fleetTenantViews(views []admission.TenantView) []admission.TenantView {
+	l := liveLimitStore()
+	if l == nil || len(views) == 0 {
+		return views
+	}
+	var ids []string
+	for _, v := range views {
+		if v.MaxConcurrent > 0 {
+			ids = append(ids, v.Tenant)
+		}
+	}
+	n, err := l.InFlight(context.Background(), ids)
+	if err != nil {
+		return views
+	}
+	for i, v := range views {
+		if c, ok := n[v.Tenant]; ok {
+			views[i].Inflight = c
+		}
+	}
+	return views
 }
 
 // Interface guard.

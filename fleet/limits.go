@@ -177,6 +177,45 @@ func (l *Limits) Leases() int {
 	return n
 }
 
+// inFlightScript counts a tenant's unexpired leases on Redis's clock:
+// KEYS leases.
+const inFlightScript = `
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+`
+
+// InFlight returns the fleet's in-flight requests of each of tenants: its
+// unexpired concurrency leases in Redis, over every gateway (only a tenant
+// with max_concurrent takes leases: any other counts 0). One
+// pipelined round trip, bounded by Config.OpTimeout; ErrDegraded in local
+// mode. For the admin API, off the request path.
+func (l *Limits) InFlight(ctx context.Context, tenants []string) (map[string]int, error) {
+	if len(tenants) == 0 {
+		return map[string]int{}, nil
+	}
+	cmds := make([]*redis.Cmd, len(tenants))
+	err := l.c.Do(ctx, "limits_inflight", func(ctx context.Context, r redis.Cmdable) error {
+		_, err := r.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for i, id := range tenants {
+				cmds[i] = p.Eval(ctx, inFlightScript, []string{l.c.Key("tenant:"+id, "leases")})
+			}
+			return nil
+		})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]int, len(tenants))
+	for i, id := range tenants {
+		if n, err := cmds[i].Int(); err == nil {
+			out[id] = n
+		}
+	}
+	return out, nil
+}
+
 // Pending returns the number of settlements waiting to be sent again
 // (being sent included).
 func (l *Limits) Pending() int {
