@@ -64,7 +64,7 @@ Reads the admin API of a running Caddy with llm_proxy and prints:
 
 Lines fit 80 columns (a terminal's width when wider). The admin endpoint is
 --address if given, else the admin address of the --config file, else
-localhost:2019, as for 'caddy stop' and 'caddy reload'.
+$CADDY_ADMIN, else localhost:2019, as for 'caddy stop' and 'caddy reload'.
 
 --json prints the admin API's bodies unchanged in one object keyed by
 endpoint ({"breakers": […], "fleet": {…}, "saturation": […], "tenants": […]})
@@ -74,7 +74,7 @@ a terminal, until Ctrl-C; with --json, one object per line.
 		Args: cobra.NoArgs,
 		RunE: caddycmd.WrapCommandFuncForCobra(cmdStatus),
 	}
-	cmd.Flags().StringP("address", "", "", "The address of the admin API, if not the config's or localhost:2019")
+	cmd.Flags().StringP("address", "", "", "The address of the admin API, if not the config's, $CADDY_ADMIN or localhost:2019")
 	cmd.Flags().StringP("config", "c", "", "Configuration file to read the admin address from, if --address is not used")
 	cmd.Flags().StringP("adapter", "a", "", "Name of config adapter to apply (when --config is used)")
 	cmd.Flags().BoolP("json", "", false, "Print the admin API's JSON, one object keyed by endpoint")
