@@ -296,3 +296,8 @@ func readBody(ctx context.Context, r *http.Request, lim BodyLimits) (*Body, erro
 		}
 	}
 }
+
+// ParsesBody reports whether the lifecycle parses r's body as JSON (every
+// body except multipart forms and binary or media types): the bodies whose
+// model the llm_model matcher reads.
+func ParsesBody(r *http.Request) bool { return isJSONRequest(r) }
