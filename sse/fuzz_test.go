@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+	"unsafe"
 
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
@@ -225,6 +226,43 @@ func FuzzScanner(f *testing.F) {
 			if s.BufCap() > max+1 {
 				t.Fatalf("%s: buffer of %d bytes for a limit of %d", how, s.BufCap(), max)
 			}
+			if !sameErr(err, wantErr) {
+				t.Fatalf("%s: error %v, reference %v", how, err, wantErr)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("%s: events differ from the reference\n got %v\nwant %v", how, got, want)
+			}
+		}
+		// Next followed by NextBuffered until it says no: the same events,
+		// and the Raw of a run of buffered events adjacent in memory.
+		for how, r := range map[string]io.Reader{
+			"buffered, one read":   bytes.NewReader(data),
+			"buffered, half reads": iotest.HalfReader(bytes.NewReader(data)),
+			"buffered, split":      newSplitReader(data, int(split)%(len(data)+1)),
+		} {
+			s := sse.NewScanner(r, max)
+			var got []rec
+			var err error
+			for range limit {
+				var ev sse.Event
+				if ev, err = s.Next(); err != nil {
+					break
+				}
+				got = append(got, copyEvent(ev))
+				prev := ev.Raw
+				for {
+					ev, ok := s.NextBuffered()
+					if !ok {
+						break
+					}
+					if len(prev) > 0 && len(ev.Raw) > 0 && uintptr(unsafe.Pointer(unsafe.SliceData(prev)))+uintptr(len(prev)) != uintptr(unsafe.Pointer(unsafe.SliceData(ev.Raw))) {
+						t.Fatalf("%s: buffered event %q is not adjacent to the one before", how, ev.Raw)
+					}
+					prev = ev.Raw
+					got = append(got, copyEvent(ev))
+				}
+			}
+			s.Release()
 			if !sameErr(err, wantErr) {
 				t.Fatalf("%s: error %v, reference %v", how, err, wantErr)
 			}

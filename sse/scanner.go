@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 )
 
 // DefaultMaxEventSize is the event size limit used when NewScanner is given
@@ -89,6 +90,9 @@ type Scanner struct {
 	hasName          bool
 	nameOff, nameEnd int
 	dataBuf          []byte // joined data values once dataLines > 1
+
+	// pooled is the buffer taken from bufPool, given back by Release.
+	pooled *[]byte
 }
 
 // NewScanner returns a Scanner reading from r. maxEventSize bounds the size
@@ -99,11 +103,38 @@ func NewScanner(r io.Reader, maxEventSize int) *Scanner {
 		maxEventSize = DefaultMaxEventSize
 	}
 	limit := maxEventSize + 1
-	return &Scanner{
-		r:     r,
-		max:   maxEventSize,
-		limit: limit,
-		buf:   make([]byte, min(initialBufSize, limit)),
+	s := &Scanner{r: r, max: maxEventSize, limit: limit}
+	if limit >= initialBufSize {
+		s.pooled = bufPool.Get().(*[]byte)
+		s.buf = *s.pooled
+	} else {
+		s.buf = make([]byte, limit)
+	}
+	return s
+}
+
+// bufPool holds initialBufSize buffers given back by Release, so that a
+// gateway relaying many short streams does not allocate one per stream.
+var bufPool = sync.Pool{New: func() any {
+	b := make([]byte, initialBufSize)
+	return &b
+}}
+
+// Release gives the scanner's buffer back for reuse by a later NewScanner.
+// Call it once the stream is done with: afterwards the Events returned
+// before are invalid and Next returns an error (its previous one, or
+// io.ErrClosedPipe). A buffer that grew past its first size is left to the
+// garbage collector (the first one, no longer used, goes back). Release is
+// optional and idempotent.
+func (s *Scanner) Release() {
+	if s.err == nil {
+		s.err = io.ErrClosedPipe
+	}
+	s.buf, s.dataBuf = nil, nil
+	s.start, s.pos, s.clean, s.end = 0, 0, 0, 0
+	if p := s.pooled; p != nil {
+		s.pooled = nil
+		bufPool.Put(p)
 	}
 }
 
@@ -144,6 +175,30 @@ func (s *Scanner) Next() (Event, error) {
 		}
 		s.fill()
 	}
+}
+
+// NextBuffered returns the next event if it is already complete in the
+// scanner's buffer, without reading; ok is false when it is not (or when
+// only Next could report what comes next: an error, the end of the
+// stream). It lets a relay write several events that arrived together with
+// one write. The Raw of events returned since the last call to Next stays
+// valid (the buffer does not move), and the Raw of successive events are
+// adjacent there; an earlier event's Data and Name may not stay valid.
+func (s *Scanner) NextBuffered() (ev Event, ok bool) {
+	if s.err != nil || s.buf == nil {
+		return Event{}, false
+	}
+	start := s.pos
+	s.start = start
+	s.resetEvent()
+	ev, ok, err := s.parse()
+	if ok && err == nil {
+		return ev, true
+	}
+	// Not complete yet: forget what was parsed, so that Next parses the
+	// event again from its first line once more input is in.
+	s.pos, s.clean = start, start
+	return Event{}, false
 }
 
 func (s *Scanner) resetEvent() {

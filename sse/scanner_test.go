@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"testing"
 	"testing/iotest"
@@ -457,4 +458,69 @@ func BenchmarkScannerNext(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
+}
+
+// countingReader counts the reads made through it.
+type countingReader struct {
+	r     io.Reader
+	reads int
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	c.reads++
+	return c.r.Read(p)
+}
+
+// NextBuffered hands out the events already complete in the buffer and
+// never reads; an event that is not complete yet stays for Next, whole.
+func TestNextBufferedNeverReads(t *testing.T) {
+	in := "data: a\n\n: ping\n\ndata: b\r\n\r\ndata: c\nda"
+	r := &countingReader{r: newSplitReader([]byte(in+"ta: d\n\n"), len(in))}
+	s := sse.NewScanner(r, 0)
+	ev, err := s.Next()
+	if err != nil || string(ev.Data) != "a" {
+		t.Fatalf("Next: %q, %v", ev.Data, err)
+	}
+	reads := r.reads
+	var got []string
+	for {
+		ev, ok := s.NextBuffered()
+		if !ok {
+			break
+		}
+		got = append(got, string(ev.Raw))
+	}
+	if want := []string{": ping\n\n", "data: b\r\n\r\n"}; !slices.Equal(got, want) || r.reads != reads {
+		t.Fatalf("NextBuffered gave %q with %d more reads, want %q and none", got, r.reads-reads, want)
+	}
+	ev, err = s.Next()
+	if err != nil || string(ev.Raw) != "data: c\ndata: d\n\n" || string(ev.Data) != "c\nd" {
+		t.Fatalf("Next after NextBuffered: %q (data %q), %v", ev.Raw, ev.Data, err)
+	}
+}
+
+// A released scanner's buffer serves the next scanner: a stream costs the
+// Scanner itself, not another 4 KiB buffer.
+func TestReleaseReusesTheBuffer(t *testing.T) {
+	r := strings.NewReader("")
+	allocs := testing.AllocsPerRun(100, func() {
+		r.Reset("data: x\n\n")
+		s := sse.NewScanner(r, 0)
+		if ev, err := s.Next(); err != nil || string(ev.Data) != "x" {
+			t.Fatal(ev, err)
+		}
+		s.Release()
+	})
+	if allocs > 1 {
+		t.Fatalf("%v allocations per scanner with Release, want 1 (the Scanner)", allocs)
+	}
+	s := sse.NewScanner(strings.NewReader("data: x\n\n"), 0)
+	s.Release()
+	s.Release()
+	if _, err := s.Next(); err == nil {
+		t.Fatal("Next after Release returned no error")
+	}
+	if _, ok := s.NextBuffered(); ok {
+		t.Fatal("NextBuffered after Release returned an event")
+	}
 }
