@@ -207,7 +207,38 @@ type requestFields struct {
 
 // message is a chat message; only its text content is read.
 type message struct {
-	Content messageContent `json:"content"`
+	Content messageContent
+}
+
+// errMessage is the error of a chat message that is not an object.
+var errMessage = errors.New("messages must be an array of objects")
+
+// UnmarshalJSON reads the "content" member, by its exact name as the
+// inference servers read it (encoding/json would also take "Content"),
+// walking the object in place; when it repeats, the last one counts.
+func (m *message) UnmarshalJSON(b []byte) error {
+	*m = message{}
+	if b[0] != '{' {
+		return errMessage
+	}
+	i := skipSpace(b, 1)
+	for i < len(b) && b[i] != '}' {
+		if b[i] == ',' {
+			i = skipSpace(b, i+1)
+			continue
+		}
+		ke := skipJSON(b, i) // the key
+		key := b[i:ke]
+		i = skipSpace(b, skipSpace(b, ke)+1) // past the colon
+		ve := skipJSON(b, i)
+		if isKey(key, "content") {
+			if err := m.Content.UnmarshalJSON(b[i:ve]); err != nil {
+				return err
+			}
+		}
+		i = skipSpace(b, ve)
+	}
+	return nil
 }
 
 // ParseRequest validates body as one JSON object and extracts RequestInfo.
@@ -385,15 +416,18 @@ func partsChars(b []byte) (int, error) {
 }
 
 // isTextKey reports whether the quoted JSON key q decodes to "text".
-func isTextKey(q []byte) bool {
-	if string(q) == `"text"` {
+func isTextKey(q []byte) bool { return isKey(q, "text") }
+
+// isKey reports whether the quoted JSON key q decodes to name.
+func isKey(q []byte, name string) bool {
+	if len(q) == len(name)+2 && string(q[1:len(q)-1]) == name {
 		return true
 	}
 	if bytes.IndexByte(q, '\\') < 0 {
 		return false
 	}
 	var k string // an escaped key: rare, decode it
-	return json.Unmarshal(q, &k) == nil && k == "text"
+	return json.Unmarshal(q, &k) == nil && k == name
 }
 
 func skipSpace(b []byte, i int) int {
