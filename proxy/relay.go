@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"net/http"
+	"sync"
 
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
@@ -12,11 +13,17 @@ import (
 // in-band errors and [DONE]. After commit nothing is retried; relay records
 // how the stream ended and finish ends it (a failure becomes a terminal
 // in-band error event, without [DONE]).
+//
+// Events that arrived together (complete in the scanner's buffer after the
+// one that woke the relay) go out with one write and one flush; an event is
+// never held back waiting for another.
 func (x *exchange) relay(a *attempt) {
 	idle := x.p.cfg.StreamIdleTimeout
 	idleTimer := x.p.clock.AfterFunc(idle, func() { a.cancel(errIdleTimeout) })
 	defer idleTimer.Stop()
-	res := x.res
+	// Nothing reads the scanner after the relay: its buffer goes back to
+	// the pool (finish drains a finished body straight from the response).
+	defer a.sc.Release()
 	for {
 		ev, err := a.sc.Next()
 		if err != nil {
@@ -26,39 +33,110 @@ func (x *exchange) relay(a *attempt) {
 		// The idle timer measures the upstream only: it is off while the
 		// gateway writes, so a slow client is not blamed on the upstream.
 		idleTimer.Stop()
-		kind := ev.Kind()
-		var ci sse.ChunkInfo
-		if kind == sse.KindData {
-			ci = sse.InspectChunk(ev.Data)
-			res.Usage = chunkUsage(ci, res.Usage)
-			if ci.UsageOnly && x.stripUsage {
-				// Usage asked for on the client's behalf: read, not relayed.
-				idleTimer.Reset(idle)
-				continue
-			}
-		}
-		if !x.send(ev.Raw, 1) {
-			a.clientLeft()
+		if !x.relayEvents(a, ev) {
 			return
 		}
 		idleTimer.Reset(idle)
+	}
+}
+
+// relayEvents relays ev and the events already complete behind it, with one
+// write and one flush. It reports whether the stream goes on: false after
+// [DONE], an upstream error event, or a client that went away.
+func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
+	res := x.res
+	var (
+		out     []byte  // what goes to the client
+		batch   *[]byte // a pooled buffer, once a second event joins out
+		events  int     // events in out
+		content int     // data events (chunks) in out
+		fin     bool    // a chunk in out carries a finish_reason
+		done    bool    // out ends with [DONE]
+		inband  *sse.InbandError
+	)
+	for {
+		kind := ev.Kind()
+		relayed := true
 		switch kind {
 		case sse.KindData:
-			res.ContentEvents++
-			a.finished = a.finished || ci.FinishReason
+			ci := sse.InspectChunk(ev.Data)
+			res.Usage = chunkUsage(ci, res.Usage)
+			if ci.UsageOnly && x.stripUsage {
+				// Usage asked for on the client's behalf: read, not relayed.
+				relayed = false
+				break
+			}
+			content++
+			fin = fin || ci.FinishReason
 		case sse.KindDone:
 			// The stream is complete: end the client's response now, and
 			// let end() read the upstream's closing chunk in the
 			// background so its connection goes back to the pool.
-			a.sawDone, a.drain = true, true
-			return
+			done = true
 		case sse.KindError:
 			// The upstream's own error event is the terminal event.
 			ie, _ := sse.ParseInbandError(ev.Data)
-			a.postInband = &ie
-			return
+			inband = &ie
 		}
+		if relayed {
+			switch {
+			case events == 0:
+				out = ev.Raw
+			case batch == nil:
+				batch = batchPool.Get().(*[]byte)
+				out = append(append((*batch)[:0], out...), ev.Raw...)
+			default:
+				out = append(out, ev.Raw...)
+			}
+			events++
+		}
+		if done || inband != nil {
+			break
+		}
+		next, ok := a.sc.NextBuffered()
+		if !ok {
+			break
+		}
+		ev = next
 	}
+	sent := events == 0 || x.send(out, events)
+	if batch != nil {
+		putBatch(batch, out)
+	}
+	if !sent {
+		a.clientLeft()
+		return false
+	}
+	res.ContentEvents += content
+	a.finished = a.finished || fin
+	switch {
+	case done:
+		a.sawDone, a.drain = true, true
+		return false
+	case inband != nil:
+		a.postInband = inband
+		return false
+	}
+	return true
+}
+
+// batchPool holds the buffers in which relayEvents joins events that
+// arrived together; a stream holds one only while it writes.
+var batchPool = sync.Pool{New: func() any {
+	b := make([]byte, 0, 4<<10)
+	return &b
+}}
+
+// maxPooledBatch bounds the buffers kept in batchPool: one that grew for a
+// burst of large events is left to the garbage collector.
+const maxPooledBatch = 64 << 10
+
+func putBatch(b *[]byte, used []byte) {
+	if cap(used) > maxPooledBatch {
+		return
+	}
+	*b = used[:0]
+	batchPool.Put(b)
 }
 
 // clientLeft records a client that went away mid-response: neutral for the
