@@ -4,6 +4,8 @@ import (
 	"errors"
 	"net/http"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
@@ -18,9 +20,9 @@ import (
 // one that woke the relay) go out with one write and one flush; an event is
 // never held back waiting for another.
 func (x *exchange) relay(a *attempt) {
-	idle := x.p.cfg.StreamIdleTimeout
-	idleTimer := x.p.clock.AfterFunc(idle, func() { a.cancel(errIdleTimeout) })
-	defer idleTimer.Stop()
+	w := &a.idle
+	w.start(x.p.clock, x.p.cfg.StreamIdleTimeout, a)
+	defer w.stop()
 	// Nothing reads the scanner after the relay: its buffer goes back to
 	// the pool (finish drains a finished body straight from the response).
 	defer a.sc.Release()
@@ -32,11 +34,11 @@ func (x *exchange) relay(a *attempt) {
 		}
 		// The idle timer measures the upstream only: it is off while the
 		// gateway writes, so a slow client is not blamed on the upstream.
-		idleTimer.Stop()
+		w.busy()
 		if !x.relayEvents(a, ev) {
 			return
 		}
-		idleTimer.Reset(idle)
+		w.wait()
 	}
 }
 
@@ -160,4 +162,69 @@ func (x *exchange) send(p []byte, events int) bool {
 		x.p.obs.EventRelayed()
 	}
 	return true
+}
+
+// idleWatch is the stream idle timeout of a committed stream: it cancels
+// the attempt with errIdleTimeout once the upstream has sent nothing for
+// idle while the relay waited on it. Time spent writing to the client does
+// not count.
+//
+// Its one timer is armed when the relay starts and not touched per event:
+// an event costs a clock reading and two atomic stores, where stopping and
+// re-arming a timer took the timer heap's lock twice. When the timer fires
+// it looks at when the relay last started to wait and, if that was less
+// than idle ago (or the relay is writing), re-arms itself for the rest.
+type idleWatch struct {
+	clock Clock
+	idle  time.Duration
+	base  time.Time // since is measured from here
+	a     *attempt
+	t     Timer
+	// since is when the relay started waiting on the upstream, as the
+	// time since base; idleBusy while it handles events, idleDone once the
+	// relay has ended.
+	since atomic.Int64
+}
+
+const (
+	idleBusy int64 = -1
+	idleDone int64 = -2
+)
+
+// start arms the watch on a for a relay that is about to wait.
+func (w *idleWatch) start(clock Clock, idle time.Duration, a *attempt) {
+	w.clock, w.idle, w.a = clock, idle, a
+	w.base = clock.Now()
+	w.since.Store(0)
+	// Armed once t is set, so that a callback always finds it.
+	w.t = clock.AfterFunc(time.Hour, w.check)
+	w.t.Reset(idle)
+}
+
+// busy marks the relay as handling events (writing to the client).
+func (w *idleWatch) busy() { w.since.Store(idleBusy) }
+
+// wait marks the relay as waiting on the upstream from now.
+func (w *idleWatch) wait() { w.since.Store(int64(w.clock.Now().Sub(w.base))) }
+
+// stop ends the watch; a callback already running does nothing more.
+func (w *idleWatch) stop() {
+	w.since.Store(idleDone)
+	w.t.Stop()
+}
+
+// check runs when the timer fires.
+func (w *idleWatch) check() {
+	switch s := w.since.Load(); s {
+	case idleDone:
+	case idleBusy:
+		w.t.Reset(w.idle)
+	default:
+		left := w.idle - (w.clock.Now().Sub(w.base) - time.Duration(s))
+		if left <= 0 {
+			w.a.cancel(errIdleTimeout)
+			return
+		}
+		w.t.Reset(left)
+	}
 }

@@ -1,11 +1,14 @@
 package proxy
 
 import (
+	"context"
+	"errors"
 	"io"
 	"net/http"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // readsTransport answers with an SSE body that returns reads[i] from its
@@ -180,4 +183,73 @@ func TestRelayAllocatesNothingPerEvent(t *testing.T) {
 				together, short, long, perEvent)
 		}
 	}
+}
+
+// watched returns an attempt whose idle watch runs on clk, and its context.
+func watched(clk Clock, idle time.Duration) (*attempt, context.Context) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	a := &attempt{ctx: ctx, cancel: cancel}
+	a.idle.start(clk, idle, a)
+	return a, ctx
+}
+
+// The idle watch fires idle after the relay last started waiting, however
+// often events came before; writing to the client does not count.
+func TestIdleWatchCountsFromTheLastWait(t *testing.T) {
+	const idle = 50 * time.Millisecond
+	t.Run("a quiet upstream", func(t *testing.T) {
+		clk := newFakeClock()
+		a, ctx := watched(clk, idle)
+		defer a.idle.stop()
+		clk.Advance(idle - time.Millisecond)
+		if ctx.Err() != nil {
+			t.Fatal("cancelled before the idle timeout")
+		}
+		clk.Advance(time.Millisecond)
+		if !errors.Is(context.Cause(ctx), errIdleTimeout) {
+			t.Fatalf("cause %v after %v of silence", context.Cause(ctx), idle)
+		}
+	})
+	t.Run("an event re-arms it for the rest", func(t *testing.T) {
+		clk := newFakeClock()
+		a, ctx := watched(clk, idle)
+		defer a.idle.stop()
+		clk.Advance(30 * time.Millisecond)
+		a.idle.busy()
+		a.idle.wait() // an event at 30ms
+		clk.Advance(20 * time.Millisecond)
+		clk.Advance(29 * time.Millisecond)
+		if ctx.Err() != nil {
+			t.Fatal("cancelled 49ms after the last event")
+		}
+		clk.Advance(time.Millisecond)
+		if !errors.Is(context.Cause(ctx), errIdleTimeout) {
+			t.Fatalf("cause %v 50ms after the last event", context.Cause(ctx))
+		}
+	})
+	t.Run("a slow write", func(t *testing.T) {
+		clk := newFakeClock()
+		a, ctx := watched(clk, idle)
+		defer a.idle.stop()
+		a.idle.busy()
+		clk.Advance(time.Minute) // the client takes a minute
+		a.idle.wait()
+		clk.Advance(idle - time.Millisecond)
+		if ctx.Err() != nil {
+			t.Fatal("a slow client was counted as upstream silence")
+		}
+		clk.Advance(time.Millisecond)
+		if !errors.Is(context.Cause(ctx), errIdleTimeout) {
+			t.Fatalf("cause %v %v after the write", context.Cause(ctx), idle)
+		}
+	})
+	t.Run("stopped", func(t *testing.T) {
+		clk := newFakeClock()
+		a, ctx := watched(clk, idle)
+		a.idle.stop()
+		clk.Advance(time.Hour)
+		if ctx.Err() != nil {
+			t.Fatal("a stopped watch cancelled the attempt")
+		}
+	})
 }

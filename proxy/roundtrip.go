@@ -97,6 +97,8 @@ type attempt struct {
 	// whether the client was gone by then.
 	streamErr error
 	goneAtEnd bool
+	// idle is the stream idle timeout while the relay runs.
+	idle idleWatch
 
 	// classified and ended make classify and end run once.
 	classified, ended bool
