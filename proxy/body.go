@@ -59,7 +59,7 @@ func (b *BodyBudget) InUse() int64 { return b.inUse.Load() }
 
 // acquire charges n bytes, waiting up to the budget's wait on clock or
 // until ctx ends. It returns an error wrapping ErrBodyBudget when there was
-// no room in time, or ctx's error when ctx ended first. n larger than the
+// no room in time, or ctx's cause when ctx ended first. n larger than the
 // whole budget is refused with ErrBodyTooLarge: it can never fit.
 func (b *BodyBudget) acquire(ctx context.Context, clock Clock, n int64) error {
 	if n <= 0 {
@@ -81,7 +81,7 @@ func (b *BodyBudget) acquire(ctx context.Context, clock Clock, n int64) error {
 	defer t.Stop()
 	if err := b.sem.Acquire(wctx, n); err != nil {
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return context.Cause(ctx)
 		}
 		return fmt.Errorf("%w: %d bytes wanted, none free within %v (%d of %d in use)", ErrBodyBudget, n, b.wait, b.InUse(), b.size)
 	}

@@ -315,3 +315,49 @@ func FuzzRequestUsageMatchesSjson(f *testing.F) {
 		}
 	})
 }
+
+// A request that ends while its body waits for the budget is answered as
+// one that waited for admission: 504 when stream_timeout ends it, nothing
+// (client gone) when the client leaves; the body is never read.
+func TestBodyBudgetWaitEndsWithTheRequest(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		timeout bool
+		status  int
+		outcome Outcome
+	}{
+		{name: "stream_timeout", timeout: true, status: http.StatusGatewayTimeout, outcome: OutcomeStreamTimeout},
+		{name: "client gone", status: 200 /* nothing written */, outcome: OutcomeClientGone},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			up := newUpstream(t, sseUpstream(done))
+			clock := newFakeClock()
+			budget := newBudget(t, 1000)
+			if err := budget.acquire(context.Background(), clock, 1000); err != nil {
+				t.Fatal(err)
+			}
+			p, _, _ := newTestProxy(t, Config{BodyBudget: budget, Clock: clock, StreamTimeout: 500 * time.Millisecond}, up)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			body := `{"model":"m"}`
+			r := post(body).WithContext(ctx)
+			counted := &readsCounted{r: strings.NewReader(body)}
+			r.Body = io.NopCloser(counted)
+			w := httptest.NewRecorder()
+			done := make(chan *Result)
+			go func() { done <- p.ServeHTTP(w, r) }()
+			clock.waitTimer(t, DefaultBodyBudgetWait)
+			if tc.timeout {
+				clock.Advance(500 * time.Millisecond)
+			} else {
+				cancel()
+			}
+			res := <-done
+			if w.Code != tc.status || res.Outcome != tc.outcome || counted.reads != 0 || up.calls.Load() != 0 {
+				t.Fatalf("status %d outcome %v, %d body reads, %d upstream calls; want %d %v and none", w.Code, res.Outcome, counted.reads, up.calls.Load(), tc.status, tc.outcome)
+			}
+			budget.release(1000)
+			budgetSettles(t, budget)
+		})
+	}
+}

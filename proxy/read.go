@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -36,6 +37,12 @@ func (x *exchange) read() bool {
 		x.refusal = &GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer,
 			Code: "body_memory_exhausted", RetryAfter: 1,
 			Message: "the gateway has no memory free for the request body now (max_buffered_bodies); retry shortly"}
+		return false
+	}
+	if err != nil && x.ctx.Err() != nil && errors.Is(err, context.Cause(x.ctx)) {
+		// The request ended while it waited for the budget (client gone,
+		// stream_timeout): answered as a wait for admission is.
+		x.refusal = err
 		return false
 	}
 	if err != nil {
