@@ -170,6 +170,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerDegradedMetric(ctx.GetMetricsRegistry()); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
+	if err := registerObjectives(ctx.GetMetricsRegistry()); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
 	if err := h.check(); err != nil {
 		return err
 	}

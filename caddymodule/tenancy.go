@@ -98,5 +98,6 @@ func (t *tenancy) start() error {
 	}
 	t.ctl.SetLimitStore(t.limits)
 	tenantLabels.Store(t.tenantLabel)
+	setObjectives(t.cfg.Tiers)
 	return nil
 }

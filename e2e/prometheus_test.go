@@ -68,6 +68,7 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 		tier gold {
 			priority 10
 			queue_timeout 5s
+			queue_wait_slo 2s
 		}
 		tier free {
 			priority -1
