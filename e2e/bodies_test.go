@@ -17,8 +17,9 @@ import (
 func TestBodyBudgetBoundsABurstOfLargeBodies(t *testing.T) {
 	const bodies, size = 12, 8 << 20
 	// The mock holds every request longer than the budget's 1s wait, so
-	// the bodies admitted first are still held when the others give up.
-	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{
+	// the bodies admitted first are still held when the others give up;
+	// its KV cache holds their 2M-token prompts all at once.
+	fleet := startFleet(t, mockllm.FleetConfig{KVBlocks: 1 << 24, Behavior: mockllm.Behavior{
 		TTFT: mockllm.Fixed(1500 * time.Millisecond), Tokens: 1, TokenInterval: mockllm.NoDelay}})
 	gw := startGatewayWith(t, gatewayOptions{
 		Globals: "\tllm_proxy {\n\t\tmax_buffered_bodies 40MiB\n\t}",
