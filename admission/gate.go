@@ -255,8 +255,10 @@ func (g *Gate) acquireInto(ctx context.Context, tenant string, tier Tier, slot *
 	w.timer = g.clock.AfterFunc(tier.QueueTimeout, func() { g.expire(w) })
 	g.q.insert(w)
 	tc.queued++
-	g.obs.QueueDepth(name, tc.queued)
+	// The tenant's count first: an observer that sees the depth may read
+	// the tenant's view at once.
 	g.ctl.addQueued(tenant, 1)
+	g.obs.QueueDepth(name, tc.queued)
 	g.mu.Unlock()
 
 	select {
