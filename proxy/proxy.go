@@ -371,9 +371,9 @@ type Proxy struct {
 	primary Pool // Config's Balancer, Retries and Hedging
 	// saturatedRungs: some fallback takes the primary's saturated overflow.
 	saturatedRungs bool
-	clock Clock
-	obs   Observer
-	log   *zap.Logger
+	clock          Clock
+	obs            Observer
+	log            *zap.Logger
 }
 
 // New validates cfg, fills defaults and returns a Proxy.
@@ -496,7 +496,7 @@ type exchange struct {
 	rung     rung
 	degraded string
 	notes    []string
-	panicked any      // finish: the value of a panic in a step
+	panicked any // finish: the value of a panic in a step
 }
 
 // run is the lifecycle (DESIGN §3), one step per call: read, identify,
