@@ -24,8 +24,11 @@ const DefaultMaxEventSize = 1 << 20
 var ErrEventTooLarge = errors.New("sse: event too large")
 
 // initialBufSize is the first buffer size; the buffer doubles, up to
-// maxEventSize+1, only when a single event does not fit.
-const initialBufSize = 4 << 10
+// maxEventSize+1, only when a single event does not fit. A chat completion
+// chunk of one token is 150-400 bytes (vLLM, OpenAI), so 1 KiB holds a
+// few; the buffer lives as long as the stream, and a gateway holds
+// thousands of streams.
+const initialBufSize = 1 << 10
 
 // maxEmptyReads is how many (0, nil) reads in a row are tolerated before
 // Next gives up with io.ErrNoProgress, as bufio does.
@@ -59,7 +62,7 @@ type Event struct {
 // Memory is bounded: the scanner never buffers more than maxEventSize+1
 // bytes of input (plus, for an event with several data lines, its joined data,
 // which is smaller), and an event larger than maxEventSize yields
-// ErrEventTooLarge. The buffer starts at 4 KiB and grows only when an event
+// ErrEventTooLarge. The buffer starts at 1 KiB and grows only when an event
 // needs it. In steady state Next does not allocate: buffers are reused.
 //
 // A lone CR that is the last byte received so far is held back until the next

@@ -500,7 +500,7 @@ func TestNextBufferedNeverReads(t *testing.T) {
 }
 
 // A released scanner's buffer serves the next scanner: a stream costs the
-// Scanner itself, not another 4 KiB buffer.
+// Scanner itself, not another buffer.
 func TestReleaseReusesTheBuffer(t *testing.T) {
 	r := strings.NewReader("")
 	allocs := testing.AllocsPerRun(100, func() {
