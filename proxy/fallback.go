@@ -88,6 +88,9 @@ func (f *Fallback) allows(tier string) bool {
 	return len(f.Tiers) == 0 || slices.Contains(f.Tiers, tier)
 }
 
+// rewrites reports whether the request body is edited for f.
+func (f *Fallback) rewrites(setMax bool) bool { return f.Model != "" || setMax }
+
 // when returns f.When with its default.
 func (f *Fallback) when() FallbackWhen {
 	if f.When == 0 {
@@ -129,6 +132,9 @@ func (f *Fallback) Clamp(info RequestInfo) (maxTokens int, set, fits bool) {
 // (whichever it sent; max_tokens when it sent neither) set to maxTokens
 // when setMax. Every other byte is as the client sent it.
 func rewriteBody(body []byte, model string, maxTokens int, setMax bool) ([]byte, error) {
+	if model == "" && !setMax {
+		return body, nil
+	}
 	end := len(body)
 	for end > 0 && isJSONSpace(body[end-1]) {
 		end--
@@ -266,7 +272,24 @@ func (x *exchange) degrade(why string) bool {
 			x.refuseFallback(f, "the request body cannot be rewritten: "+err.Error())
 			continue
 		}
+		// The rewritten copy is memory too: charged to the body budget
+		// until the request ends, as the client's body is.
+		uncharge := func() {}
+		if b := x.p.cfg.BodyBudget; b != nil && f.rewrites(setMax) {
+			n := int64(cap(body))
+			if err := b.acquire(x.ctx, x.p.clock, n); err != nil {
+				x.refuseFallback(f, "no body memory for its rewritten request (max_buffered_bodies)")
+				continue
+			}
+			stop := context.AfterFunc(x.ctx, func() { b.release(n) })
+			uncharge = func() {
+				if stop() {
+					b.release(n)
+				}
+			}
+		}
 		if !x.movePool(f, info, why == DegradeUnavailable) {
+			uncharge()
 			continue
 		}
 		x.body, x.res.Info = body, info
