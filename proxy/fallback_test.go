@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -491,5 +492,40 @@ func (w *streamRecorder) waitBody(t *testing.T, want string) {
 		case <-deadline:
 			t.Fatalf("body never held %q", want)
 		}
+	}
+}
+
+func TestFallbackRewriteIsChargedToTheBodyBudget(t *testing.T) {
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	body := `{"model":"big","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 1000) + `"}]}`
+	// Room for the client's body, not for a second copy of it.
+	budget, err := NewBodyBudget(int64(len(body))*3/2, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _ := fallbackProxy(t, Config{BodyBudget: budget}, Fallback{Model: "small"}, []*upstream{primary}, small)
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, post(body))
+	if w.Code != 503 || small.calls.Load() != 0 {
+		t.Fatalf("status %d, fallback calls %d", w.Code, small.calls.Load())
+	}
+	if e := errorBodyOf(t, w); !strings.Contains(e.Message, "fallback small refused: no body memory") {
+		t.Fatalf("error %+v", e)
+	}
+	// Charges go back when the request's context ends (context.AfterFunc,
+	// in its own goroutine).
+	for deadline := time.Now().Add(5 * time.Second); budget.InUse() != 0; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d bytes still charged after the request", budget.InUse())
+		}
+		runtime.Gosched()
+	}
+	// Without a model rewrite or a clamp, no copy is made: the fallback serves.
+	p, _ = fallbackProxy(t, Config{BodyBudget: budget}, Fallback{}, []*upstream{primary}, small)
+	w = httptest.NewRecorder()
+	p.ServeHTTP(w, post(body))
+	if w.Code != 200 || small.calls.Load() != 1 {
+		t.Fatalf("status %d, fallback calls %d", w.Code, small.calls.Load())
 	}
 }
