@@ -430,7 +430,7 @@ func (h *Handler) Cleanup() error {
 // the models that its pools serve.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
 	if h.models != nil && proxy.IsModelsRequest(r) {
-		h.models.ServeHTTP(w, r)
+		h.models.ServeHTTP(w, r, h.proxy.Identifier())
 		return nil
 	}
 	res := h.proxy.ServeHTTP(w, r)

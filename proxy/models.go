@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -63,8 +64,21 @@ func IsModelsRequest(r *http.Request) bool {
 	return r.Method == http.MethodGet && len(p) >= len("/v1/models") && p[len(p)-len("/v1/models"):] == "/v1/models"
 }
 
-// ServeHTTP writes the merged model list.
-func (m *Models) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+// ServeHTTP writes the merged model list to a client that id lets in
+// (nil: everyone): the same credentials as for completions, so an unknown
+// key gets the same 401.
+func (m *Models) ServeHTTP(w http.ResponseWriter, r *http.Request, id Identifier) {
+	if id != nil {
+		if _, err := id.Identify(r, RequestInfo{}); err != nil {
+			ge, ok := errors.AsType[*GatewayError](err)
+			if !ok {
+				ge = &GatewayError{Status: http.StatusInternalServerError, Type: TypeServer, Code: "internal_error",
+					Message: "the gateway could not identify the request"}
+			}
+			ge.Write(w)
+			return
+		}
+	}
 	body, err := m.list(r)
 	if err != nil {
 		(&GatewayError{Status: http.StatusBadGateway, Type: TypeServer, Code: "upstream_error",

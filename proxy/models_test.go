@@ -44,7 +44,7 @@ func TestModelsListsTheUnionOfThePools(t *testing.T) {
 		if !IsModelsRequest(r) {
 			t.Fatal("GET /v1/models not recognised")
 		}
-		m.ServeHTTP(w, r)
+		m.ServeHTTP(w, r, nil)
 		return w
 	}
 	w := get()
@@ -80,7 +80,7 @@ func TestModelsWithoutAnyAnswerIs502(t *testing.T) {
 	m := &Models{Sources: []ModelSource{{Name: "primary", Balancer: &listBalancer{addrs: []string{down.addr()}}}},
 		Transport: schemeTransport{http.DefaultTransport}, Timeout: time.Second}
 	w := httptest.NewRecorder()
-	m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil))
+	m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil), nil)
 	if w.Code != 502 || errorBodyOf(t, w).Code != "upstream_error" {
 		t.Fatalf("status %d body %s", w.Code, w.Body)
 	}
@@ -88,5 +88,22 @@ func TestModelsWithoutAnyAnswerIs502(t *testing.T) {
 		if IsModelsRequest(r) {
 			t.Fatalf("%s %s taken for a model list", r.Method, r.URL.Path)
 		}
+	}
+}
+
+func TestModelsAskForTheSameCredentials(t *testing.T) {
+	big := modelsUpstream(t, "llama-70b")
+	m := &Models{Sources: []ModelSource{{Name: "primary", Balancer: &listBalancer{addrs: []string{big.addr()}}}},
+		Transport: schemeTransport{http.DefaultTransport}}
+	deny := testIdentifier{err: &GatewayError{Status: 401, Type: TypeInvalidRequest, Code: "invalid_api_key", Message: "unknown key"}}
+	w := httptest.NewRecorder()
+	m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil), deny)
+	if w.Code != 401 || errorBodyOf(t, w).Code != "invalid_api_key" || big.calls.Load() != 0 {
+		t.Fatalf("status %d body %s upstream calls %d", w.Code, w.Body, big.calls.Load())
+	}
+	w = httptest.NewRecorder()
+	m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil), testIdentifier{})
+	if w.Code != 200 {
+		t.Fatalf("an identified client: status %d", w.Code)
 	}
 }

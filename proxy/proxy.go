@@ -535,6 +535,10 @@ func (x *exchange) run() {
 	}
 }
 
+// Identifier returns the proxy's Identifier (step 2), for requests the
+// gateway answers itself, such as the model list.
+func (p *Proxy) Identifier() Identifier { return p.cfg.Identifier }
+
 // since is the time elapsed since t on the proxy's clock.
 func (x *exchange) since(t time.Time) time.Duration { return x.p.clock.Now().Sub(t) }
 
