@@ -105,6 +105,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
 	}
+	if err := registerBodyMemory(ctx.GetMetricsRegistry()); err != nil {
+		return err
+	}
 	if a.Fleet != nil {
 		cfg, err := a.Fleet.config()
 		if err != nil {
@@ -186,6 +189,7 @@ func (a *App) Start() error {
 		}
 	}
 	current.push(a)
+	liveBodies.Store(a.bodies)
 	// After push: the connection logs through the newest config's logger.
 	if err := a.startFleet(); err != nil {
 		_ = a.Stop() // Caddy does not stop an app whose Start failed

@@ -52,4 +52,15 @@ func TestBodyBudgetBoundsABurstOfLargeBodies(t *testing.T) {
 	if limit := 1.2; res.Ratio() > limit {
 		t.Fatalf("RSS grew by %d bytes for %d bytes of bodies admitted: %.2f×, want at most %.1f×", res.Growth(), res.AdmittedBytes(), res.Ratio(), limit)
 	}
+	// The budget is visible, and every charge is back once the burst is over.
+	if v, found := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_buffered_body_limit_bytes", nil); !found || v != 40<<20 {
+		t.Fatalf("caddy_llm_proxy_buffered_body_limit_bytes = %v (found %v), want %d", v, found, 40<<20)
+	}
+	if !waitFor(5*time.Second, func() bool {
+		v, found := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_buffered_body_bytes", nil)
+		return found && v == 0
+	}) {
+		v, found := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_buffered_body_bytes", nil)
+		t.Fatalf("caddy_llm_proxy_buffered_body_bytes = %v (found %v) after the burst, want 0", v, found)
+	}
 }

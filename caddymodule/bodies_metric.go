@@ -1,0 +1,50 @@
+package caddymodule
+
+import (
+	"errors"
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// liveBodies is the body budget of the newest started config.
+var liveBodies atomic.Pointer[proxy.BodyBudget]
+
+// bodyMemory exports the body budget's use and size, so that an operator
+// sees a burst of large prompts coming before it is refused.
+var bodyMemory = []prometheus.Collector{
+	prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "llm_proxy", Name: "buffered_body_bytes",
+		Help: "Bytes of request bodies held in memory now, charged to max_buffered_bodies (the newest config's budget).",
+	}, func() float64 {
+		if b := liveBodies.Load(); b != nil {
+			return float64(b.InUse())
+		}
+		return 0
+	}),
+	prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "llm_proxy", Name: "buffered_body_limit_bytes",
+		Help: "max_buffered_bodies of the newest started config, in bytes.",
+	}, func() float64 {
+		if b := liveBodies.Load(); b != nil {
+			return float64(b.Size())
+		}
+		return 0
+	}),
+}
+
+// registerBodyMemory registers the body-memory gauges with reg (once per
+// registry).
+func registerBodyMemory(reg *prometheus.Registry) error {
+	for _, c := range bodyMemory {
+		if err := reg.Register(c); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			if !errors.As(err, &are) {
+				return err
+			}
+		}
+	}
+	return nil
+}
