@@ -281,7 +281,7 @@ if wants S7; then
 		s7env=(REQUESTS=1000 WARMUP=5s MAX_DURATION=90s)
 	fi
 	if run_fg env "${s7env[@]}" OUT="$OUT/S7" scripts/bench-hedge.sh >"$OUT/S7.md" 2>"$logdir/S7.log"; then
-		includes+=(--include "S7 hedging (scripts/bench-hedge.sh, ${s7env[*]})=$OUT/S7.md")
+		includes+=(--include "S7 hedging (scripts/bench-hedge.sh with ${s7env[*]//=/ })=$OUT/S7.md")
 	else
 		tail -n 5 "$logdir/S7.log" >&2 || true
 		failed+=(S7)
@@ -291,7 +291,7 @@ fi
 if wants bodies; then
 	if [ -x scripts/bench-bodies.sh ]; then
 		log "request-body burst (scripts/bench-bodies.sh)"
-		if run_fg env BENCH_SMOKE="$SMOKE" CADDY="$caddy_bin" OUT="$OUT/bodies" scripts/bench-bodies.sh >"$OUT/bodies.md" 2>"$logdir/bodies.log"; then
+		if run_fg env BENCH_SMOKE="$SMOKE" SMOKE="${SMOKE:+1}" CADDY="$caddy_bin" OUT="$OUT/bodies" scripts/bench-bodies.sh >"$OUT/bodies.md" 2>"$logdir/bodies.log"; then
 			includes+=(--include "Request-body memory burst (scripts/bench-bodies.sh)=$OUT/bodies.md")
 		else
 			tail -n 5 "$logdir/bodies.log" >&2 || true

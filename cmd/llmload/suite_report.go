@@ -82,7 +82,8 @@ func suiteReportCmd(args []string) error {
 		return usageErrorf("--dir and --md are required")
 	}
 	for _, inc := range includes {
-		t, p, ok := strings.Cut(inc, "=")
+		i := strings.LastIndex(inc, "=")
+		t, p, ok := inc[:max(i, 0)], inc[i+1:], i > 0
 		if !ok {
 			return usageErrorf("--include %q: want title=file", inc)
 		}
@@ -261,14 +262,16 @@ func writeSuiteSection(w io.Writer, run *suiteRun, m *SuiteMeta, plots map[strin
 		}
 	}
 	if run.S4 != nil {
-		fmt.Fprintf(w, "### S4 stream capacity\n\n%s. Streams opened at up to 2,000/s, then %s to settle, then a %s window. "+
+		fmt.Fprintf(w, "### S4 stream capacity\n\n%s. Streams opened at up to %s/s, then %s to settle, then a %s window. "+
 			"An event is *late* when it arrives more than %s behind its schedule (the stream's first event + its index × "+
-			"the interval).\n\n", run.S4.Upstream, run.S4.Settle, run.S4.Window, run.S4.Config.LateAfter)
-		writeStreamsTable(w, run.S4)
+			"the interval); direct's late events are the load generator's and the mock's own.\n\n",
+			run.S4.Upstream, humanize.Comma(int64(run.S4.RampPerSec)), run.S4.Settle, run.S4.Window, run.S4.Config.LateAfter)
+		writeStreamsTable(w, run.S4, true)
 	}
 	if run.S4b != nil {
-		fmt.Fprintf(w, "### S4b event rate\n\n%s; %s window.\n\n", run.S4b.Upstream, run.S4b.Window)
-		writeStreamsTable(w, run.S4b)
+		fmt.Fprintf(w, "### S4b event rate\n\n%s; %s window. (RSS is not a figure here: the processes still hold "+
+			"what S4's thousands of streams grew.)\n\n", run.S4b.Upstream, run.S4b.Window)
+		writeStreamsTable(w, run.S4b, false)
 	}
 	for _, k := range []string{"rss", "cpu"} {
 		if p := plots[k]; p != "" {
@@ -400,7 +403,7 @@ func (r *StreamsReport) cell(name string, level int) (*StreamsTarget, *StreamsLe
 	return nil, nil
 }
 
-func writeStreamsTable(w io.Writer, r *StreamsReport) {
+func writeStreamsTable(w io.Writer, r *StreamsReport, withRSS bool) {
 	rows := [][]string{append([]string{"streams", "figure"}, suiteColumns...)}
 	var notes []string
 	for _, level := range r.Levels {
@@ -438,12 +441,6 @@ func writeStreamsTable(w io.Writer, r *StreamsReport) {
 			append([]string{s, "proxy CPU in window"}, cells(proc(func(_ *StreamsTarget, l *StreamsLevel) string {
 				return fmt.Sprintf("%.2f s", l.CPUSeconds)
 			}))...),
-			append([]string{s, "**RSS per stream**"}, cells(proc(func(_ *StreamsTarget, l *StreamsLevel) string {
-				return fmt.Sprintf("%.1f KB", l.RSSPerStreamKB)
-			}))...),
-			append([]string{s, "RSS (before streams)"}, cells(proc(func(t *StreamsTarget, l *StreamsLevel) string {
-				return fmt.Sprintf("%s (%s)", humanize.IBytes(uint64(l.RSSKB)<<10), humanize.IBytes(uint64(t.BaselineRSSKB)<<10))
-			}))...),
 			append([]string{s, "**events late > 50 ms**"}, cells(func(_ *StreamsTarget, l *StreamsLevel) string {
 				return fmt.Sprintf("%s of %s", humanize.Comma(l.Late), humanize.Comma(l.Events))
 			})...),
@@ -453,6 +450,15 @@ func writeStreamsTable(w io.Writer, r *StreamsReport) {
 			append([]string{s, "streams failed"}, cells(func(_ *StreamsTarget, l *StreamsLevel) string {
 				return fmt.Sprintf("%d", l.Failed)
 			})...))
+		if withRSS {
+			rows = append(rows,
+				append([]string{s, "**RSS per stream**"}, cells(proc(func(_ *StreamsTarget, l *StreamsLevel) string {
+					return fmt.Sprintf("%.1f KB", l.RSSPerStreamKB)
+				}))...),
+				append([]string{s, "RSS (before streams)"}, cells(proc(func(t *StreamsTarget, l *StreamsLevel) string {
+					return fmt.Sprintf("%s (%s)", humanize.IBytes(uint64(l.RSSKB)<<10), humanize.IBytes(uint64(t.BaselineRSSKB)<<10))
+				}))...))
+		}
 		for _, name := range suiteColumns {
 			if _, l := r.cell(name, level); l != nil {
 				if l.Skipped != "" {

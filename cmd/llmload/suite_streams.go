@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/dustin/go-humanize"
 )
 
 // StreamsReport is S4 (many slow streams) or S4b (fewer fast ones): for
@@ -21,11 +23,13 @@ type StreamsReport struct {
 	Interval time.Duration `json:"interval_ns"`
 	// Settle is the wait between the last stream's first event and the
 	// window; Window the measured time at each level.
-	Settle  time.Duration   `json:"settle_ns"`
-	Window  time.Duration   `json:"window_ns"`
-	Levels  []int           `json:"levels"`
-	Started time.Time       `json:"started"`
-	Targets []StreamsTarget `json:"targets"`
+	Settle time.Duration `json:"settle_ns"`
+	Window time.Duration `json:"window_ns"`
+	Levels []int         `json:"levels"`
+	// RampPerSec is how many streams were opened per second at most.
+	RampPerSec int             `json:"ramp_per_s"`
+	Started    time.Time       `json:"started"`
+	Targets    []StreamsTarget `json:"targets"`
 }
 
 // StreamsTarget is one target through every level.
@@ -88,7 +92,10 @@ type streamsPlan struct {
 }
 
 func streamsPlanFor(cfg *SuiteConfig) (streamsPlan, error) {
-	p := streamsPlan{settle: 2 * time.Second, startTimeout: 30 * time.Second, rampPerSec: 2000, perStreamBudgetK: 1024}
+	// 1,000 new streams per second: at 2,000/s on a loaded 2-core box some
+	// of the proxy's dials to the mock went unanswered past Caddy's 3 s
+	// dial timeout (502s from reverse_proxy at 4,000 streams).
+	p := streamsPlan{settle: 2 * time.Second, startTimeout: 30 * time.Second, rampPerSec: 1000, perStreamBudgetK: 1024}
 	switch {
 	case cfg.Scenario == ScenarioS4 && cfg.Smoke:
 		p.levels, p.interval, p.window = []int{20, 50}, 100*time.Millisecond, time.Second
@@ -123,7 +130,7 @@ func runStreamsScenario(ctx context.Context, cfg *SuiteConfig) (*StreamsReport, 
 		return nil, err
 	}
 	rep := &StreamsReport{Config: *cfg, Interval: p.interval, Settle: p.settle, Window: p.window,
-		Levels: p.levels, Started: time.Now(),
+		Levels: p.levels, RampPerSec: p.rampPerSec, Started: time.Now(),
 		Upstream: fmt.Sprintf("mock TTFT 0, a token every %s, streams held open (not finished) until the target is done", p.interval)}
 	for _, t := range cfg.Targets {
 		if ctx.Err() != nil {
@@ -280,19 +287,23 @@ func runStreamsTarget(ctx context.Context, t *SuiteTarget, p streamsPlan, lateAf
 			res.BaselineRSSKB = b.RSSKB
 		}
 	}
-	skip := ""
+	skip, skipAt := "", 0
 	for _, level := range p.levels {
 		lvl := StreamsLevel{Streams: level}
 		if skip == "" {
-			skip = streamsLevelRoom(level, int(s.started.Load()), res.FDLimit, p.perStreamBudgetK)
+			skip, skipAt = streamsLevelRoom(level, int(s.started.Load()), res.FDLimit, p.perStreamBudgetK), level
 		}
 		if skip != "" {
 			lvl.Skipped = skip
+			if skipAt != level {
+				lvl.Skipped = fmt.Sprintf("not tried after %s streams were not held", humanize.Comma(int64(skipAt)))
+			}
 			res.Levels = append(res.Levels, lvl)
 			continue
 		}
 		suiteLog("%s: %d streams, a token every %s", t.Name, level, p.interval)
 		s.open(level, p.rampPerSec)
+		skipAt = level
 		if !s.waitStarted(p.startTimeout) {
 			skip = fmt.Sprintf("only %d of %d streams had a first event after %s", s.first.Load(), level, p.startTimeout)
 		}
