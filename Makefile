@@ -18,7 +18,7 @@ demo:
 # few seconds per scenario, results in a temp dir. SCENARIOS="S4b": only
 # those, docs/ untouched (same as scripts/bench.sh S4b).
 bench:
-	BENCH_SMOKE=$(or $(SMOKE),$(BENCH_SMOKE)) scripts/bench.sh $(SCENARIOS)
+	SUITE_COMMAND="make bench$(if $(SCENARIOS), SCENARIOS=\"$(SCENARIOS)\")" BENCH_SMOKE=$(or $(SMOKE),$(BENCH_SMOKE)) scripts/bench.sh $(SCENARIOS)
 
 # TTFT and inter-event gap: direct vs llm_proxy vs reverse_proxy.
 bench-overhead:
