@@ -416,6 +416,60 @@ func TestFleetProbesOncePerIntervalAndSurvivesAKilledProber(t *testing.T) {
 	}
 }
 
+// TestFleetRecoverySuccessesCountFleetWide: three gateways probe a failing
+// replica actively (a lease each time, 1.6s); recovery_successes 3. Once
+// the replica recovers, the fleet closes its breaker on every gateway
+// after about 3 successful probes in all, whichever gateways held the
+// leases — not 3 per gateway (each gateway's own 3 would take 5 to 9).
+func TestFleetRecoverySuccessesCountFleetWide(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	sick := fleet.Replica(0)
+	site := "llm_proxy " + upstreams(fleet) + " {\n\tmax_attempts 2\n\tbreaker {\n\t\tconsecutive_failures 3\n\t\topen_for 2s\n\t\tmin_open 2s\n\t\tmax_open 4s\n\t\trecovery_successes 3\n\t\tprobe {\n\t\t\turi /health\n\t\t\tinterval 2s\n\t\t}\n\t}\n}"
+	gws := startFleetGateways(t, 3, rs.Addr(), fleet, site)
+	b := sick.Behavior()
+	b.Fault = mockllm.Fault{Kind: mockllm.FaultStatus, Status: 503}
+	b.HealthStatus = 503
+	sick.SetBehavior(b)
+	var loads []*loadGen
+	for _, g := range gws {
+		loads = append(loads, startLoad(t, g.URL+"/v1/chat/completions", 1))
+	}
+	for i, g := range gws {
+		if _, ok := g.waitBreaker(sick.Addr(), 10*time.Second, func(v breakerView) bool { return v.State == "open" }); !ok {
+			t.Fatalf("gateway %d: replica 0's breaker never opened", i)
+		}
+	}
+	time.Sleep(3 * time.Second) // a failed probe or two: the fleet re-opens
+	b.Fault, b.HealthStatus = mockllm.Fault{}, 0
+	sick.SetBehavior(b)
+	recovered := time.Now()
+	before := sick.Stats().HealthChecks
+	closed := func() bool {
+		for _, g := range gws {
+			if g.breakers()[sick.Addr()].State != "closed" {
+				return false
+			}
+		}
+		return true
+	}
+	if !waitFor(20*time.Second, closed) {
+		t.Fatalf("replica 0's breaker not closed on every gateway 20s after it recovered")
+	}
+	probes := sick.Stats().HealthChecks - before
+	// +1: a probe that was on its way when the replica recovered.
+	if probes < 3 || probes > 4 {
+		t.Errorf("%d successful probes closed the breaker of three gateways, want recovery_successes 3 over the fleet (+1 at the edge), not 3 per gateway", probes)
+	}
+	for _, l := range loads {
+		l.stop()
+		checkAllServed(t, l.snapshot())
+	}
+	t.Logf("%d probes closed the fleet's breaker %v after the replica recovered", probes, time.Since(recovered).Round(10*time.Millisecond))
+}
+
 // TestFleetMinReportersKeepsOneGatewaysBrokenPathLocal: with min_reporters
 // 2, a gateway whose every request fails (its own broken path: here it
 // asks the replicas for 503s) opens its breakers by its own rules only;

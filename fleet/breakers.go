@@ -178,6 +178,8 @@ type keyState struct {
 	lease string
 	// lost is the last lease of another instance counted as lost here.
 	lost string
+	// expired is the last lease of this instance counted as expired.
+	expired string
 	// timer tries the lease at the end of the fleet's open time.
 	timer *time.Timer
 

@@ -323,7 +323,15 @@ func (bs *Breakers) writeAll() {
 	for key, w := range pending {
 		res, err := bs.writeOne(key, w)
 		expired := err == nil && len(res) > 0 && res[0] == "expired"
+		count := expired
 		bs.mu.Lock()
+		if k, ok := bs.keys[key]; ok && expired {
+			if k.expired == w.lease {
+				count = false // counted when the lease went to another instance
+			} else {
+				k.expired = w.lease
+			}
+		}
 		if bs.writes[key] == w {
 			if err != nil && KindOf(err).unhealthy() || errors.Is(err, ErrDegraded) {
 				w.replay = true
@@ -350,7 +358,7 @@ func (bs *Breakers) writeAll() {
 			}
 		}
 		bs.mu.Unlock()
-		if expired && bs.onLease != nil {
+		if count && bs.onLease != nil {
 			bs.onLease(LeaseExpired)
 		}
 		if err != nil && !errors.Is(err, ErrDegraded) {

@@ -40,6 +40,16 @@ import (
 // Any PutOpen or ClearOpen of this instance made while it holds the lease
 // is taken as the probe's result (the store cannot tell an operator's
 // action on this gateway from it); within the lease time only.
+//
+// A winner's breaker that is still half-open when its lease runs out
+// (recovery_successes above 1: it needs more probes) takes part in the
+// next round like the open ones: it keeps probing if it wins the lease
+// again, and goes back to open (Adopt until the new holder's lease ends)
+// if another instance won, so the fleet still probes once per lease time,
+// and every success counted toward the fleet's recovery carries a live
+// lease. One whose probe slots are all taken (a probe still out) only
+// looks: it does not take the lease, and goes back to open, its probe's
+// result dropped (counted "expired"), when another instance holds it.
 
 // Outcomes of the probe lease, for BreakersOptions.OnLease.
 const (
@@ -109,7 +119,7 @@ func (bs *Breakers) leases() {
 		}
 		var ms []*breaker.Breaker
 		for _, b := range k.members {
-			if b.State() == breaker.Open {
+			if st := b.State(); st == breaker.Open || st == breaker.HalfOpen {
 				ms = append(ms, b)
 			}
 		}
@@ -119,27 +129,44 @@ func (bs *Breakers) leases() {
 	}
 	bs.mu.Unlock()
 	for _, c := range cands {
-		// Only breakers open on the fleet's verdict: a local trip probes
-		// on its own, and one forced open until closed waits for a close.
+		// Only breakers open or half-open on the fleet's verdict: a local
+		// trip probes on its own, one forced open until closed waits for
+		// a close, and an observed trip recovers by observations.
 		ms := c.members[:0]
+		peek := true // every breaker here is half-open with no free probe slot
 		for _, b := range c.members {
-			if snap := b.Snapshot(); snap.State == breaker.Open && !snap.Local && !snap.OpenUntil.IsZero() {
-				ms = append(ms, b)
+			snap := b.Snapshot()
+			if snap.Local || snap.Observed {
+				continue
 			}
+			switch {
+			case snap.State == breaker.Open && !snap.OpenUntil.IsZero():
+				peek = false
+			case snap.State == breaker.HalfOpen:
+				peek = peek && snap.ProbesInFlight >= b.Settings().HalfOpenProbes
+			default:
+				continue
+			}
+			ms = append(ms, b)
 		}
 		if len(ms) > 0 {
-			bs.tryLease(c.key, ms, c.ttl)
+			bs.tryLease(c.key, ms, c.ttl, peek)
 		}
 	}
 	bs.flush()
 }
 
-// tryLease runs the lease script of key and queues the outcome for ms.
-func (bs *Breakers) tryLease(key string, ms []*breaker.Breaker, ttl time.Duration) {
+// tryLease runs the lease script of key and queues the outcome for ms;
+// peek only looks at the holder (it takes no free lease).
+func (bs *Breakers) tryLease(key string, ms []*breaker.Breaker, ttl time.Duration, peek bool) {
 	obj := "breaker:" + key
 	keys := []string{bs.c.Key(obj, "open"), bs.c.Key(obj, "probe"), bs.c.Key(obj, "probegen")}
+	look := "0"
+	if peek {
+		look = "1"
+	}
 	res, err := bs.do("breaker_lease", func(ctx context.Context, r redis.Cmdable) ([]any, error) {
-		return runScript(leaseScript, ctx, r, keys, bs.id, ttl.Milliseconds(), probeGenTTL.Milliseconds())
+		return runScript(leaseScript, ctx, r, keys, bs.id, ttl.Milliseconds(), probeGenTTL.Milliseconds(), look)
 	})
 	if err != nil {
 		bs.logError("breaker_lease", key, err)
@@ -150,6 +177,7 @@ func (bs *Breakers) tryLease(key string, ms []*breaker.Breaker, ttl time.Duratio
 	}
 	now := time.Now()
 	var result string
+	expired := false
 	bs.mu.Lock()
 	k, ok := bs.keys[key]
 	if !ok || bs.closed {
@@ -180,18 +208,40 @@ func (bs *Breakers) tryLease(key string, ms []*breaker.Breaker, ttl time.Duratio
 			k.lost = holder
 			result = LeaseLost
 		}
+		if k.lease != "" && k.expired != k.lease && probeOut(ms) {
+			// This instance's lease ran out with a probe of it still
+			// out: what that probe brings is dropped.
+			k.expired = k.lease
+			expired = true
+		}
 	}
 	bs.mu.Unlock()
-	if result != "" && bs.onLease != nil {
-		bs.onLease(result)
+	if bs.onLease != nil {
+		if result != "" {
+			bs.onLease(result)
+		}
+		if expired {
+			bs.onLease(LeaseExpired)
+		}
 	}
+}
+
+// probeOut reports whether any of ms is half-open with a probe out.
+func probeOut(ms []*breaker.Breaker) bool {
+	for _, b := range ms {
+		if b.State() == breaker.HalfOpen && b.Snapshot().ProbesInFlight > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // leaseScript takes a key's probe lease when the key's fleet record is open
 // and past its end and nobody holds the lease:
 //
 //	KEYS: open, probe, probegen
-//	ARGV: id, lease ms, generation counter ms
+//	ARGV: id, lease ms, generation counter ms, peek ("1": only report the
+//	      holder, take no free lease)
 //
 // It returns {"won", now, gen} (the lease is "<id>:<gen>"), {"held", now,
 // lease} or {"none", now}.
@@ -207,6 +257,7 @@ if not ok or type(r) ~= 'table' or r.s ~= 'open' or not tonumber(r.u) or r.u == 
 end
 local cur = redis.call('GET', KEYS[2])
 if cur then return {'held', now, cur} end
+if ARGV[4] == '1' then return {'none', now} end
 local gen = redis.call('INCR', KEYS[3])
 redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[3]))
 redis.call('SET', KEYS[2], ARGV[1] .. ':' .. gen, 'PX', tonumber(ARGV[2]))

@@ -221,31 +221,71 @@ func TestProbeLeaseHolderDiesAnotherProbes(t *testing.T) {
 	waitState(t, "the live gateways' up1", breaker.Closed, breakersOf(rest)...)
 }
 
-// TestProbeLeaseLateResultDropped: a result written after its lease ran
-// out (another gateway took it) is dropped and counted; the fleet's record
-// and the other breakers keep the key open until the new winner reports.
+// TestProbeLeaseLateResultDropped: a winner whose probe is still out when
+// its lease runs out (another gateway took it) goes back to open, waiting
+// for the new holder like the others, and its late result is dropped and
+// counted "expired" once; the fleet's record and the other breakers keep
+// the key open until the new winner reports, whose success closes every
+// gateway's breaker, the late one's included.
 func TestProbeLeaseLateResultDropped(t *testing.T) {
 	s, gws, lc, until := leaseFleet(t)
 	late, lateProbe := probeOnce(t, gws, until.Add(-20*time.Millisecond), until.Sub(time.Now())+time.Second, 0)
 	won := time.Now()
 	rest := others(gws, late)
 	next, p := probeOnce(t, rest, won.Add(testLease-50*time.Millisecond), testLease+time.Second, 0)
+	waitState(t, "the late winner back to open", breaker.Open, late.b("up1"))
+	waitFor(t, "the late lease counted expired", time.Second, func() bool { return lc.of(late.id, LeaseExpired) == 1 })
 	lateProbe.Done(breaker.Success, 0, "")
-	waitFor(t, "the late result dropped", time.Second, func() bool { return lc.of(late.id, LeaseExpired) == 1 })
-	if st := late.b("up1").State(); st != breaker.Closed {
-		t.Fatalf("the late winner is %s, want closed on its own probe", st)
+	if st := late.b("up1").State(); st != breaker.Open {
+		t.Fatalf("the late winner is %s after its late success, want still open (the result is dropped)", st)
 	}
 	if rec, _ := s.Do("GET", redisKey("up1", "open")); !strings.Contains(rec, `"s":"open"`) {
 		t.Fatalf("open record %s, want it still open", rec)
 	}
 	third := others(rest, next)[0]
-	stays(t, breaker.Open, third.b("up1"))
+	stays(t, breaker.Open, third.b("up1"), late.b("up1"))
 	if st := next.b("up1").State(); st != breaker.HalfOpen {
 		t.Fatalf("the new winner is %s, want still half-open", st)
 	}
 	p.Done(breaker.Success, 0, "")
-	waitState(t, "the others' up1", breaker.Closed, next.b("up1"), third.b("up1"))
+	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
 	if n := lc.total(LeaseExpired); n != 1 {
 		t.Fatalf("%d results expired, want the late one only", n)
 	}
+}
+
+// TestProbeLeaseHalfOpenWinnerRejoinsTheRound: recovery_successes 2; the
+// winner's first probe succeeds and its breaker stays half-open, but it
+// probes no more within its lease. When the lease runs out the half-open
+// breaker takes part in the next round with the open ones: afterwards
+// exactly one gateway lets a probe in (the new holder, maybe the same);
+// a first winner that lost is back to open, its lease not counted
+// expired (no probe of it was out); the second success, whoever's, closes
+// all three.
+func TestProbeLeaseHalfOpenWinnerRejoinsTheRound(t *testing.T) {
+	s := leaseSettings
+	s.RecoverySuccesses = 2
+	_, gws, lc, until := recoveryFleet(t, s)
+	first, p := probeOnce(t, gws, until.Add(-20*time.Millisecond), time.Until(until)+time.Second, 0)
+	won := time.Now()
+	p.Done(breaker.Success, 0, "")
+	if st := first.b("up1").State(); st != breaker.HalfOpen {
+		t.Fatalf("the first winner is %s after one of two successes, want half-open", st)
+	}
+	time.Sleep(time.Until(won.Add(testLease + 3*testRefresh)))
+	if n := lc.total(LeaseWon); n != 2 {
+		t.Fatalf("%d leases won after the first ran out, want 2", n)
+	}
+	second, p2 := probeOnce(t, gws, time.Time{}, time.Second, 100*time.Millisecond)
+	if second != first {
+		if st := first.b("up1").State(); st != breaker.Open {
+			t.Fatalf("%s holds the lease now, and the first winner %s is %s, want back to open", second.id, first.id, st)
+		}
+		if n := lc.of(first.id, LeaseExpired); n != 0 {
+			t.Fatalf("%s's lease counted expired %d times, want 0: no probe of it was out", first.id, n)
+		}
+	}
+	p2.Done(breaker.Success, 0, "")
+	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
+	t.Logf("first %s, second %s", first.id, second.id)
 }
