@@ -253,3 +253,49 @@ func TestNoReplayHidesLostConnectionsFromRetries(t *testing.T) {
 		}
 	}
 }
+
+// TestRedisClusterRatioAndInFlight: on a 3-node Redis Cluster, the ratio
+// script (one hash tag per breaker key) opens a key on two gateways' sums,
+// and InFlight reads the leases of two tenants on different nodes in one
+// pipeline; no operation gets CROSSSLOT or a script error.
+func TestRedisClusterRatioAndInFlight(t *testing.T) {
+	c := redistest.StartCluster(t, 3)
+	var gws []*gateway
+	for i := range 2 {
+		g := startGateway(t, c.URL(), fmt.Sprintf("gw%d", i), 1, BreakersOptions{})
+		g.s = ratioSettings
+		gws = append(gws, g)
+	}
+	waitFor(t, "both gateways in fleet mode", 2*time.Second, func() bool {
+		return !gws[0].c.Degraded() && !gws[1].c.Degraded()
+	})
+	for _, g := range gws {
+		for range 6 {
+			g.call("up1", breaker.Success)
+			g.call("up1", breaker.Failure)
+		}
+	}
+	waitState(t, "both gateways' up1", breaker.Open, gws[0].b("up1"), gws[1].b("up1"))
+	if st, _ := gws[0].bs.Opened("up1"); !strings.HasPrefix(st.Reason, "fleet: failure ratio 12/24") {
+		t.Fatalf("reason %q", st.Reason)
+	}
+
+	tkey := func(tn string) string { return buildKey(DefaultKeyPrefix, "tenant:"+tn, "leases") }
+	tb, _ := onOtherNode(t, c, "beta", tkey, c.NodeOf(tkey("acme")))
+	l, err := NewLimits(gws[0].c, LimitsConfig{LeaseTTL: testLeaseTTL, RenewEvery: testRenew})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	for _, tn := range []string{"acme", tb, tb} {
+		q, h := admission.Quota{Tenant: tn, MaxConcurrent: 5, Prompt: 1, Need: 1}, &admission.Hold{}
+		if d := l.Reserve(&q, h); d.Code != "" || d.Local {
+			t.Fatalf("%s: %+v", tn, d)
+		}
+	}
+	n, err := l.InFlight(context.Background(), []string{"acme", tb})
+	if err != nil || n["acme"] != 1 || n[tb] != 2 {
+		t.Fatalf("InFlight = %v, %v; want acme 1, %s 2", n, err, tb)
+	}
+	noBadReplies(t, gws...)
+}
