@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 	"time"
 
@@ -70,17 +71,28 @@ func (bs *Breakers) sync() {
 	bs.ratios()
 }
 
+// hasRatioRule reports whether b has FailureRatio or SlowRatio on.
+func hasRatioRule(b *breaker.Breaker) bool {
+	s := b.Settings()
+	return s.FailureRatio > 0 || s.SlowRatio > 0
+}
+
 // ratioMember returns the breaker of ms whose ratio window the fleet's
-// ratio rules read: a closed one with FailureRatio or SlowRatio on, the
-// one with the most requests when several breakers of the key live here
-// (a reload's old and new), nil if none. An open or half-open breaker's
-// window still holds what opened it, and is fresh again once it closes.
+// ratio rules read: one with a ratio rule that is closed, or open by its
+// own rules alone (a local trip: its window is evidence the fleet has not
+// decided on); the one with the most requests when several breakers of
+// the key live here (a reload's old and new); nil if none. A breaker open
+// or half-open on a fleet verdict is left out: its window still holds what
+// opened the key, and is fresh again once it closes. It may take the
+// breakers' locks: never call it under bs.mu.
 func ratioMember(ms []*breaker.Breaker) *breaker.Breaker {
 	var best *breaker.Breaker
 	most := -1
 	for _, b := range ms {
-		s := b.Settings()
-		if (s.FailureRatio <= 0 && s.SlowRatio <= 0) || b.State() != breaker.Closed {
+		if !hasRatioRule(b) {
+			continue
+		}
+		if b.State() != breaker.Closed && !b.Snapshot().Local {
 			continue
 		}
 		if n := b.RatioCounts().Requests; n > most {
@@ -97,7 +109,7 @@ func (bs *Breakers) ratios() {
 	var keys []string
 	bs.mu.Lock()
 	for key, k := range bs.keys {
-		if !k.openAt(now) && ratioMember(k.members) != nil {
+		if !k.openAt(now) && slices.ContainsFunc(k.members, hasRatioRule) {
 			keys = append(keys, key)
 		}
 	}
@@ -114,20 +126,25 @@ func (bs *Breakers) sendRatio(key string, every time.Duration) {
 	now := time.Now()
 	bs.mu.Lock()
 	k, ok := bs.keys[key]
-	var b *breaker.Breaker
-	if ok && !bs.closed {
-		b = ratioMember(k.members)
-	}
-	if b == nil || (every > 0 && now.Sub(k.ratioAt) < every) {
+	if !ok || bs.closed || (every > 0 && now.Sub(k.ratioAt) < every) {
 		bs.mu.Unlock()
+		return
+	}
+	ms := slices.Clone(k.members)
+	sent := k.ratioSent
+	bs.mu.Unlock()
+	b := ratioMember(ms)
+	if b == nil {
 		return
 	}
 	rc := b.RatioCounts()
-	if rc.Requests == 0 && !k.ratioSent {
-		bs.mu.Unlock()
+	if rc.Requests == 0 && !sent {
 		return
 	}
-	k.ratioAt = now
+	bs.mu.Lock()
+	if k, ok := bs.keys[key]; ok {
+		k.ratioAt = now
+	}
 	bs.mu.Unlock()
 	s := b.Settings()
 	keys := bs.breakerKeys(key)

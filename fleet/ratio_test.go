@@ -89,3 +89,29 @@ func TestBreakersSlowRatioOnTheFleetsSums(t *testing.T) {
 		t.Fatalf("reason %q", st.Reason)
 	}
 }
+
+// TestBreakersLocalRatioTripStillReportsItsWindow: one gateway sees 20
+// requests, half failing, and trips on its own ratio rule (it has
+// min_requests by itself) before its worker reads its window: the window
+// of a breaker open by its own rules is still the fleet's evidence, so
+// with min_reporters 1 the fleet opens the key on the other gateways too.
+func TestBreakersLocalRatioTripStillReportsItsWindow(t *testing.T) {
+	_, gws := fleetOf(t, 3, 1)
+	for _, g := range gws {
+		g.s = ratioSettings
+		g.b("up1")
+	}
+	for range 10 {
+		gws[0].call("up1", breaker.Success)
+		gws[0].call("up1", breaker.Failure)
+	}
+	if st := gws[0].b("up1").State(); st != breaker.Open {
+		t.Fatalf("gw0 is %s after 10 of 20 failures, want open by its own ratio rule", st)
+	}
+	waitState(t, "the other gateways' up1", breaker.Open, gws[1].b("up1"), gws[2].b("up1"))
+	st, _ := gws[1].bs.Opened("up1")
+	if !strings.HasPrefix(st.Reason, "fleet: failure ratio 10/20 ≥ 0.5 within 10s from 1 gateway") || st.By != "gw0" {
+		t.Fatalf("fleet entry %+v", st)
+	}
+	waitFor(t, "gw0 adopting the fleet's verdict", time.Second, func() bool { return !gws[0].b("up1").Snapshot().Local })
+}
