@@ -470,6 +470,56 @@ func TestFleetRecoverySuccessesCountFleetWide(t *testing.T) {
 	t.Logf("%d probes closed the fleet's breaker %v after the replica recovered", probes, time.Since(recovered).Round(10*time.Millisecond))
 }
 
+// TestFleetFailureRatioTripsOnTheFleetsSums: replica 0 fails every second
+// request (503); the breakers' rule is failure_ratio 0.4 over at least 24
+// requests (the consecutive rule out of reach). One gateway's share of the
+// traffic (fewer than 24 attempts at replica 0) opens nothing; once three
+// gateways' windows add up, the fleet's ratio opens replica 0 on all three
+// (scope fleet), the idle first gateway included, with the ratio as the
+// fleet's reason. No user sees an error (the failures fail over).
+func TestFleetFailureRatioTripsOnTheFleetsSums(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+		Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(2 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	sick := fleet.Replica(0)
+	b := sick.Behavior()
+	b.Fault = mockllm.Fault{Kind: mockllm.FaultStatus, Status: 503, Every: 2}
+	sick.SetBehavior(b)
+	site := "llm_proxy " + upstreams(fleet) + " {\n\tlb_policy round_robin\n\tmax_attempts 2\n\tbreaker {\n\t\tconsecutive_failures 1000\n\t\tfailure_ratio 0.4 min_requests 24 window 30s\n\t\topen_for 30s\n\t}\n}"
+	gws := startFleetGateways(t, 3, rs.Addr(), fleet, site)
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	traffic := func(g *gateway) {
+		t.Helper()
+		for range 20 {
+			if r := send(ctx, c, g.URL+"/v1/chat/completions", chatBody("half of them fail at replica 0", false)); r.Err != nil || r.Status != http.StatusOK {
+				t.Fatalf("%d %v %s, want every request served", r.Status, r.Err, r.Body)
+			}
+		}
+	}
+	traffic(gws[0])
+	time.Sleep(time.Second) // five refresh intervals: the first gateway's sums are in Redis
+	for i, g := range gws {
+		if v := g.breakers()[sick.Addr()]; v.State != "closed" {
+			t.Fatalf("gateway %d: replica 0's breaker %q after one gateway's share (%d attempts at it), want closed", i, v.State, len(userRecords(sick, "")))
+		}
+	}
+	traffic(gws[1])
+	traffic(gws[2])
+	for i, g := range gws {
+		v, ok := g.waitBreaker(sick.Addr(), 5*time.Second, func(v breakerView) bool { return v.State == "open" })
+		if !ok || v.Scope != "fleet" {
+			t.Fatalf("gateway %d: replica 0's breaker %q scope %q, want open by the fleet", i, v.State, v.Scope)
+		}
+	}
+	rec, err := rs.Do("GET", "llmproxy:{breaker:"+sick.Addr()+"}:open")
+	if err != nil || !strings.Contains(rec, "fleet: failure ratio") {
+		t.Fatalf("the fleet's open record %q (%v), want opened by the fleet's failure ratio", rec, err)
+	}
+	t.Logf("%d attempts at replica 0 in all; %s", len(userRecords(sick, "")), rec)
+}
+
 // TestFleetMinReportersKeepsOneGatewaysBrokenPathLocal: with min_reporters
 // 2, a gateway whose every request fails (its own broken path: here it
 // asks the replicas for 503s) opens its breakers by its own rules only;
