@@ -497,7 +497,9 @@ func (b *Breaker) probeFailedLocked(now time.Time, reason string) {
 }
 
 // reopenLocked re-opens a half-open breaker with the grown cooldown, marked
-// observed or not, and publishes it unless local.
+// observed or not, and publishes it unless local. With a Fleet the
+// cooldown grows from the larger of its own and the fleet's re-open count,
+// and the re-open is published with the count (Fleet.Reopen).
 func (b *Breaker) reopenLocked(now time.Time, observed, local bool, reason string) {
 	b.lastFailure, b.lastFailureAt = reason, now
 	if b.fleet != nil && !local {
