@@ -23,6 +23,8 @@ type controllerState struct {
 	base    time.Time      // epoch 0 of every tenant's window
 	tenants tenantSet
 	store   atomic.Pointer[storeBox] // nil: the tenants' own counts
+	// brkStore is the tenant breakers' store (SetBreakerStore).
+	brkStore atomic.Pointer[brkStoreBox]
 }
 
 func newController(cfg Config, clock Clock, obs Observer) (*Controller, error) {

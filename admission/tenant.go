@@ -42,6 +42,7 @@ type tenant struct {
 	bmu     sync.Mutex                      // creating and re-configuring brk
 	brk     atomic.Pointer[breaker.Breaker] // nil until a tier with one is used
 	brkTier atomic.Pointer[tierInfo]        // the tier whose settings brk has
+	brkIn   atomic.Pointer[brkStoreBox]     // the store brk was built with
 }
 
 // tierName returns the name of the tenant's last effective tier.
@@ -71,20 +72,31 @@ func (c *Controller) breakerFor(t *tenant, ti *tierInfo) *breaker.Breaker {
 	if ti.brk == nil {
 		return nil
 	}
-	if t.brkTier.Load() == ti {
+	store := c.brkStore.Load()
+	if t.brkTier.Load() == ti && t.brkIn.Load() == store {
 		return t.brk.Load()
 	}
 	t.bmu.Lock()
 	defer t.bmu.Unlock()
 	b := t.brk.Load()
 	switch {
-	case t.brkTier.Load() == ti:
-	case b == nil:
-		b = breaker.New(t.id, *ti.brk,
+	case t.brkTier.Load() == ti && t.brkIn.Load() == store:
+	case b == nil || t.brkIn.Load() != store:
+		opts := []breaker.Option{
 			breaker.WithClock(c.clock),
 			breaker.WithRand(c.rand),
-			breaker.WithListener(func(tr breaker.Transition) { c.obs.TenantBreaker(t.id, t.tierName(), tr) }))
+			breaker.WithListener(func(tr breaker.Transition) { c.obs.TenantBreaker(t.id, t.tierName(), tr) }),
+		}
+		key := t.id
+		if store != nil && store.s != nil {
+			// Shared with the upstream breakers: a key of its own kind.
+			key = TenantBreakerKey(t.id)
+			opts = append(opts, breaker.WithStore(store.s))
+		}
+		closeBreaker(b)
+		b = breaker.New(key, *ti.brk, opts...)
 		t.brk.Store(b)
+		t.brkIn.Store(store)
 	default:
 		b.SetSettings(*ti.brk)
 	}
@@ -165,6 +177,7 @@ func (c *Controller) sweep() {
 	if now.UnixNano()-last < int64(sweepEvery) || !c.tenants.lastSweep.CompareAndSwap(last, now.UnixNano()) {
 		return
 	}
+	var dropped []*breaker.Breaker
 	for i := range c.tenants.shards {
 		sh := &c.tenants.shards[i]
 		sh.mu.Lock()
@@ -174,10 +187,17 @@ func (c *Controller) sweep() {
 				t.evicted = true
 				delete(sh.m, id)
 				c.tenants.dynamic.Add(-1)
+				if b := t.brk.Load(); b != nil {
+					dropped = append(dropped, b)
+				}
 			}
 			t.mu.Unlock()
 		}
 		sh.mu.Unlock()
+	}
+	// Outside the locks: a fleet store forgets them.
+	for _, b := range dropped {
+		closeBreaker(b)
 	}
 }
 

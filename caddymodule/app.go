@@ -196,6 +196,10 @@ func (a *App) Start() error {
 		return err
 	}
 	reg.SetBreakerStore(a.breakerStore())
+	if a.tenancy != nil {
+		// Tenant breakers are shared by the fleet as the upstreams' are.
+		a.tenancy.ctl.SetBreakerStore(a.breakerStore())
+	}
 	for _, p := range a.pools {
 		p.Activate()
 	}
@@ -218,6 +222,11 @@ func (a *App) Stop() error {
 	// The breakers go back to the newest running config's store (none
 	// without a fleet) before this config's connection may close.
 	reg.SetBreakerStore(newestApp().breakerStore())
+	if prev := newestApp(); a.tenancy != nil && prev != nil && prev.tenancy != nil {
+		prev.tenancy.ctl.SetBreakerStore(prev.breakerStore())
+	} else if a.tenancy != nil && prev == nil {
+		a.tenancy.ctl.SetBreakerStore(nil)
+	}
 	a.stopFleet()
 	// This config's tiers may have been applied by its Start: hand the
 	// controller back to the newest config still running (after a failed

@@ -227,3 +227,44 @@ func TestFleetTenantConcurrencyLeases(t *testing.T) {
 	}
 	t.Logf("%d samples of exactly 2 leases and a refused third request over %v; streams ended after %v", samples, streamFor, ended)
 }
+
+// TestFleetTenantBreakerTripsOnceForTheFleet: a tenant whose own requests
+// fail (the upstream answers 400: its fault) on two gateways trips its
+// breaker for both when the fleet's count reaches the threshold — two
+// failures on one gateway and one on the other — and another tenant is
+// served by both.
+func TestFleetTenantBreakerTripsOnceForTheFleet(t *testing.T) {
+	t.Parallel()
+	rs := redistest.Start(t, redistest.Options{})
+	bad, good := newKey("tbbad"), newKey("tbgood")
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(2 * time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	tenancy := fmt.Sprintf("\ttenants {\n\t\tkey %s bad tier t\n\t\tkey %s good tier t\n\t}\n\ttier t {\n\t\tbreaker {\n\t\t\tconsecutive_failures 3\n\t\t\topen_for 30s\n\t\t}\n\t}", bad, good)
+	gws := startFleetTenantGateways(t, 2, rs.Addr(), fleet, tenancy, bad, good)
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	url := func(i int) string { return gws[i].URL + "/v1/chat/completions" }
+	for i, gw := range []int{0, 1, 0} {
+		r := mustSend(ctx, t, c, url(gw), chatOf("its own fault", false, nil), bearer(bad), "X-Mock-Fault: status=400")
+		if r.Status != http.StatusBadRequest {
+			t.Fatalf("failure %d on gateway %d: %d %s", i, gw, r.Status, r.Body)
+		}
+	}
+	for i := range gws {
+		var r reply
+		if !waitFor(5*time.Second, func() bool {
+			r = mustSend(ctx, t, c, url(i), chatOf("after the trip", false, nil), bearer(bad))
+			return r.Status == http.StatusTooManyRequests
+		}) {
+			t.Fatalf("gateway %d: %d %s, want 429 tenant_circuit_open (the fleet counted 3 failures)", i, r.Status, r.Body)
+		}
+		if code := errorCode(r.Body); code != "tenant_circuit_open" || r.Header.Get("X-Circuit-Breaker") != "open" {
+			t.Fatalf("gateway %d: code %q, X-Circuit-Breaker %q", i, code, r.Header.Get("X-Circuit-Breaker"))
+		}
+		if r := mustSend(ctx, t, c, url(i), chatOf("another tenant", false, nil), bearer(good)); r.Status != http.StatusOK {
+			t.Fatalf("gateway %d: the other tenant got %d %s", i, r.Status, r.Body)
+		}
+	}
+	if v := gws[1].tenant("bad"); v.breakerState() != "open" {
+		t.Fatalf("gateway 1's view of the tenant's breaker: %q", v.breakerState())
+	}
+}
