@@ -215,3 +215,47 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ttl) end
 return lost
 `)
+
+// resizeScript changes a live request's token reservation in place (the
+// degradation ladder clamped its max_tokens for a fallback model): the
+// difference is added to the slot it was counted in, or, once that slot has
+// left the window, the new reservation is counted in the current one; the
+// hold records the new amount, so that settlement takes back what is
+// reserved now. Growing past tpm changes nothing.
+//
+// KEYS: win, hold, done. ARGV: tpm, reserved, slot ms, slots. Reply: 1
+// resized, 0 nothing to resize (settled, or no hold), -1 refused (tpm).
+var resizeScript = redis.NewScript(limitsLib + `
+local win = KEYS[1]
+local tpm, want = tonumber(ARGV[1]), tonumber(ARGV[2])
+local slotMs, slots = tonumber(ARGV[3]), tonumber(ARGV[4])
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local h = redis.call('GET', KEYS[2])
+if not h then return 0 end
+local sp = string.find(h, ' ')
+local ep, res = tonumber(string.sub(h, 1, sp - 1)), tonumber(string.sub(h, sp + 1))
+local cur = math.floor(now / slotMs)
+advance(win, cur, slots)
+local T = tonumber(redis.call('HGET', win, 'T')) or 0
+local inWin = ep > cur - slots
+local delta = want - res
+if not inWin then delta = want end
+if delta > 0 and tpm > 0 and T + delta > tpm then return -1 end
+if inWin then
+  if delta ~= 0 then
+    redis.call('HINCRBY', win, 't' .. ep, delta)
+    redis.call('HINCRBY', win, 'T', delta)
+  end
+else
+  ep = cur
+  if want > 0 then
+    redis.call('HINCRBY', win, 't' .. cur, want)
+    redis.call('HINCRBY', win, 'T', want)
+    redis.call('HSET', win, 'nt', cur, 'n', cur)
+    redis.call('HSETNX', win, 'o', cur)
+    redis.call('PEXPIRE', win, (slots + 1) * slotMs)
+  end
+end
+redis.call('SET', KEYS[2], ep .. ' ' .. want, 'KEEPTTL')
+return 1
+`)
