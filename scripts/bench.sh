@@ -280,7 +280,10 @@ if wants S7; then
 	else
 		s7env=(REQUESTS=1000 WARMUP=5s MAX_DURATION=90s)
 	fi
-	if run_fg env "${s7env[@]}" OUT="$OUT/S7" scripts/bench-hedge.sh >"$OUT/S7.md" 2>"$logdir/S7.log"; then
+	# Its stdout has each arm's llmload summary, then the comparison from
+	# the "Mock:" line on: the suite keeps the comparison.
+	if run_fg env "${s7env[@]}" OUT="$OUT/S7" scripts/bench-hedge.sh >"$OUT/S7.full.md" 2>"$logdir/S7.log" &&
+		sed -n '/^Mock: /,$p' "$OUT/S7.full.md" >"$OUT/S7.md" && [ -s "$OUT/S7.md" ]; then
 		includes+=(--include "S7 hedging (scripts/bench-hedge.sh with ${s7env[*]//=/ })=$OUT/S7.md")
 	else
 		tail -n 5 "$logdir/S7.log" >&2 || true
@@ -305,6 +308,7 @@ fi
 
 # --- report ----------------------------------------------------------------
 report=(--dir "$OUT" --md "$OUT/suite.md" --started "$started" --load-start "$load_start"
+	--ended "$(date +%s)" --load-end "$(loadavg)"
 	--command "${SUITE_COMMAND:-scripts/bench.sh${*:+ $*}}${SMOKE:+ (BENCH_SMOKE=1)}"
 	--commit "$(git describe --always --dirty 2>/dev/null || echo unknown)"
 	--caddy-version "$("$caddy_bin" version 2>/dev/null | cut -d' ' -f1)"

@@ -142,13 +142,14 @@ func plotCPU(path string, s4, s4b *StreamsReport) (bool, error) {
 	p.Add(plotter.NewGrid())
 	names := []string{TargetLLMProxy, TargetReverseProxy, TargetNginx}
 	w := vg.Points(18)
-	drawn := 0
+	drawn, top := 0, 0.0
 	for i, name := range names {
 		vals := make(plotter.Values, len(groups))
 		any := false
 		for j, g := range groups {
 			if _, l := g.r.cell(name, g.level); l != nil && l.Skipped == "" {
 				vals[j] = l.CPUPerEventUS
+				top = max(top, l.CPUPerEventUS)
 				any = any || l.Events > 0
 			}
 		}
@@ -174,6 +175,8 @@ func plotCPU(path string, s4, s4b *StreamsReport) (bool, error) {
 		labels[i] = g.label
 	}
 	p.NominalX(labels...)
+	// Room above the bars for the legend.
+	p.Y.Min, p.Y.Max = 0, top*1.3
 	p.Legend.Top = true
 	return true, p.Save(8*vg.Inch, 4.5*vg.Inch, path)
 }

@@ -60,7 +60,7 @@ func suiteReportCmd(args []string) error {
 		dir, mdOut, docs, img string
 		meta                  SuiteMeta
 		includes, missing     listFlag
-		start                 int64
+		start, ended          int64
 	)
 	fs.StringVar(&dir, "dir", "", "`directory` with the scenarios' JSON (required)")
 	fs.StringVar(&mdOut, "md", "", "write the section to this markdown `file` (required)")
@@ -73,6 +73,8 @@ func suiteReportCmd(args []string) error {
 	fs.StringVar(&meta.Nginx, "nginx-version", "", "nginx version")
 	fs.BoolVar(&meta.Smoke, "smoke", false, "the run was the smoke mode (tiny sizes)")
 	fs.Int64Var(&start, "started", 0, "Unix time the run started (for its duration)")
+	fs.Int64Var(&ended, "ended", 0, "Unix time the run ended (default now; to rewrite the report of an earlier run)")
+	fs.StringVar(&meta.LoadEnd, "load-end", "", "load average at the end (default now)")
 	fs.Var(&includes, "include", "`title=file` of markdown from another script to include (repeatable)")
 	fs.Var(&missing, "missing", "a `note` on a part that did not run (repeatable)")
 	if err := parseFlags(fs, args); err != nil {
@@ -90,10 +92,16 @@ func suiteReportCmd(args []string) error {
 		meta.Includes = append(meta.Includes, include{t, p})
 	}
 	meta.Missing = missing
-	meta.Date = time.Now().UTC()
-	meta.LoadEnd = loadAverage()
+	end := time.Now()
+	if ended > 0 {
+		end = time.Unix(ended, 0)
+	}
+	meta.Date = end.UTC()
+	if meta.LoadEnd == "" {
+		meta.LoadEnd = loadAverage()
+	}
 	if start > 0 {
-		meta.Seconds = int(time.Since(time.Unix(start, 0)).Seconds())
+		meta.Seconds = int(end.Sub(time.Unix(start, 0)).Seconds())
 	}
 	if img == "" {
 		img = filepath.Join(dir, "img")
@@ -257,7 +265,7 @@ func writeSuiteSection(w io.Writer, run *suiteRun, m *SuiteMeta, plots map[strin
 		writeLatencyTables(w, run.S3, true)
 		for _, l := range run.S3.Levels {
 			if p := plots[fmt.Sprintf("ttft-%d", l.Streams)]; p != "" {
-				fmt.Fprintf(w, "![TTFT CDF per target, %d streams](img/%s)\n\n", l.Streams, p)
+				fmt.Fprintf(w, "![TTFT CDF per target, %s](img/%s)\n\n", plural(l.Streams, "stream"), p)
 			}
 		}
 	}
@@ -497,4 +505,12 @@ func writeStormTable(w io.Writer, r *StormReport) {
 	}
 	writeMarkdown(w, rows, "lrrrr")
 	fmt.Fprintln(w)
+}
+
+// plural is "1 stream", "100 streams".
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return humanize.Comma(int64(n)) + " " + what + "s"
 }
