@@ -295,3 +295,87 @@ func TestReviewUpstream429FallsBack(t *testing.T) {
 		t.Fatalf("status %d result %+v header %q", w.Code, res, w.Header().Get(HeaderDegraded))
 	}
 }
+
+// The primary failed (unavailable) and the fallback's capacity is full: the
+// fallback is passed over ("its capacity full" in README's list of a
+// fallback's own reasons) and the client gets the primary's status with
+// the note at once, rather than waiting in the fallback's queue after the
+// primary's attempts are already spent.
+func TestReviewUnavailableFallbackFullIsPassedOverAtOnce(t *testing.T) {
+	t.Skip("defect: degrade calls movePool with wait=true on the unavailable path, so a full fallback queues the request (up to queue_timeout) instead of refusing it with the primary's status")
+	tn := reviewTenancy(t)
+	primary := newUpstream(t, failing(503))
+	small, releaseF := holdingUpstream(t)
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small",
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	wa := newStreamRecorder()
+	ra := make(chan *Result, 1)
+	go func() { ra <- p.ServeHTTP(wa, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-a")) }()
+	wa.waitBody(t, chunkA) // on the fallback, its one slot taken
+
+	w := httptest.NewRecorder()
+	rb := make(chan *Result, 1)
+	go func() { rb <- p.ServeHTTP(w, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-b")) }()
+	select {
+	case <-rb:
+	case <-time.After(3 * time.Second):
+		releaseF()
+		<-rb
+		<-ra
+		t.Fatal("the request waited in the full fallback's queue after the primary failed")
+	}
+	if w.Code != 503 || small.calls.Load() != 1 {
+		t.Fatalf("status %d fallback calls %d", w.Code, small.calls.Load())
+	}
+	if e := errorBodyOf(t, w); !strings.Contains(e.Message, "fallback small refused: its capacity is full") {
+		t.Fatalf("error %+v", e)
+	}
+	releaseF()
+	<-ra
+}
+
+// A request that falls back is one request of its tenant's rpm, not one
+// per pool tried: a tenant with rpm 2 gets both of its requests served by
+// the fallback.
+func TestReviewFallbackChargesRPMOnce(t *testing.T) {
+	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
+	var err error
+	if tn.c, err = admission.NewController(admission.Config{
+		Tiers:   []admission.Tier{{Name: "free", RPM: 2}},
+		Tenants: []admission.TenantConfig{{ID: "c", Tier: "free"}},
+	}, admClock{tn.clk}, tn.obs); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := admission.NewDirectory([]admission.Key{{Hash: admission.HashKey("sk-c"), Tenant: "c"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tn.ident = &KeyIdentifier{Keys: dir, Resolve: func(tenant, tier string) (string, bool) {
+		ti, ok := tn.c.Tier(tenant, tier)
+		return ti.Name, ok
+	}}
+	tn.adm = NewTenantAdmitter(tn.c, nil)
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 4 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", MaxOutputTokens: 50,
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	for i := range 2 {
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, keyed(`{"model":"m","stream":true,"max_tokens":100}`, "sk-c"))
+		if w.Code != 200 || res.Fallback != "small" {
+			t.Fatalf("request %d: status %d result %+v body %s", i, w.Code, res, w.Body)
+		}
+	}
+	if v := tn.view(t, "c"); v.RequestsInWindow != 2 || v.Inflight != 0 {
+		t.Fatalf("requests in window %d, in flight %d; want 2 and 0", v.RequestsInWindow, v.Inflight)
+	}
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, keyed(`{"model":"m","stream":true,"max_tokens":100}`, "sk-c"))
+	if w.Code != 429 || small.calls.Load() != 2 || primary.calls.Load() != 2 {
+		t.Fatalf("third request: status %d calls %d/%d (the rpm 429 must reach no pool)", w.Code, primary.calls.Load(), small.calls.Load())
+	}
+}
