@@ -379,3 +379,49 @@ func TestReviewFallbackChargesRPMOnce(t *testing.T) {
 		t.Fatalf("third request: status %d calls %d/%d (the rpm 429 must reach no pool)", w.Code, primary.calls.Load(), small.calls.Load())
 	}
 }
+
+// A refused degradation answers with the primary's failure status and the
+// gateway's OpenAI-shaped body naming the fallback: an upstream 429 stays
+// a 429 (rate_limit_error, its Retry-After kept), no upstream at all a 503.
+func TestReviewRefusedDegradationBody(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		primary    func(http.ResponseWriter, *http.Request)
+		status     int
+		typ, retry string
+	}{
+		{"upstream 429", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Retry-After", "7")
+			failing(429)(w, r)
+		}, 429, TypeRateLimit, "7"},
+		{"upstream 502", failing(502), 502, TypeServer, ""},
+		{"no primary upstream", nil, 503, TypeServer, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ups []*upstream
+			if tc.primary != nil {
+				ups = append(ups, newUpstream(t, tc.primary))
+			}
+			small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+			p, _ := fallbackProxy(t, Config{MaxAttempts: 1, Identifier: tierIdentifier{}},
+				Fallback{Tiers: []string{"free"}}, ups, small)
+			w := httptest.NewRecorder()
+			r := post(`{"model":"m","stream":true}`)
+			r.Header.Set("X-Test-Tier", "gold")
+			p.ServeHTTP(w, r)
+			if w.Code != tc.status || small.calls.Load() != 0 || w.Header().Get(HeaderDegraded) != "" {
+				t.Fatalf("status %d (want %d), fallback calls %d", w.Code, tc.status, small.calls.Load())
+			}
+			if ct := w.Header().Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+				t.Fatalf("Content-Type %q", ct)
+			}
+			e := errorBodyOf(t, w)
+			if e.Type != tc.typ || e.Code == "" || !strings.HasSuffix(e.Message, `fallback small refused: tier "gold" may not degrade to it`) {
+				t.Fatalf("error %+v", e)
+			}
+			if got := w.Header().Get("Retry-After"); tc.retry != "" && got != tc.retry {
+				t.Fatalf("Retry-After %q, want %q", got, tc.retry)
+			}
+		})
+	}
+}
