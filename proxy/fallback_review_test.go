@@ -5,8 +5,10 @@ package proxy
 // is refused, max_completion_tokens with n > 1, and slots given back.
 
 import (
+	"context"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -423,5 +425,90 @@ func TestReviewRefusedDegradationBody(t *testing.T) {
 				t.Fatalf("Retry-After %q, want %q", got, tc.retry)
 			}
 		})
+	}
+}
+
+// An in-band error event before commit (vLLM's "overloaded" as the first
+// event of a 200 stream) is the primary being unavailable, not a commit:
+// the fallback serves, and the client sees nothing of the primary's event.
+// A 4xx-like in-band error is the request's own fault and never falls back.
+func TestReviewInbandErrorBeforeCommitFallsBack(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		code     int
+		fallback bool
+	}{
+		{"5xx-like", 503, true},
+		{"4xx-like", 400, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ev := "data: {\"error\":{\"message\":\"nope\",\"type\":\"x\",\"code\":" + strconv.Itoa(tc.code) + "}}\n\n"
+			primary := newUpstream(t, sseUpstream(ev))
+			small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+			p, _ := fallbackProxy(t, Config{MaxAttempts: 1}, Fallback{}, []*upstream{primary}, small)
+			w := httptest.NewRecorder()
+			res := p.ServeHTTP(w, post(`{"model":"m","stream":true}`))
+			if tc.fallback {
+				if w.Code != 200 || res.Fallback != "small" || w.Body.String() != chunkA+chunkEnd+done {
+					t.Fatalf("status %d result %+v body %q", w.Code, res, w.Body)
+				}
+				return
+			}
+			if w.Code != tc.code || small.calls.Load() != 0 || res.Fallback != "" {
+				t.Fatalf("status %d fallback calls %d result %+v", w.Code, small.calls.Load(), res)
+			}
+		})
+	}
+}
+
+// A client that leaves while its request waits for a full fallback's slot
+// (after the primary failed) leaves nothing behind: no slot in either
+// gate, nothing in flight for its tenant, no call to the fallback.
+func TestReviewClientGoneWhileWaitingForTheFallbackLeaksNothing(t *testing.T) {
+	tn := reviewTenancy(t)
+	primary := newUpstream(t, failing(503))
+	small, releaseF := holdingUpstream(t)
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small",
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	wa := newStreamRecorder()
+	ra := make(chan *Result, 1)
+	go func() { ra <- p.ServeHTTP(wa, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-a")) }()
+	wa.waitBody(t, chunkA)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	r := keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-b").WithContext(ctx)
+	rb := make(chan *Result, 1)
+	go func() { rb <- p.ServeHTTP(httptest.NewRecorder(), r) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for tn.view(t, "b").Queued == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if v := tn.view(t, "b"); v.Queued != 1 || primary.calls.Load() != 1 {
+		t.Fatalf("b queued %d after the primary's %d calls: want it waiting for the fallback's slot", v.Queued, primary.calls.Load())
+	}
+	cancel()
+	select {
+	case <-rb:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request did not end when its client left")
+	}
+	releaseF()
+	<-ra
+	if small.calls.Load() != 1 {
+		t.Fatalf("fallback calls %d, want 1 (the client that left was never sent)", small.calls.Load())
+	}
+	for name, g := range map[string]*admission.Gate{"primary": tn.g, "fallback": fg} {
+		var s admission.Slot
+		if !g.TryAcquireSlot("x", admission.Tier{Name: "gold"}, &s) {
+			t.Fatalf("%s gate: no free slot after every request ended (a slot leaked)", name)
+		}
+		s.Release()
+	}
+	for _, id := range []string{"a", "b"} {
+		if v := tn.view(t, id); v.Inflight != 0 || v.Queued != 0 {
+			t.Fatalf("tenant %s: %d in flight, %d queued after every request ended", id, v.Inflight, v.Queued)
+		}
 	}
 }
