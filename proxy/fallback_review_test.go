@@ -512,3 +512,41 @@ func TestReviewClientGoneWhileWaitingForTheFallbackLeaksNothing(t *testing.T) {
 		}
 	}
 }
+
+// The ladder's last rungs (issue 11 §4, README steps 3-4): a request sent
+// to a saturated-overflow fallback that then fails there is not lost — a
+// tier that may queue waits for the primary, as it would have without the
+// fallback, and is served once the primary's slot frees.
+func TestReviewFailedOverflowFallbackQueuesForThePrimary(t *testing.T) {
+	t.Skip("defect: after degrade(DegradeSaturated) the request is on the fallback's rung; when the fallback fails, run only descends further and never returns a queueable tier to the primary's queue")
+	tn := reviewTenancy(t)
+	primary, releaseP := holdingUpstream(t)
+	small := newUpstream(t, failing(503))
+	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", When: WhenSaturated, Tiers: []string{"silver"},
+		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}}}}}
+	p, _ := tn.proxy(t, cfg, primary)
+	wa := newStreamRecorder()
+	ra := make(chan *Result, 1)
+	go func() { ra <- p.ServeHTTP(wa, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-a")) }()
+	wa.waitBody(t, chunkA)
+
+	wb := newStreamRecorder()
+	rb := make(chan *Result, 1)
+	go func() { rb <- p.ServeHTTP(wb, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-b")) }()
+	select {
+	case res := <-rb:
+		releaseP()
+		<-ra
+		t.Fatalf("silver ended at once with %d (outcome %s, fallback %q) after the fallback failed: want it queued for the primary",
+			res.Status, res.Outcome, res.Fallback)
+	case <-tn.obs.queued:
+	case <-time.After(5 * time.Second):
+		t.Fatal("silver neither ended nor queued")
+	}
+	releaseP()
+	<-ra
+	res := <-rb
+	if res.Status != 200 || small.calls.Load() != 1 || primary.calls.Load() != 2 {
+		t.Fatalf("silver: status %d calls primary %d fallback %d", res.Status, primary.calls.Load(), small.calls.Load())
+	}
+}
