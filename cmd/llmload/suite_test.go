@@ -2,6 +2,10 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -209,4 +213,55 @@ func FuzzSpliceSuite(f *testing.F) {
 			t.Errorf("the section is not in the result")
 		}
 	})
+}
+
+// A stream whose last token comes 400 ms after its schedule has exactly
+// that event counted late (bound 150 ms); the role chunk and the first
+// token, sent together, are on time.
+func TestStreamSetCountsLateEvents(t *testing.T) {
+	const interval = 50 * time.Millisecond
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fl := w.(http.Flusher)
+		send := func(s string) { fmt.Fprintf(w, "data: %s\n\n", s); fl.Flush() }
+		first := time.Now()
+		send(`{"role"}`)
+		send(`{"token":0}`)
+		for i := 1; i <= 3; i++ {
+			due := first.Add(time.Duration(i) * interval)
+			if i == 3 {
+				due = due.Add(400 * time.Millisecond)
+			}
+			time.Sleep(time.Until(due))
+			send(fmt.Sprintf(`{"token":%d}`, i))
+		}
+		<-r.Context().Done()
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &streamSet{ctx: ctx, client: srv.Client(), url: srv.URL, body: []byte("{}"), header: http.Header{},
+		interval: interval, late: 150 * time.Millisecond}
+	s.measuring.Store(true)
+	s.open(1, 1000)
+	if !s.waitStarted(5 * time.Second) {
+		t.Fatal("no first event")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for s.events.Load() < 5 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	s.wg.Wait()
+	if n := s.events.Load(); n != 5 {
+		t.Errorf("%d events, want 5", n)
+	}
+	if n := s.lateN.Load(); n != 1 {
+		t.Errorf("%d late events, want 1 (the delayed token)", n)
+	}
+	if f := s.failed.Load(); f != 0 {
+		t.Errorf("%d failed streams after a cancel, want 0: %s", f, s.failExample)
+	}
+	if m := s.lateness.Max(); m < 350*time.Millisecond {
+		t.Errorf("largest lateness %s, want about 400ms", m)
+	}
 }
