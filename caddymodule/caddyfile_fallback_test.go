@@ -53,3 +53,12 @@ func TestFallbackCaddyfileErrors(t *testing.T) {
 		}
 	}
 }
+
+func TestFallbackNames(t *testing.T) {
+	for _, name := range []string{"primary", "a;b", "a=b", "a b"} {
+		_, err := adapt(t, ":8080 {\n llm_proxy 10.0.0.1:8000 {\n fallback \""+name+"\" {\n to 10.0.1.1:8000\n }\n }\n}")
+		if err == nil || !strings.Contains(err.Error(), "fallback name") {
+			t.Errorf("name %q: error %v", name, err)
+		}
+	}
+}

@@ -23,8 +23,9 @@ import (
 // never sends a request to a fallback: that 429 goes to the client.
 type FallbackConfig struct {
 	// Name names the fallback in the X-LLM-Proxy-Degraded header, the
-	// caddy_llm_proxy_degraded_total metric and error messages. Required
-	// (no default); unique within the handler.
+	// caddy_llm_proxy_degraded_total metric and error messages: up to 64
+	// letters, digits, '.', '_' or '-', not "primary". Required (no
+	// default); unique within the handler.
 	Name string `json:"name"`
 
 	// Upstreams is the fallback's static list of servers, reached with the
@@ -82,6 +83,8 @@ func (fc *FallbackConfig) check() error {
 		return errors.New("llm_proxy: empty fallback")
 	case fc.Name == "":
 		return errors.New("llm_proxy: a fallback needs a name")
+	case fc.Name == "primary" || !validFallbackName(fc.Name):
+		return fmt.Errorf("llm_proxy: fallback name %q: want letters, digits, '.', '_' or '-', and not \"primary\" (the main pool's name in /v1/models)", fc.Name)
 	case len(fc.Upstreams) == 0 && fc.DynamicUpstreamsRaw == nil:
 		return fmt.Errorf("llm_proxy: fallback %s has no upstreams: set to or dynamic", fc.Name)
 	case len(fc.Upstreams) > 0 && fc.DynamicUpstreamsRaw != nil:
@@ -93,6 +96,19 @@ func (fc *FallbackConfig) check() error {
 	}
 	_, err := fc.when()
 	return err
+}
+
+// validFallbackName reports whether name may go into the degraded header
+// and metric labels as it is.
+func validFallbackName(name string) bool {
+	for _, c := range name {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '.', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return len(name) <= 64
 }
 
 // when returns the fallback's triggers.
@@ -112,6 +128,11 @@ func (fc *FallbackConfig) when() (proxy.FallbackWhen, error) {
 		w = proxy.WhenUnavailable
 	}
 	return w, nil
+}
+
+// fallbackCapacity reports whether a fallback has a capacity of its own.
+func (h *Handler) fallbackCapacity() bool {
+	return slices.ContainsFunc(h.Fallbacks, func(fc *FallbackConfig) bool { return fc.Capacity > 0 || fc.PerUpstream > 0 })
 }
 
 // takesOverflow reports whether a fallback takes the primary's saturated

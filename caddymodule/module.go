@@ -208,7 +208,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.claims = new(registry.Claims)
 	// A fallback that takes the primary's saturated overflow needs the
 	// primary's gate (its capacity and saturation signal) to know when.
-	sg, want, err := h.Admission.gate(h.claims, key, h.pool, ctl, h.takesOverflow())
+	// So does a fallback with a capacity of its own: the request's
+	// admission, made at the primary's gate, is what moves to it.
+	sg, want, err := h.Admission.gate(h.claims, key, h.pool, ctl, h.takesOverflow() || h.fallbackCapacity())
 	if err != nil {
 		return err
 	}

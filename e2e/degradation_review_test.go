@@ -23,7 +23,6 @@ import (
 // block whose primary answers 503 is served by a fallback that has
 // `capacity 4`.
 func TestReviewDegradationFallbackCapacityWithoutTenants(t *testing.T) {
-	t.Skip("defect: movePool refuses any fallback with a Gate when the request has no PoolAdmission (no tenants, no admission on the primary): \"its capacity cannot be checked\"")
 	primary := startFleet(t, mockllm.FleetConfig{Replicas: 1, Behavior: mockllm.Behavior{Fault: mockllm.Fault{Kind: mockllm.FaultStatus, Status: 503}}})
 	small := startFleet(t, mockllm.FleetConfig{Replicas: 1, Behavior: mockllm.Behavior{Model: "llama-8b", Tokens: 4}})
 	g := startGateway(t, fmt.Sprintf(`	llm_proxy %s {

@@ -83,7 +83,7 @@ func (x *exchange) admit() bool {
 	if !saturated || x.degrade(DegradeSaturated) {
 		return true
 	}
-	if err := adm.(PoolAdmission).Queue(x.ctx); err != nil {
+	if err := adm.(PoolAdmission).Queue(x.ctx, x.res.Info); err != nil {
 		return x.refuse(err) // the notes say why no fallback took it
 	}
 	x.admitted(adm)

@@ -197,16 +197,18 @@ type PoolAdmitter interface {
 // PoolAdmission is an Admission that the ladder moves between pools.
 type PoolAdmission interface {
 	Admission
-	// Queue takes a slot of the primary pool, waiting in its queue (or
-	// shed by priority) as Admit would. A refusal is returned as Admit
-	// returns it, with the tenant's reservation cancelled (it consumed
-	// nothing).
-	Queue(ctx context.Context) error
-	// MoveTo re-reserves the tenant's tokens for info (the clamped
-	// max_tokens), gives back the slot held and takes one of g (nil: a
-	// pool without capacity), at once (wait false: a *GatewayError when
-	// none is free) or waiting in g's queue. A refusal leaves the request
-	// admitted by its tenant with no slot: it is not sent to that pool.
+	// Queue takes a slot of the primary pool for the request described by
+	// info (the client's own: its reservation is recomputed for it), giving
+	// back any other slot it holds, waiting in the primary's queue (or shed
+	// by priority) as Admit would. A refusal is returned as Admit returns
+	// it, with the tenant's reservation cancelled (it consumed nothing).
+	Queue(ctx context.Context, info RequestInfo) error
+	// MoveTo takes a slot of g (nil: a pool without capacity), at once
+	// (wait false: a *GatewayError when none is free) or waiting in g's
+	// queue, then recomputes the tenant's reservation for info (the
+	// clamped max_tokens), and only then gives back the slot held before.
+	// A refusal at either step leaves the admission as it was: the
+	// request is not sent to that pool.
 	MoveTo(ctx context.Context, g *admission.Gate, info RequestInfo, wait bool) error
 }
 
@@ -245,29 +247,32 @@ func (x *exchange) degrade(why string) bool {
 	if why == DegradeSaturated {
 		want = WhenSaturated
 	}
+	if x.client == nil {
+		x.client = &clientRequest{body: x.body, info: x.res.Info}
+	}
 	for i := x.rung.index + 1; i < len(fbs); i++ {
 		f := &fbs[i]
-		if f.when()&want == 0 {
+		if f.when()&want == 0 || (i < 64 && x.tried&(1<<i) != 0) {
 			continue
 		}
 		if tier := x.res.Identity.Tier; !f.allows(tier) {
 			x.refuseFallback(f, fmt.Sprintf("tier %q may not degrade to it", tier))
 			continue
 		}
-		maxTokens, setMax, fits := f.Clamp(x.res.Info)
+		maxTokens, setMax, fits := f.Clamp(x.client.info)
 		if !fits {
 			x.refuseFallback(f, fmt.Sprintf("the prompt estimate of %d tokens does not fit its context_window of %d",
-				x.res.Info.PromptTokens, f.ContextWindow))
+				x.client.info.PromptTokens, f.ContextWindow))
 			continue
 		}
-		info := x.res.Info
+		info := x.client.info
 		if f.Model != "" {
 			info.Model = f.Model
 		}
 		if setMax {
 			info.MaxTokens, info.MaxTokensSet = maxTokens, true
 		}
-		body, err := rewriteBody(x.body, f.Model, maxTokens, setMax)
+		body, err := rewriteBody(x.client.body, f.Model, maxTokens, setMax)
 		if err != nil {
 			x.refuseFallback(f, "the request body cannot be rewritten: "+err.Error())
 			continue
@@ -288,25 +293,30 @@ func (x *exchange) degrade(why string) bool {
 				}
 			}
 		}
-		if !x.movePool(f, info, why == DegradeUnavailable) {
+		// A fallback is taken only with room now: the request has waited
+		// for the pools above already.
+		if !x.movePool(f, info) {
 			uncharge()
 			continue
+		}
+		if i < 64 {
+			x.tried |= 1 << i
 		}
 		x.body, x.res.Info = body, info
 		x.rung = rung{index: i, fb: f, pool: &f.Pool, reason: why}
 		x.degraded = degradedHeader(f, maxTokens, setMax)
 		x.res.Degraded, x.res.Fallback, x.res.DegradeReason = x.degraded, f.Name, why
-		x.failure, x.notes = nil, nil
+		x.failure = nil
 		return true
 	}
 	return false
 }
 
-// movePool moves the request's admission to f's pool: its tenant's
-// reservation recomputed for info, a slot of f's capacity (waiting in its
-// queue when wait). It reports false, with a note, when the request does
-// not fit there.
-func (x *exchange) movePool(f *Fallback, info RequestInfo, wait bool) bool {
+// movePool moves the request's admission to f's pool: a slot of f's
+// capacity if one is free now, and its tenant's reservation recomputed for
+// info. It reports false, with a note, when the request does not fit
+// there; its admission is then as it was.
+func (x *exchange) movePool(f *Fallback, info RequestInfo) bool {
 	pa, ok := x.admission.(PoolAdmission)
 	if !ok {
 		if f.Gate != nil {
@@ -317,7 +327,7 @@ func (x *exchange) movePool(f *Fallback, info RequestInfo, wait bool) bool {
 		}
 		return true
 	}
-	if err := pa.MoveTo(x.ctx, f.Gate, info, wait); err != nil {
+	if err := pa.MoveTo(x.ctx, f.Gate, info, false); err != nil {
 		msg := err.Error()
 		if ge, ok := errors.AsType[*GatewayError](err); ok {
 			msg = ge.Message
@@ -329,6 +339,56 @@ func (x *exchange) movePool(f *Fallback, info RequestInfo, wait bool) bool {
 		x.res.QueueWait = qw.QueueWait()
 	}
 	return true
+}
+
+// clientRequest is the request as the client sent it.
+type clientRequest struct {
+	body []byte
+	info RequestInfo
+}
+
+// backToPrimary is the ladder's last step for a request that a fallback
+// took from a saturated primary and then failed before commit, with no
+// fallback below to take it: the request goes back to the primary, as the
+// client sent it, and waits in its queue (or is shed) as it would have
+// without the ladder. It reports whether the request may be attempted
+// again; a refusal is recorded as the request's answer.
+func (x *exchange) backToPrimary() bool {
+	if x.rung.reason != DegradeSaturated || x.client == nil {
+		return false
+	}
+	pa, ok := x.admission.(PoolAdmission)
+	if !ok {
+		return false
+	}
+	if err := pa.Queue(x.ctx, x.client.info); err != nil {
+		x.refusal = err
+		x.failure = nil
+		return false
+	}
+	if qw, ok := x.admission.(QueueWaiter); ok {
+		x.res.QueueWait = qw.QueueWait()
+	}
+	x.notes = append(x.notes, fmt.Sprintf("fallback %s failed: %s", x.rung.fb.Name, x.failureReason()))
+	x.body, x.res.Info = x.client.body, x.client.info
+	x.rung = rung{index: -1, pool: &x.p.primary}
+	x.degraded, x.res.Degraded, x.res.Fallback, x.res.DegradeReason = "", "", "", ""
+	x.failure = nil
+	return true
+}
+
+// failureReason says in a few words why the last pool failed.
+func (x *exchange) failureReason() string {
+	f := x.failure
+	switch {
+	case f == nil:
+		return "no answer"
+	case f.last != nil:
+		return f.last.outcome.String()
+	case f.pickErr != nil:
+		return f.pickErr.Error()
+	}
+	return "no answer"
 }
 
 // refuseFallback notes why fallback f was not used.

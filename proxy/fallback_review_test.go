@@ -5,7 +5,6 @@ package proxy
 // is refused, max_completion_tokens with n > 1, and slots given back.
 
 import (
-	"context"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -82,7 +81,6 @@ func holdingUpstream(t *testing.T) (*upstream, func()) {
 // max_output_tokens is 8192 is sent 8192, not the 4096 of the rung above,
 // and its header says so.
 func TestReviewSecondFallbackGetsTheClientsOwnRequest(t *testing.T) {
-	t.Skip("defect: degrade derives each rung from x.body/x.res.Info already rewritten by the rung above (model and max_tokens leak from fallback 1 to fallback 2)")
 	for _, tc := range []struct {
 		name       string
 		second     Fallback
@@ -128,7 +126,6 @@ func TestReviewSecondFallbackGetsTheClientsOwnRequest(t *testing.T) {
 // reservation must be the original max_tokens, not the fallback's clamp
 // (else the tenant's tpm admits more than it should while it runs).
 func TestReviewRefusedMoveKeepsThePrimarysReservation(t *testing.T) {
-	t.Skip("defect: tenantAdmission.MoveTo resizes the reservation before taking the fallback's slot and does not undo it when the slot is refused")
 	tn := reviewTenancy(t)
 	primary, releaseP := holdingUpstream(t)
 	small, releaseF := holdingUpstream(t)
@@ -304,7 +301,6 @@ func TestReviewUpstream429FallsBack(t *testing.T) {
 // the note at once, rather than waiting in the fallback's queue after the
 // primary's attempts are already spent.
 func TestReviewUnavailableFallbackFullIsPassedOverAtOnce(t *testing.T) {
-	t.Skip("defect: degrade calls movePool with wait=true on the unavailable path, so a full fallback queues the request (up to queue_timeout) instead of refusing it with the primary's status")
 	tn := reviewTenancy(t)
 	primary := newUpstream(t, failing(503))
 	small, releaseF := holdingUpstream(t)
@@ -461,64 +457,11 @@ func TestReviewInbandErrorBeforeCommitFallsBack(t *testing.T) {
 	}
 }
 
-// A client that leaves while its request waits for a full fallback's slot
-// (after the primary failed) leaves nothing behind: no slot in either
-// gate, nothing in flight for its tenant, no call to the fallback.
-func TestReviewClientGoneWhileWaitingForTheFallbackLeaksNothing(t *testing.T) {
-	tn := reviewTenancy(t)
-	primary := newUpstream(t, failing(503))
-	small, releaseF := holdingUpstream(t)
-	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
-	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small",
-		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
-	p, _ := tn.proxy(t, cfg, primary)
-	wa := newStreamRecorder()
-	ra := make(chan *Result, 1)
-	go func() { ra <- p.ServeHTTP(wa, keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-a")) }()
-	wa.waitBody(t, chunkA)
-
-	ctx, cancel := context.WithCancel(context.Background())
-	r := keyed(`{"model":"m","stream":true,"max_tokens":10}`, "sk-b").WithContext(ctx)
-	rb := make(chan *Result, 1)
-	go func() { rb <- p.ServeHTTP(httptest.NewRecorder(), r) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for tn.view(t, "b").Queued == 0 && time.Now().Before(deadline) {
-		time.Sleep(time.Millisecond)
-	}
-	if v := tn.view(t, "b"); v.Queued != 1 || primary.calls.Load() != 2 {
-		t.Fatalf("b queued %d after the primary's %d calls: want it waiting for the fallback's slot", v.Queued, primary.calls.Load())
-	}
-	cancel()
-	select {
-	case <-rb:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the request did not end when its client left")
-	}
-	releaseF()
-	<-ra
-	if small.calls.Load() != 1 {
-		t.Fatalf("fallback calls %d, want 1 (the client that left was never sent)", small.calls.Load())
-	}
-	for name, g := range map[string]*admission.Gate{"primary": tn.g, "fallback": fg} {
-		var s admission.Slot
-		if !g.TryAcquireSlot("x", admission.Tier{Name: "gold"}, &s) {
-			t.Fatalf("%s gate: no free slot after every request ended (a slot leaked)", name)
-		}
-		s.Release()
-	}
-	for _, id := range []string{"a", "b"} {
-		if v := tn.view(t, id); v.Inflight != 0 || v.Queued != 0 {
-			t.Fatalf("tenant %s: %d in flight, %d queued after every request ended", id, v.Inflight, v.Queued)
-		}
-	}
-}
-
 // The ladder's last rungs (issue 11 §4, README steps 3-4): a request sent
 // to a saturated-overflow fallback that then fails there is not lost — a
 // tier that may queue waits for the primary, as it would have without the
 // fallback, and is served once the primary's slot frees.
 func TestReviewFailedOverflowFallbackQueuesForThePrimary(t *testing.T) {
-	t.Skip("defect: after degrade(DegradeSaturated) the request is on the fallback's rung; when the fallback fails, run only descends further and never returns a queueable tier to the primary's queue")
 	tn := reviewTenancy(t)
 	primary, releaseP := holdingUpstream(t)
 	small := newUpstream(t, failing(503))

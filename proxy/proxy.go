@@ -496,6 +496,11 @@ type exchange struct {
 	rung     rung
 	degraded string
 	notes    []string
+	// client is the request as the client sent it (its body after read's
+	// usage edit, and its parse): each fallback's rewrite starts from it,
+	// never from another fallback's. tried marks the fallbacks used.
+	client *clientRequest
+	tried  uint64
 	panicked any // finish: the value of a panic in a step
 }
 
@@ -524,7 +529,10 @@ func (x *exchange) run() {
 		return
 	}
 	a := x.attempt()
-	for a == nil && x.degradable(x.failure) && x.degrade(DegradeUnavailable) {
+	for a == nil && x.degradable(x.failure) {
+		if !x.degrade(DegradeUnavailable) && !x.backToPrimary() {
+			break
+		}
 		a = x.attempt()
 	}
 	if a == nil {

@@ -83,31 +83,31 @@ func (a *TenantAdmitter) admit(ctx context.Context, id Identity, info RequestInf
 	}
 	ad.tier = tier
 	if a.g != nil {
-		if !wait && !a.g.TryAcquireSlot(id.Tenant, tier, &ad.slot) {
-			admitted = true
-			return ad, true, nil
-		}
-		if wait {
-			if err := ad.queue(ctx, a.g); err != nil {
-				admitted = true // cancelled by queue
-				a.pool.Put(ad)
-				return nil, false, err
+		if !wait {
+			if !a.g.TryAcquireSlot(id.Tenant, tier, ad.spare()) {
+				admitted = true
+				return ad, true, nil
 			}
+			ad.swap()
+		} else if err := ad.queue(ctx, a.g); err != nil {
+			admitted = true // cancelled by queue
+			a.pool.Put(ad)
+			return nil, false, err
 		}
-		ad.slotted = true
 	}
 	admitted = true
 	return ad, false, nil
 }
 
-// queue takes a slot of g, waiting in its queue; a refusal cancels the
-// tenant's reservation (a refused request consumes nothing) and is
-// returned as the gateway's error.
+// queue takes a slot of g, waiting in its queue, and gives back the slot
+// held before, if any; a refusal cancels the tenant's reservation (a
+// refused request consumes nothing) and is returned as the gateway's
+// error.
 func (ad *tenantAdmission) queue(ctx context.Context, g *admission.Gate) error {
-	waited, err := g.AcquireSlot(ctx, ad.tenant, ad.tier, &ad.slot)
+	waited, err := g.AcquireSlot(ctx, ad.tenant, ad.tier, ad.spare())
 	ad.waited += waited
 	if err == nil {
-		ad.slotted = true
+		ad.swap()
 		return nil
 	}
 	var lim admission.Limits
@@ -125,46 +125,80 @@ func (ad *tenantAdmission) queue(ctx context.Context, g *admission.Gate) error {
 	return &waitError{err: err, waited: ad.waited}
 }
 
-// Queue implements PoolAdmission: a slot of the admitter's own pool.
-func (ad *tenantAdmission) Queue(ctx context.Context) error {
-	if ad.slotted || ad.owner.g == nil {
+// Queue implements PoolAdmission: a slot of the admitter's own pool, and
+// the reservation recomputed for info where it fits (the request was
+// admitted with it: settlement corrects one that did not fit back).
+func (ad *tenantAdmission) Queue(ctx context.Context, info RequestInfo) error {
+	if ad.owner.g == nil {
+		ad.release()
+		ad.resize(info)
 		return nil
 	}
-	return ad.queue(ctx, ad.owner.g)
+	if err := ad.queue(ctx, ad.owner.g); err != nil {
+		return err
+	}
+	ad.resize(info)
+	return nil
 }
 
 // MoveTo implements PoolAdmission.
 func (ad *tenantAdmission) MoveTo(ctx context.Context, g *admission.Gate, info RequestInfo, wait bool) error {
-	if ad.reserved && info.MaxTokensSet {
-		if r := ad.ticket.Resize(info.MaxTokens, info.N); r != nil {
-			return refusalError(r, ad.ticket.Limits(), 0)
+	if g != nil {
+		if !wait {
+			if !g.TryAcquireSlot(ad.tenant, ad.tier, ad.spare()) {
+				return &GatewayError{Status: 429, Type: TypeRateLimit, Code: admission.CodeSaturated,
+					Message: "its capacity is full"}
+			}
+		} else {
+			waited, err := g.AcquireMovedSlot(ctx, ad.tenant, ad.tier, ad.spare())
+			ad.waited += waited
+			if err != nil {
+				if r, ok := errors.AsType[*admission.Refusal](err); ok {
+					return &GatewayError{Status: r.Status, Type: TypeRateLimit, Code: r.Code, Message: r.Message}
+				}
+				return err
+			}
 		}
 	}
+	if r := ad.resize(info); r != nil {
+		if g != nil {
+			ad.spare().Release()
+		}
+		return refusalError(r, ad.ticket.Limits(), 0)
+	}
+	if g != nil {
+		ad.swap()
+	} else {
+		ad.release()
+	}
+	return nil
+}
+
+// resize recomputes the reservation for info's max_tokens.
+func (ad *tenantAdmission) resize(info RequestInfo) *admission.Refusal {
+	if !ad.reserved || !info.MaxTokensSet {
+		return nil
+	}
+	return ad.ticket.Resize(info.MaxTokens, info.N)
+}
+
+// spare is the slot not held, where the next pool's place is taken.
+func (ad *tenantAdmission) spare() *admission.Slot { return &ad.slots[1-ad.cur] }
+
+// swap makes the spare slot, just taken, the held one, giving back the one
+// held before.
+func (ad *tenantAdmission) swap() {
+	ad.release()
+	ad.cur = 1 - ad.cur
+	ad.slotted = true
+}
+
+// release gives back the slot held, if any.
+func (ad *tenantAdmission) release() {
 	if ad.slotted {
-		ad.slot.Release()
+		ad.slots[ad.cur].Release()
 		ad.slotted = false
 	}
-	if g == nil {
-		return nil
-	}
-	if !wait {
-		if !g.TryAcquireSlot(ad.tenant, ad.tier, &ad.slot) {
-			return &GatewayError{Status: 429, Type: TypeRateLimit, Code: admission.CodeSaturated,
-				Message: "its capacity is full"}
-		}
-		ad.slotted = true
-		return nil
-	}
-	waited, err := g.AcquireMovedSlot(ctx, ad.tenant, ad.tier, &ad.slot)
-	ad.waited += waited
-	if err != nil {
-		if r, ok := errors.AsType[*admission.Refusal](err); ok {
-			return &GatewayError{Status: r.Status, Type: TypeRateLimit, Code: r.Code, Message: r.Message}
-		}
-		return err
-	}
-	ad.slotted = true
-	return nil
 }
 
 // tenantAdmission is an admitted request's ticket and pool slot. It is
@@ -173,8 +207,11 @@ type tenantAdmission struct {
 	owner    *TenantAdmitter
 	ticket   admission.Ticket
 	reserved bool // ticket holds a reservation
-	// slot is the pool gate's place, held while slotted.
-	slot    admission.Slot
+	// slots[cur] is the pool gate's place, held while slotted; the other
+	// takes the next pool's place before this one is given back (the
+	// degradation ladder moves a request only where it fits).
+	slots   [2]admission.Slot
+	cur     int
 	slotted bool
 	waited  time.Duration
 	// tenant and tier are whom the slot is taken for (the ladder moves it).
@@ -195,9 +232,7 @@ func (ad *tenantAdmission) Release(res *Result) {
 		}
 		ad.ticket.Settle(u, ad.waited)
 	}
-	if ad.slotted {
-		ad.slot.Release()
-	}
+	ad.release()
 	owner := ad.owner
 	ad.owner, ad.slotted, ad.reserved = nil, false, false
 	owner.pool.Put(ad)
