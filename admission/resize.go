@@ -73,6 +73,17 @@ func (tk *Ticket) resizeRefusal(need int64) *Refusal {
 // saturated pool's request to a fallback. It reports whether slot holds a
 // place, which slot.Release gives back.
 func (g *Gate) TryAcquireSlot(tenant string, tier Tier, slot *Slot) bool {
+	return g.tryAcquire(tenant, tier, slot, true)
+}
+
+// TryAcquireMovedSlot is TryAcquireSlot for a request admitted by another
+// pool first (the degradation ladder moves it here): no admission decision
+// is counted, the request's was counted where it arrived.
+func (g *Gate) TryAcquireMovedSlot(tenant string, tier Tier, slot *Slot) bool {
+	return g.tryAcquire(tenant, tier, slot, false)
+}
+
+func (g *Gate) tryAcquire(tenant string, tier Tier, slot *Slot, decide bool) bool {
 	slot.s = slotRelease{}
 	g.mu.Lock()
 	g.pumpLocked()
@@ -82,8 +93,10 @@ func (g *Gate) TryAcquireSlot(tenant string, tier Tier, slot *Slot) bool {
 	}
 	g.admitLocked(tier.Name)
 	g.mu.Unlock()
-	g.obs.QueueWait(tenant, tier.Name, 0)
-	g.obs.Decision(tenant, tier.Name, DecisionAdmitted)
+	if decide {
+		g.obs.QueueWait(tenant, tier.Name, 0)
+		g.obs.Decision(tenant, tier.Name, DecisionAdmitted)
+	}
 	g.releaseFunc(tier.Name, &slot.s)
 	return true
 }

@@ -142,6 +142,11 @@ func TestDegradationFallbackServesAllowedTiersOnly(t *testing.T) {
 	if v, found := l.degradedCount("unavailable", "gold"); found && v != 0 {
 		t.Fatalf("gold counted as degraded: %v", v)
 	}
+	// One admission decision per request, wherever it was served.
+	if v, found := metricValue(l.scrapeMetrics(), "caddy_llm_proxy_admission_total",
+		map[string]string{"tier": "free", "decision": "admitted"}); !found || v != 2 {
+		t.Fatalf("admission_total{tier=free,decision=admitted} = %v (found %v), want 2 (two free requests, one degraded)", v, found)
+	}
 }
 
 func TestDegradationTenantsOwnLimitNeverFallsBack(t *testing.T) {

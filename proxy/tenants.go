@@ -58,7 +58,7 @@ func (a *TenantAdmitter) admit(ctx context.Context, id Identity, info RequestInf
 	if ad == nil {
 		ad = new(tenantAdmission)
 	}
-	ad.owner, ad.reserved, ad.slotted, ad.waited, ad.tenant = a, false, false, 0, id.Tenant
+	ad.owner, ad.reserved, ad.slotted, ad.decided, ad.waited, ad.tenant = a, false, false, false, 0, id.Tenant
 	admitted := false
 	defer func() {
 		if !admitted && ad.reserved {
@@ -89,6 +89,7 @@ func (a *TenantAdmitter) admit(ctx context.Context, id Identity, info RequestInf
 				return ad, true, nil
 			}
 			ad.swap()
+			ad.decided = true
 		} else if err := ad.queue(ctx, a.g); err != nil {
 			admitted = true // cancelled by queue
 			a.pool.Put(ad)
@@ -104,10 +105,15 @@ func (a *TenantAdmitter) admit(ctx context.Context, id Identity, info RequestInf
 // refused request consumes nothing) and is returned as the gateway's
 // error.
 func (ad *tenantAdmission) queue(ctx context.Context, g *admission.Gate) error {
-	waited, err := g.AcquireSlot(ctx, ad.tenant, ad.tier, ad.spare())
+	acquire := g.AcquireSlot
+	if ad.decided {
+		acquire = g.AcquireMovedSlot
+	}
+	waited, err := acquire(ctx, ad.tenant, ad.tier, ad.spare())
 	ad.waited += waited
 	if err == nil {
 		ad.swap()
+		ad.decided = true
 		return nil
 	}
 	var lim admission.Limits
@@ -145,7 +151,13 @@ func (ad *tenantAdmission) Queue(ctx context.Context, info RequestInfo) error {
 func (ad *tenantAdmission) MoveTo(ctx context.Context, g *admission.Gate, info RequestInfo, wait bool) error {
 	if g != nil {
 		if !wait {
-			if !g.TryAcquireSlot(ad.tenant, ad.tier, ad.spare()) {
+			// A request whose admission was counted at its first pool is
+			// not counted again here.
+			try := g.TryAcquireSlot
+			if ad.decided {
+				try = g.TryAcquireMovedSlot
+			}
+			if !try(ad.tenant, ad.tier, ad.spare()) {
 				return &GatewayError{Status: 429, Type: TypeRateLimit, Code: admission.CodeSaturated,
 					Message: "its capacity is full"}
 			}
@@ -168,6 +180,7 @@ func (ad *tenantAdmission) MoveTo(ctx context.Context, g *admission.Gate, info R
 	}
 	if g != nil {
 		ad.swap()
+		ad.decided = true
 	} else {
 		ad.release()
 	}
@@ -213,6 +226,9 @@ type tenantAdmission struct {
 	slots   [2]admission.Slot
 	cur     int
 	slotted bool
+	// decided: the request's admission decision was counted (at the first
+	// pool that took it); a move does not count another.
+	decided bool
 	waited  time.Duration
 	// tenant and tier are whom the slot is taken for (the ladder moves it).
 	tenant string
