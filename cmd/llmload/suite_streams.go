@@ -92,10 +92,11 @@ type streamsPlan struct {
 }
 
 func streamsPlanFor(cfg *SuiteConfig) (streamsPlan, error) {
-	// 1,000 new streams per second: at 2,000/s on a loaded 2-core box some
-	// of the proxy's dials to the mock went unanswered past Caddy's 3 s
-	// dial timeout (502s from reverse_proxy at 4,000 streams).
-	p := streamsPlan{settle: 2 * time.Second, startTimeout: 30 * time.Second, rampPerSec: 1000, perStreamBudgetK: 1024}
+	// 500 new streams per second: on a loaded 2-core box some of the
+	// proxy's dials to the mock went unanswered past the dial timeout at
+	// 2,000/s (reverse_proxy, 284 of 4,000 streams got 502) and at 1,000/s
+	// (llm_proxy: three connect errors opened the upstream's breaker).
+	p := streamsPlan{settle: 2 * time.Second, startTimeout: 30 * time.Second, rampPerSec: 500, perStreamBudgetK: 1024}
 	switch {
 	case cfg.Scenario == ScenarioS4 && cfg.Smoke:
 		p.levels, p.interval, p.window = []int{20, 50}, 100*time.Millisecond, time.Second
