@@ -3,6 +3,8 @@ package caddymodule
 import (
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 func TestFallbackCaddyfile(t *testing.T) {
@@ -59,6 +61,21 @@ func TestFallbackNames(t *testing.T) {
 		_, err := adapt(t, ":8080 {\n llm_proxy 10.0.0.1:8000 {\n fallback \""+name+"\" {\n to 10.0.1.1:8000\n }\n }\n}")
 		if err == nil || !strings.Contains(err.Error(), "fallback name") {
 			t.Errorf("name %q: error %v", name, err)
+		}
+	}
+}
+
+func TestFallbackTiersMustBeConfigured(t *testing.T) {
+	for _, tc := range []struct{ globals, want string }{
+		{"", "need tenants and tiers"},
+		{"llm_proxy {\n tenants {\n key sk-x x tier free\n }\n tier free {\n rpm 10\n }\n}", `tier "batch" is not configured`},
+	} {
+		out, err := adapt(t, "{\n"+tc.globals+"\n}\n:8080 {\n llm_proxy 10.0.0.1:8000 {\n fallback small {\n to 10.0.1.1:8000\n tiers free batch\n }\n }\n}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := caddy.Validate(mustConfig(t, out)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("globals %q: %v, want an error containing %q", tc.globals, err, tc.want)
 		}
 	}
 }

@@ -90,7 +90,9 @@ type statusRun struct {
 	// json prints the combined JSON instead of tables.
 	json bool
 	// watch prints anew every interval until the context ends.
-	watch    bool
+	watch bool
+	// errOut receives --watch --json's failed reads (nil: os.Stderr).
+	errOut   io.Writer
 	interval time.Duration
 	// tty clears the screen before each print of --watch (ANSI codes);
 	// width is the line width of the tables (0: 80).
@@ -146,7 +148,23 @@ func (r statusRun) run(ctx context.Context, w io.Writer) error {
 			return nil
 		}
 		if err != nil {
-			out = fmt.Appendf(nil, "llm-proxy status of %s at %s: %v\n", r.addr, time.Now().UTC().Format("15:04:05 UTC"), err)
+			msg := fmt.Appendf(nil, "llm-proxy status of %s at %s: %v\n", r.addr, time.Now().UTC().Format("15:04:05 UTC"), err)
+			if r.json {
+				// Scripts read one JSON object per line on stdout: the
+				// failed read goes to stderr, and nothing to stdout.
+				errOut := r.errOut
+				if errOut == nil {
+					errOut = os.Stderr
+				}
+				_, _ = errOut.Write(msg)
+				select {
+				case <-ctx.Done():
+					return nil
+				case <-tick.C:
+				}
+				continue
+			}
+			out = msg
 		}
 		if r.tty {
 			out = append([]byte("\x1b[H\x1b[2J"), out...)

@@ -352,6 +352,24 @@ func TestStatusWatchRefreshesInPlace(t *testing.T) {
 	if strings.Count(out, "GET /llm_proxy/breakers from the admin API at "+down.addr) < 2 {
 		t.Errorf("admin API down: want its error on every print, got %q", out)
 	}
+	// With --json, stdout stays JSON lines: a failed read goes to stderr.
+	jsDown := down
+	jsDown.json = true
+	var errs syncBuffer
+	jsDown.errOut = &errs
+	ctx, cancel := context.WithCancel(context.Background())
+	var stdout syncBuffer
+	done := make(chan error, 1)
+	go func() { done <- jsDown.run(ctx, &stdout) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for strings.Count(errs.String(), "GET /llm_proxy/breakers") < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	if stdout.String() != "" || strings.Count(errs.String(), "GET /llm_proxy/breakers") < 2 {
+		t.Errorf("--watch --json with the admin API down: stdout %q, stderr %q", stdout.String(), errs.String())
+	}
 }
 
 // TestStatusFetchWaitsForAHungRead asserts that an admin API that does

@@ -148,6 +148,9 @@ func (h *Handler) takesOverflow() bool {
 func (h *Handler) provisionFallbacks(ctx caddy.Context, app *App, sel upstream.Selector, ctl *admission.Controller) ([]proxy.Fallback, error) {
 	var out []proxy.Fallback
 	for _, fc := range h.Fallbacks {
+		if err := app.checkTiers(fc); err != nil {
+			return nil, err
+		}
 		key := "fallback " + fc.Name + " " + poolKeyOf(fc.Upstreams, fc.DynamicUpstreamsRaw)
 		pool, err := h.newPool(ctx, app, key, fc, fc.Upstreams, sel)
 		if err != nil {
@@ -179,6 +182,23 @@ func (h *Handler) provisionFallbacks(ctx caddy.Context, app *App, sel upstream.S
 		})
 	}
 	return out, nil
+}
+
+// checkTiers refuses a fallback's tiers that the global option does not
+// configure: a typo would otherwise keep that tier from ever degrading.
+func (a *App) checkTiers(fc *FallbackConfig) error {
+	if len(fc.Tiers) == 0 {
+		return nil
+	}
+	if a.tenancy == nil {
+		return fmt.Errorf("llm_proxy: fallback %s: tiers %v need tenants and tiers in the global llm_proxy option", fc.Name, fc.Tiers)
+	}
+	for _, name := range fc.Tiers {
+		if !slices.ContainsFunc(a.tenancy.cfg.Tiers, func(t admission.Tier) bool { return t.Name == name }) {
+			return fmt.Errorf("llm_proxy: fallback %s: tier %q is not configured", fc.Name, name)
+		}
+	}
+	return nil
 }
 
 // poolOf returns the pool named by a Result's Fallback ("" the primary).

@@ -101,6 +101,7 @@ start_bg load-gold "$logdir/llmload-gold.txt" bin/llmload run --progress=false -
 	--concurrency "$half" --rate "$RATE" --duration "$DURATION" --stream=true \
 	--json "$logdir/llmload-gold.json"
 gold_pid=$!
+echo "--- the free tenant's run ---"
 run_fg bin/llmload run --label free \
 	--url "http://127.0.0.1:$GATEWAY_PORT/v1/chat/completions" \
 	--header "Authorization: Bearer sk-demo-free" \
@@ -128,17 +129,19 @@ done
 cat <<EOF
 
 What to look for:
-- 127.0.0.1:9103 answers 503 to about 30% of what it gets (gateway "attempts"),
-  yet no client saw a 503: each failed attempt came before the first token, so
-  the gateway failed over to another replica (failovers = attempts - requests).
-  Three 503s in a row open its breaker, which keeps it out of rotation until a
-  probe succeeds, so it gets only a small share of the traffic.
+- Outside the outage, 127.0.0.1:9103 answers 503 to about 30% of what it gets
+  (gateway "attempts"), yet no client sees those: each failed attempt came
+  before the first token, so the gateway failed over to another replica
+  ("failovers"). Three 503s in a row open its breaker, which keeps it out of
+  rotation until a probe succeeds, so it gets only a small share of the traffic.
 - The few streams cut by 127.0.0.1:9102 after 8 tokens had already been
   committed to the client: no retry is possible, so the client got an in-band
   error event ("error_event") instead of a silent truncation.
 - TTFT p99 shows the 2% stragglers (1-3 s); p50 stays near 150 ms.
-- During the outage the primary's breakers open: free requests are served by
-  mock-llama-small (X-LLM-Proxy-Degraded, "served by fallback" above), gold
-  requests get 503 with the reason (their tier may not degrade).
+- During the outage every primary replica fails and their breakers open: free
+  requests are served by mock-llama-small (X-LLM-Proxy-Degraded, "served by
+  fallback" above) and none fails; gold requests get 503 (circuit_open, with
+  Retry-After), whose message says that their tier may not degrade — the
+  gold run's http_503 count is the outage, as the gateway saw it.
 Logs and the JSON report: $logdir
 EOF

@@ -188,8 +188,10 @@ type GatewayDelta struct {
 	// Attempts is sorted by upstream, then outcome.
 	Attempts      []AttemptCount `json:"attempts"`
 	AttemptsTotal float64        `json:"attempts_total"`
-	// Failovers is attempts − requests: attempts that were followed by
-	// another attempt of the same request.
+	// Failovers is attempts − the requests that made one: attempts that
+	// followed another attempt of the same request (requests refused before
+	// any upstream — circuit_open, no_upstream, refused, invalid_request —
+	// made none).
 	Failovers float64 `json:"failovers"`
 	// TTFT quantiles estimated from the histogram buckets (0: no data).
 	TTFTCount float64 `json:"ttft_count"`
@@ -261,7 +263,11 @@ func gatewayDelta(d Scrape) GatewayDelta {
 		}
 		return a.Outcome < b.Outcome
 	})
-	g.Failovers = g.AttemptsTotal - g.RequestsTotal
+	attempted := g.RequestsTotal
+	for _, o := range []string{"circuit_open", "no_upstream", "refused", "invalid_request"} {
+		attempted -= g.Requests[o]
+	}
+	g.Failovers = max(g.AttemptsTotal-attempted, 0)
 	for le, c := range byLE {
 		buckets = append(buckets, bucket{le, c})
 	}

@@ -386,7 +386,7 @@ func printRunReport(w io.Writer, rep *RunReport) {
 		t = table{indent: "  ", tail: true}
 		t.row("requests", fmt.Sprintf("%.0f", g.RequestsTotal), "by outcome: "+fmtCounts(g.Requests))
 		t.row("attempts", fmt.Sprintf("%.0f", g.AttemptsTotal), "")
-		t.row("failovers", fmt.Sprintf("%.0f", g.Failovers), "(attempts − requests)")
+		t.row("failovers", fmt.Sprintf("%.0f", g.Failovers), "(attempts − requests that reached an upstream)")
 		if g.TTFTCount > 0 {
 			t.row("ttft", fmt.Sprintf("%.0f", g.TTFTCount), fmt.Sprintf("p50 %s, p99 %s (estimated from the %s buckets)",
 				fmtMS(g.TTFTP50), fmtMS(g.TTFTP99), metricTTFT))
