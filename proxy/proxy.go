@@ -466,8 +466,8 @@ type exchange struct {
 	// stripUsage: read asked the upstream for usage on the client's
 	// behalf, so the usage-only chunk is not relayed.
 	stripUsage bool
-	// outHeader is the outbound request header, prepared once and cloned
-	// for each attempt.
+	// outHeader is the outbound request header, prepared once and shared
+	// (read-only) by every attempt.
 	outHeader http.Header
 
 	// ctx is the request's context, bounded by stream_timeout when set.

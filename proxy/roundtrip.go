@@ -247,7 +247,12 @@ func (a *attempt) request(trace *httptrace.ClientTrace) *http.Request {
 	u.Host = a.up.Addr
 	out.URL = &u
 	out.RequestURI = ""
-	out.Header = x.outHeader.Clone()
+	// Shared by every attempt, not cloned: a RoundTripper must not modify
+	// the request (net/http keeps the headers it adds in a map of its
+	// own), and nothing writes outHeader once identify has prepared it. The
+	// transport holds the request for the whole stream, so a clone cost
+	// every open stream its own copy.
+	out.Header = x.outHeader
 	out.Trailer = nil
 	out.Close = false
 	out.ContentLength = int64(len(x.body))
