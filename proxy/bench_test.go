@@ -93,6 +93,34 @@ func BenchmarkRelay(b *testing.B) {
 	b.ReportMetric(perEvent, "allocs/event")
 }
 
+// BenchmarkRelayOneEventPerRead is BenchmarkRelay with the upstream's
+// events arriving one per read, as from a network connection when the
+// upstream flushes each token: no bursts to join, one write and one flush
+// per event. ns/event is the cost of a relayed event in the gateway's own
+// code (the transport and the client's writer cost nothing here).
+func BenchmarkRelayOneEventPerRead(b *testing.B) {
+	const events = 1000
+	reads := make([]string, 0, events+2)
+	for range events {
+		reads = append(reads, chunkA)
+	}
+	reads = append(reads, chunkEnd, done)
+	p, err := New(Config{Transport: readsTransport{reads}, Balancer: oneBalancer{}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	body := []byte(`{"model":"m","stream":true}`)
+	b.ReportAllocs()
+	for b.Loop() {
+		r, _ := http.NewRequest(http.MethodPost, "http://gw/v1/chat/completions", bytes.NewReader(body))
+		w := &discardWriter{h: http.Header{}}
+		if res := p.ServeHTTP(w, r); res.Outcome != OutcomeSuccess {
+			b.Fatalf("outcome %v", res.Outcome)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(events*b.N), "ns/event")
+}
+
 // BenchmarkRelayWithTenants is BenchmarkRelay with a tenant identified by
 // its key, admitted with a reservation and settled, and usage requested on
 // the client's behalf: the usage-only chunk is read and dropped. The
