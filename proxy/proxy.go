@@ -499,8 +499,8 @@ type exchange struct {
 	// client is the request as the client sent it (its body after read's
 	// usage edit, and its parse): each fallback's rewrite starts from it,
 	// never from another fallback's. tried marks the fallbacks used.
-	client *clientRequest
-	tried  uint64
+	client   *clientRequest
+	tried    uint64
 	panicked any // finish: the value of a panic in a step
 }
 
