@@ -60,7 +60,9 @@ type Handler struct {
 	// TransportRaw configures how upstreams are reached. Only Caddy's
 	// "http" transport (http.reverse_proxy.transport.http) is accepted: dial
 	// timeouts, keep-alive, TLS to upstreams, h2c. Default: an http
-	// transport with Caddy's defaults.
+	// transport with Caddy's defaults, except keep-alive idle connections
+	// closed after 4s (DefaultUpstreamIdleTimeout) and 1 KiB read and
+	// write buffers per connection (DefaultUpstreamBufferSize).
 	TransportRaw json.RawMessage `json:"transport,omitempty" caddy:"namespace=http.reverse_proxy.transport inline_key=protocol"`
 
 	// MaxRequestBody is the largest request body accepted, in bytes; a
