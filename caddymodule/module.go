@@ -175,6 +175,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerObjectives(ctx.GetMetricsRegistry()); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
+	if err := registerGaps(ctx.GetMetricsRegistry()); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
 	if err := h.check(); err != nil {
 		return err
 	}

@@ -124,6 +124,22 @@ type Hedging interface {
 	MaxHedges() int
 }
 
+// GapObserver is implemented by an Observer that records the inter-event
+// gaps of committed streams. StreamGaps is called once per stream, when
+// its relay starts; the recorder then gets one gap per read of events from
+// the upstream (the time since the previous read, the first from commit;
+// events that arrived together count once), from the relay's goroutine.
+type GapObserver interface {
+	StreamGaps(upstream, model string) GapRecorder
+}
+
+// GapRecorder receives a stream's gaps in seconds (prometheus.Observer is
+// one, so that a stream costs no allocation). It must be safe for
+// concurrent use by several streams.
+type GapRecorder interface {
+	Observe(seconds float64)
+}
+
 // Hedge outcomes, the "outcome" label of caddy_llm_proxy_hedges_total.
 const (
 	HedgeFired      = "fired"      // a backup attempt started

@@ -26,11 +26,21 @@ func (x *exchange) relay(a *attempt) {
 	// Nothing reads the scanner after the relay: its buffer goes back to
 	// the pool (finish drains a finished body straight from the response).
 	defer a.sc.Release()
+	var gaps GapRecorder
+	if g, ok := x.p.obs.(GapObserver); ok {
+		gaps = g.StreamGaps(a.up.Addr, x.res.Info.Model)
+	}
+	last := w.base // the first event's
 	for {
 		ev, err := a.sc.Next()
 		if err != nil {
 			a.streamErr, a.goneAtEnd = err, x.clientGone()
 			return
+		}
+		if gaps != nil {
+			now := x.p.clock.Now()
+			gaps.Observe(now.Sub(last).Seconds())
+			last = now
 		}
 		// The idle timer measures the upstream only: it is off while the
 		// gateway writes, so a slow client is not blamed on the upstream.

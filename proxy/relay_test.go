@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -145,7 +146,9 @@ func relayAllocs(t *testing.T, events int, together bool) float64 {
 	if together {
 		reads = []string{strings.Join(reads, "")}
 	}
-	p, err := New(Config{Transport: readsTransport{reads}, Balancer: oneBalancer{}})
+	// With the gap histogram's path on: a stream's recorder costs nothing
+	// per event either.
+	p, err := New(Config{Transport: readsTransport{reads}, Balancer: oneBalancer{}, Observer: &gapCounter{}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -252,4 +255,40 @@ func TestIdleWatchCountsFromTheLastWait(t *testing.T) {
 			t.Fatal("a stopped watch cancelled the attempt")
 		}
 	})
+}
+
+// gapCounter is an Observer that counts the inter-event gaps recorded.
+type gapCounter struct {
+	nopObserver
+	n       atomic.Int64
+	streams atomic.Int64
+	last    atomic.Value // "upstream model" of the last stream
+}
+
+func (g *gapCounter) StreamGaps(upstream, model string) GapRecorder {
+	g.streams.Add(1)
+	g.last.Store(upstream + " " + model)
+	return (*gapRecorder)(g)
+}
+
+type gapRecorder gapCounter
+
+func (r *gapRecorder) Observe(float64) { r.n.Add(1) }
+
+// A committed stream records one gap per read of events from the upstream,
+// under its upstream and model; a non-streamed answer records none.
+func TestRelayRecordsInterEventGaps(t *testing.T) {
+	g := &gapCounter{}
+	p, err := New(Config{Transport: readsTransport{[]string{chunkA, chunkB, chunkB, chunkEnd, done}}, Balancer: oneBalancer{}, Observer: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, _ := http.NewRequest(http.MethodPost, "http://gw/v1/chat/completions", strings.NewReader(`{"model":"m","stream":true}`))
+	if res := p.ServeHTTP(&discardWriter{h: http.Header{}}, r); res.Outcome != OutcomeSuccess {
+		t.Fatalf("outcome %v", res.Outcome)
+	}
+	// chunkA commits; the relay reads the other four one by one.
+	if g.streams.Load() != 1 || g.n.Load() != 4 || g.last.Load() != "mem:1 m" {
+		t.Fatalf("%d streams, %d gaps, last %v; want 1 stream of 4 gaps on mem:1 m", g.streams.Load(), g.n.Load(), g.last.Load())
+	}
 }
