@@ -21,34 +21,14 @@ import (
 // primary pool holds one request.
 func reviewTenancy(t *testing.T) *tenancy {
 	t.Helper()
-	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
-	var err error
-	cfg := admission.Config{
+	return tenancyOf(t, admission.Config{
 		Tiers: []admission.Tier{
 			{Name: "gold", Priority: 10, TPM: 100000, QueueTimeout: 5 * time.Second},
 			{Name: "silver", Priority: 0, TPM: 100000, QueueTimeout: 5 * time.Second},
 			{Name: "free", Priority: -1, TPM: 100000},
 		},
 		Tenants: []admission.TenantConfig{{ID: "a", Tier: "gold"}, {ID: "b", Tier: "silver"}, {ID: "c", Tier: "free"}},
-	}
-	if tn.c, err = admission.NewController(cfg, admClock{tn.clk}, tn.obs); err != nil {
-		t.Fatal(err)
-	}
-	tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
-	dir, err := admission.NewDirectory([]admission.Key{
-		{Hash: admission.HashKey("sk-a"), Tenant: "a"},
-		{Hash: admission.HashKey("sk-b"), Tenant: "b"},
-		{Hash: admission.HashKey("sk-c"), Tenant: "c"},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tn.ident = &KeyIdentifier{Keys: dir, Resolve: func(tenant, tier string) (string, bool) {
-		ti, ok := tn.c.Tier(tenant, tier)
-		return ti.Name, ok
-	}}
-	tn.adm = NewTenantAdmitter(tn.c, tn.g)
-	return tn
+	}, 1)
 }
 
 // releaser is a channel that the test closes with release (once); call

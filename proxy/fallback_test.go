@@ -293,23 +293,32 @@ func TestFallbackNewConfigValidation(t *testing.T) {
 // tier may degrade, and whose primary pool holds one request.
 func ladderTenancy(t *testing.T) *tenancy {
 	t.Helper()
-	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
-	var err error
-	cfg := admission.Config{
+	return tenancyOf(t, admission.Config{
 		Tiers: []admission.Tier{
 			{Name: "gold", Priority: 1, TPM: 2000},
 			{Name: "free", Priority: -1, TPM: 100000},
 		},
 		Tenants: []admission.TenantConfig{{ID: "a", Tier: "gold"}, {ID: "c", Tier: "free"}},
-	}
+	}, 1)
+}
+
+// tenancyOf is a tenancy over cfg on one fake clock, with a gate of the
+// given capacity (0: none) and the key "sk-<id>" for each configured tenant.
+func tenancyOf(t *testing.T, cfg admission.Config, capacity int) *tenancy {
+	t.Helper()
+	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
+	var err error
 	if tn.c, err = admission.NewController(cfg, admClock{tn.clk}, tn.obs); err != nil {
 		t.Fatal(err)
 	}
-	tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
-	dir, err := admission.NewDirectory([]admission.Key{
-		{Hash: admission.HashKey("sk-a"), Tenant: "a"},
-		{Hash: admission.HashKey("sk-c"), Tenant: "c"},
-	})
+	if capacity > 0 {
+		tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return capacity }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	}
+	var keys []admission.Key
+	for _, tc := range cfg.Tenants {
+		keys = append(keys, admission.Key{Hash: admission.HashKey("sk-" + tc.ID), Tenant: tc.ID})
+	}
+	dir, err := admission.NewDirectory(keys)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -89,28 +89,7 @@ type tenancy struct {
 
 func newTenancy(t *testing.T, capacity int) *tenancy {
 	t.Helper()
-	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
-	var err error
-	if tn.c, err = admission.NewController(tenantConfig, admClock{tn.clk}, tn.obs); err != nil {
-		t.Fatal(err)
-	}
-	if capacity > 0 {
-		tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return capacity }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
-	}
-	dir, err := admission.NewDirectory([]admission.Key{
-		{Hash: admission.HashKey("sk-a"), Tenant: "a"},
-		{Hash: admission.HashKey("sk-b"), Tenant: "b"},
-		{Hash: admission.HashKey("sk-c"), Tenant: "c"},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tn.ident = &KeyIdentifier{Keys: dir, Resolve: func(tenant, tier string) (string, bool) {
-		ti, ok := tn.c.Tier(tenant, tier)
-		return ti.Name, ok
-	}}
-	tn.adm = NewTenantAdmitter(tn.c, tn.g)
-	return tn
+	return tenancyOf(t, tenantConfig, capacity)
 }
 
 // proxy returns a lifecycle over the tenancy, its admitter wrapped by wrap.
