@@ -218,19 +218,24 @@ func startGatewayWith(t *testing.T, o gatewayOptions) *gateway {
 
 // stop sends SIGTERM and waits for the process to exit, killing it if it
 // takes too long.
-func (g *gateway) stop() {
+func (g *gateway) stop() { stopProcess(g.t, "caddy", g.cmd, g.exited) }
+
+// stopProcess sends cmd SIGTERM and waits for exited to close, killing it
+// (and failing t) when it takes more than 5s. A process gone already is
+// left alone.
+func stopProcess(t testing.TB, name string, cmd *exec.Cmd, exited <-chan struct{}) {
 	select {
-	case <-g.exited:
+	case <-exited:
 		return
 	default:
 	}
-	_ = g.cmd.Process.Signal(syscall.SIGTERM)
+	_ = cmd.Process.Signal(syscall.SIGTERM)
 	select {
-	case <-g.exited:
+	case <-exited:
 	case <-time.After(5 * time.Second):
-		g.t.Errorf("caddy did not exit within 5s of SIGTERM; killing it")
-		_ = g.cmd.Process.Kill()
-		<-g.exited
+		t.Errorf("%s did not exit within 5s of SIGTERM; killing it", name)
+		_ = cmd.Process.Kill()
+		<-exited
 	}
 }
 

@@ -18,7 +18,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -121,21 +120,7 @@ scrape_configs:
 }
 
 // stop sends SIGTERM and waits, killing it after 5s.
-func (p *promServer) stop() {
-	select {
-	case <-p.exited:
-		return
-	default:
-	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.exited:
-	case <-time.After(5 * time.Second):
-		p.t.Errorf("prometheus did not exit within 5s of SIGTERM; killing it")
-		_ = p.cmd.Process.Kill()
-		<-p.exited
-	}
-}
+func (p *promServer) stop() { stopProcess(p.t, "prometheus", p.cmd, p.exited) }
 
 // promResponse is the envelope of every Prometheus API answer.
 type promResponse struct {
