@@ -211,51 +211,7 @@ func parseLevels(s string) ([]int, error) {
 // path in batches, rotating which path goes first in each round so that
 // drift in machine load spreads evenly over the paths.
 func measureLevel(ctx context.Context, reqs map[string]*Requester, order []string, level, perLevel, batch int) LevelResult {
-	type acc struct {
-		ttft, gaps Samples
-		n, errs    int64
-		example    string
-	}
-	accs := map[string]*acc{}
-	for _, name := range order {
-		accs[name] = &acc{}
-		// Warm-up: open the connections this level uses; not measured.
-		runBatch(ctx, reqs[name], max(level, 5), level)
-	}
-	remaining := map[string]int{}
-	for _, name := range order {
-		remaining[name] = perLevel
-	}
-	for round := 0; ctx.Err() == nil; round++ {
-		progressed := false
-		for i := range order {
-			name := order[(round+i)%len(order)]
-			n := min(batch, remaining[name])
-			if n == 0 {
-				continue
-			}
-			progressed = true
-			remaining[name] -= n
-			a := accs[name]
-			for _, r := range runBatch(ctx, reqs[name], n, level) {
-				a.n++
-				if !r.OK() {
-					a.errs++
-					if a.example == "" {
-						a.example = r.Outcome + ": " + r.Detail
-					}
-					continue
-				}
-				a.ttft.Add(r.TTFT)
-				for _, g := range r.Gaps {
-					a.gaps.Add(g)
-				}
-			}
-		}
-		if !progressed {
-			break
-		}
-	}
+	accs := interleaved(ctx, reqs, order, level, perLevel, batch)
 
 	lr := LevelResult{Streams: level}
 	for _, name := range order {
@@ -399,4 +355,56 @@ func fmtRatio(r float64) string {
 		return "n/a"
 	}
 	return fmt.Sprintf("%.2f×", r)
+}
+
+// latencyAcc is what the interleaved batches measured for one target.
+type latencyAcc struct {
+	ttft, gaps Samples
+	n, errs    int64
+	example    string
+}
+
+// interleaved warms every target up (unmeasured, opening the connections
+// this level uses), then sends perTarget requests to each at streams
+// concurrency in batches of batch, rotating which target goes first in
+// each round so that drift in machine load spreads evenly over them.
+func interleaved(ctx context.Context, reqs map[string]*Requester, order []string, streams, perTarget, batch int) map[string]*latencyAcc {
+	accs := map[string]*latencyAcc{}
+	remaining := map[string]int{}
+	for _, name := range order {
+		accs[name] = &latencyAcc{}
+		remaining[name] = perTarget
+		runBatch(ctx, reqs[name], max(streams, 5), streams)
+	}
+	for round := 0; ctx.Err() == nil; round++ {
+		progressed := false
+		for i := range order {
+			name := order[(round+i)%len(order)]
+			n := min(batch, remaining[name])
+			if n == 0 {
+				continue
+			}
+			progressed = true
+			remaining[name] -= n
+			a := accs[name]
+			for _, r := range runBatch(ctx, reqs[name], n, streams) {
+				a.n++
+				if !r.OK() {
+					a.errs++
+					if a.example == "" {
+						a.example = r.Outcome + ": " + r.Detail
+					}
+					continue
+				}
+				a.ttft.Add(r.TTFT)
+				for _, g := range r.Gaps {
+					a.gaps.Add(g)
+				}
+			}
+		}
+		if !progressed {
+			break
+		}
+	}
+	return accs
 }

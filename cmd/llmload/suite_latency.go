@@ -125,49 +125,8 @@ func runLatencyScenario(ctx context.Context, cfg *SuiteConfig) (*LatencyReport, 
 // in machine load spreads over all of them. With keep, TTFT samples are kept
 // for plots.
 func measureLatencyLevel(ctx context.Context, reqs map[string]*Requester, order []string, p latencyPlan, keep bool) LatencyLevel {
-	type acc struct {
-		ttft, gaps Samples
-		n, errs    int64
-		example    string
-	}
-	accs := map[string]*acc{}
-	remaining := map[string]int{}
-	for _, name := range order {
-		accs[name] = &acc{}
-		remaining[name] = p.requests
-		// Warm-up: opens the connections this level uses; not measured.
-		runBatch(ctx, reqs[name], max(p.streams, 5), p.streams)
-	}
-	for round := 0; ctx.Err() == nil; round++ {
-		progressed := false
-		for i := range order {
-			name := order[(round+i)%len(order)]
-			n := min(max(p.batch, p.streams), remaining[name])
-			if n == 0 {
-				continue
-			}
-			progressed = true
-			remaining[name] -= n
-			a := accs[name]
-			for _, r := range runBatch(ctx, reqs[name], n, p.streams) {
-				a.n++
-				if !r.OK() {
-					a.errs++
-					if a.example == "" {
-						a.example = r.Outcome + ": " + r.Detail
-					}
-					continue
-				}
-				a.ttft.Add(r.TTFT)
-				for _, g := range r.Gaps {
-					a.gaps.Add(g)
-				}
-			}
-		}
-		if !progressed {
-			break
-		}
-	}
+	accs := interleaved(ctx, reqs, order, p.streams, p.requests, max(p.batch, p.streams))
+
 	lvl := LatencyLevel{Streams: p.streams}
 	for _, name := range order {
 		a := accs[name]
