@@ -42,6 +42,9 @@ func (x *exchange) finish() {
 	}
 	res := x.res
 	res.Outcome = x.answer()
+	if x.discardAfter {
+		x.discardBody()
+	}
 	if x.won != nil {
 		x.won.end()
 	}

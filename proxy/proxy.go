@@ -482,6 +482,9 @@ type exchange struct {
 	// stripUsage: read asked the upstream for usage on the client's
 	// behalf, so the usage-only chunk is not relayed.
 	stripUsage bool
+	// discardAfter: the body was refused unread (the body budget), and is
+	// read to nowhere once the refusal is written.
+	discardAfter bool
 	// outHeader is the outbound request header, prepared once and shared
 	// (read-only) by every attempt.
 	outHeader http.Header

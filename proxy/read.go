@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"time"
@@ -37,6 +38,9 @@ func (x *exchange) read() bool {
 		x.refusal = &GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer,
 			Code: "body_memory_exhausted", RetryAfter: 1,
 			Message: "the gateway has no memory free for the request body now (max_buffered_bodies); retry shortly"}
+		// Answered first, then the body read to nowhere (finish), so that a
+		// client still sending it reads the 503 instead of a reset.
+		x.discardAfter = http.NewResponseController(x.w).EnableFullDuplex() == nil
 		return false
 	}
 	if err != nil && x.ctx.Err() != nil && errors.Is(err, context.Cause(x.ctx)) {
@@ -604,3 +608,19 @@ func isJSONRequest(r *http.Request) bool {
 	}
 	return true
 }
+
+// discardBody reads a refused request's body to nowhere (nothing is held),
+// after its answer was written, for at most discardFor and MaxRequestBody
+// bytes: the server closes a connection whose large body was left unread,
+// and a client still writing it into the connection gets a broken pipe
+// instead of the 503 it was sent.
+func (x *exchange) discardBody() {
+	rc := http.NewResponseController(x.w)
+	if rc.SetReadDeadline(time.Now().Add(discardFor)) == nil {
+		defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(x.r.Body, x.p.cfg.MaxRequestBody+1))
+}
+
+// discardFor bounds how long a refused body is read to nowhere.
+const discardFor = 2 * time.Second
