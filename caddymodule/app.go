@@ -105,9 +105,6 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
 	}
-	if err := registerBodyMemory(ctx.GetMetricsRegistry()); err != nil {
-		return err
-	}
 	if a.Fleet != nil {
 		cfg, err := a.Fleet.config()
 		if err != nil {

@@ -1,7 +1,6 @@
 package caddymodule
 
 import (
-	"errors"
 	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -33,18 +32,4 @@ var bodyMemory = []prometheus.Collector{
 		}
 		return 0
 	}),
-}
-
-// registerBodyMemory registers the body-memory gauges with reg (once per
-// registry).
-func registerBodyMemory(reg *prometheus.Registry) error {
-	for _, c := range bodyMemory {
-		if err := reg.Register(c); err != nil {
-			var are prometheus.AlreadyRegisteredError
-			if !errors.As(err, &are) {
-				return err
-			}
-		}
-	}
-	return nil
 }

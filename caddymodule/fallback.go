@@ -216,14 +216,3 @@ var degradedTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 	Namespace: "caddy", Subsystem: "llm_proxy", Name: "degraded_total",
 	Help: "Requests sent down the degradation ladder to a fallback pool, by fallback, reason (unavailable, saturated) and tier.",
 }, []string{"fallback", "reason", "tier"})
-
-// registerDegradedMetric registers degradedTotal with reg (once per registry).
-func registerDegradedMetric(reg *prometheus.Registry) error {
-	if err := reg.Register(degradedTotal); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if !errors.As(err, &are) {
-			return err
-		}
-	}
-	return nil
-}

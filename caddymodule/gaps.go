@@ -1,8 +1,6 @@
 package caddymodule
 
 import (
-	"errors"
-
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -17,17 +15,6 @@ var interEventGap = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 	// From 50 tokens/s (20 ms) to a stall that the idle timeout ends.
 	Buckets: []float64{.005, .01, .02, .035, .05, .075, .1, .15, .25, .5, 1, 2.5, 5, 10, 30},
 }, []string{"upstream", "model"})
-
-// registerGaps registers interEventGap with reg (once per registry).
-func registerGaps(reg *prometheus.Registry) error {
-	if err := reg.Register(interEventGap); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if !errors.As(err, &are) {
-			return err
-		}
-	}
-	return nil
-}
 
 // StreamGaps implements proxy.GapObserver: one series per upstream and
 // model label, looked up once per stream.

@@ -221,7 +221,19 @@ func registerMetrics(reg *prometheus.Registry) error {
 		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
 		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors,
-		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases} {
+		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases,
+		degradedTotal, tierObjectives, interEventGap} {
+		if err := register(reg, c); err != nil {
+			return err
+		}
+	}
+	return register(reg, bodyMemory...)
+}
+
+// register registers cs with reg; one already there (a reload's handler,
+// the app and the handlers sharing a registry) is fine.
+func register(reg *prometheus.Registry, cs ...prometheus.Collector) error {
+	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

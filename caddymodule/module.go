@@ -169,15 +169,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
-	if err := registerDegradedMetric(ctx.GetMetricsRegistry()); err != nil {
-		return fmt.Errorf("registering metrics: %w", err)
-	}
-	if err := registerObjectives(ctx.GetMetricsRegistry()); err != nil {
-		return fmt.Errorf("registering metrics: %w", err)
-	}
-	if err := registerGaps(ctx.GetMetricsRegistry()); err != nil {
-		return fmt.Errorf("registering metrics: %w", err)
-	}
 	if err := h.check(); err != nil {
 		return err
 	}

@@ -1,8 +1,6 @@
 package caddymodule
 
 import (
-	"errors"
-
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
@@ -15,17 +13,6 @@ var tierObjectives = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 	Namespace: "caddy", Subsystem: "llm_proxy", Name: "tier_objective_seconds",
 	Help: "A tier's configured objective in seconds, by tier and objective (queue_wait: queue_wait_slo; ttft: ttft_slo); no series for an objective the tier does not set.",
 }, []string{"tier", "objective"})
-
-// registerObjectives registers tierObjectives with reg (once per registry).
-func registerObjectives(reg *prometheus.Registry) error {
-	if err := reg.Register(tierObjectives); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if !errors.As(err, &are) {
-			return err
-		}
-	}
-	return nil
-}
 
 // setObjectives makes the tiers' objectives the exported ones (the newest
 // started config's).
