@@ -197,14 +197,7 @@ func startGatewayWith(t *testing.T, o gatewayOptions) *gateway {
 		"XDG_DATA_HOME="+filepath.Join(g.Dir, "data"),
 	)
 	g.cmd.Env = append(g.cmd.Env, g.env...)
-	g.cmd.Stdout, g.cmd.Stderr = g.logs, g.logs
-	if err := g.cmd.Start(); err != nil {
-		t.Fatalf("starting caddy: %v", err)
-	}
-	go func() {
-		_ = g.cmd.Wait()
-		close(g.exited)
-	}()
+	startProcess(t, "caddy", g.cmd, g.logs, g.exited)
 	t.Cleanup(func() {
 		g.stop()
 		g.checkLog()
@@ -219,6 +212,20 @@ func startGatewayWith(t *testing.T, o gatewayOptions) *gateway {
 // stop sends SIGTERM and waits for the process to exit, killing it if it
 // takes too long.
 func (g *gateway) stop() { stopProcess(g.t, "caddy", g.cmd, g.exited) }
+
+// startProcess starts cmd with its output in logs; exited closes when it
+// has ended.
+func startProcess(t testing.TB, name string, cmd *exec.Cmd, logs io.Writer, exited chan struct{}) {
+	t.Helper()
+	cmd.Stdout, cmd.Stderr = logs, logs
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting %s: %v", name, err)
+	}
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
+}
 
 // stopProcess sends cmd SIGTERM and waits for exited to close, killing it
 // (and failing t) when it takes more than 5s. A process gone already is

@@ -81,14 +81,7 @@ scrape_configs:
 		"--log.level=warn",
 	)
 	p.cmd.Dir = dir
-	p.cmd.Stdout, p.cmd.Stderr = p.logs, p.logs
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("starting prometheus: %v", err)
-	}
-	go func() {
-		_ = p.cmd.Wait()
-		close(p.exited)
-	}()
+	startProcess(t, "prometheus", p.cmd, p.logs, p.exited)
 	t.Cleanup(func() {
 		p.stop()
 		if t.Failed() {
