@@ -6,8 +6,11 @@ package proxy
 // a backup, which only an upstream with a closed breaker may take.
 func (rc *race) pick(hedge bool) (Upstream, error) {
 	x := rc.x
-	return rc.pool.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried, Hedge: hedge})
+	return rc.pool.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried, Hedge: hedge, Prompt: x.prompt})
 }
+
+// prompt yields the prompt text of the body the attempt sends.
+func (x *exchange) prompt(yield func(string) bool) { PromptSegments(x.body, yield) }
 
 // release gives back an upstream that was picked but not used (a retry
 // that backs off first): its permit and in-flight count are not held

@@ -90,6 +90,10 @@ type PickRequest struct {
 	// Hedge is true for a backup attempt: only upstreams whose breaker is
 	// closed qualify (never hedge into a sick fleet).
 	Hedge bool
+	// Prompt yields the request's prompt text in order (PromptSegments of
+	// the body sent), for policies that route by prompt prefix; nil when
+	// there is no body.
+	Prompt func(yield func(string) bool)
 }
 
 // Retries gates and paces retries. Hedges draw from the same budget, so
