@@ -64,8 +64,9 @@ func (k *Keyer) startBlock() {
 	_, _ = k.d.Write(k.prev[:])
 }
 
-// full reports whether maxKeys keys are kept: later text is ignored.
-func (k *Keyer) full() bool { return k.max > 0 && len(k.keys) >= k.max }
+// Full reports whether maxKeys keys are kept: later text is ignored, so a
+// caller may stop writing.
+func (k *Keyer) Full() bool { return k.max > 0 && len(k.keys) >= k.max }
 
 // Write adds the next segment of the prompt (a separator goes before every
 // segment but the first).
@@ -78,7 +79,7 @@ func (k *Keyer) Write(segment string) {
 }
 
 func (k *Keyer) writeString(s string) {
-	for len(s) > 0 && !k.full() {
+	for len(s) > 0 && !k.Full() {
 		n := min(k.block-k.fill, len(s))
 		_, _ = k.d.WriteString(s[:n])
 		k.fill += n

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/prefix"
 )
 
 // Entry is the gateway's state for one upstream server, identified by its
@@ -31,6 +32,9 @@ type Entry struct {
 	since atomic.Uint64
 	// sat is the latest scrape's snapshot, nil before the first.
 	sat atomic.Pointer[satSnapshot]
+	// prefix is the index of the prompt prefixes recently sent to the
+	// server (lb_policy prefix_cache), nil until that policy uses it.
+	prefix atomic.Pointer[prefix.Index]
 
 	// ctx is cancelled when the entry is destroyed: an active probe in
 	// flight ends with it.

@@ -104,7 +104,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	}
 	fresh = p.rank(fresh, now, req.Info.Model)
 	for len(fresh) > 0 {
-		i := p.sel.Select(fresh, r, w)
+		i := p.choose(fresh, r, w, &req) // prefixcache.go
 		if i < 0 || i >= len(fresh) {
 			return proxy.Upstream{}, fmt.Errorf("%w: none of %d upstream(s) is available", proxy.ErrNoUpstream, len(fresh))
 		}
