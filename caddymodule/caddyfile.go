@@ -30,6 +30,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    to <upstreams...>
 //	    dynamic <source> [...]
 //	    lb_policy <name> [<options...>]
+//	    lb_policy prefix_cache {
+//	        block_chars <n>
+//	        max_blocks <n>
+//	        load_factor <ratio>
+//	    }
 //	    transport http { ... }
 //	    max_request_body <size>
 //	    first_byte_timeout <duration>
@@ -101,8 +106,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // Upstreams are "host:port", "http://host:port", "https://host[:port]"
 // (enables TLS on the http transport), "h2c://host:port" or
 // "unix//path". dynamic, lb_policy and transport take the same modules and
-// grammar as reverse_proxy; lb_policy also takes least_queue, the gateway's
-// own policy (the default when saturation is configured). "saturation"
+// grammar as reverse_proxy; lb_policy also takes the gateway's own
+// policies: least_queue (the default when saturation is configured) and
+// prefix_cache, whose optional block sets its block size, its blocks
+// remembered per upstream and its load factor (see PrefixCacheConfig). "saturation"
 // without a block takes every default. Sizes accept units ("16MiB",
 // "512KB").
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -181,6 +188,14 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 					return d.Err("lb_policy least_queue takes no options")
 				}
 				h.LoadBalancing = &LoadBalancing{SelectionPolicyRaw: []byte(`{"policy":"least_queue"}`)}
+				break
+			}
+			if name == prefixCachePolicy {
+				raw, err := parsePrefixCache(d)
+				if err != nil {
+					return err
+				}
+				h.LoadBalancing = &LoadBalancing{SelectionPolicyRaw: raw}
 				break
 			}
 			modID := "http.reverse_proxy.selection_policies." + name

@@ -245,6 +245,7 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		"llm_proxy 127.0.0.1:9000 { max_attempts 99999999999999999999 }",
 		"llm_proxy 127.0.0.1:9000 {\n lb_policy least_queue\n saturation {\n  interval 2s\n  preset tgi\n  metric kv_usage my:kv\n  trip queue_wait_p99 3s for 20s\n  trip kv_usage 0.95\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n saturation {\n  trip off\n }\n}",
+		"llm_proxy 127.0.0.1:9000 127.0.0.1:9001 {\n lb_policy prefix_cache {\n  block_chars 128\n  max_blocks 1000\n  load_factor 1.5\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n fallback small {\n  to 127.0.0.1:9001\n  model llama-8b\n  context_window 8192\n  max_output_tokens 4096\n  when unavailable saturated\n  tiers free batch\n  capacity 4\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n fallback a {\n  dynamic a small.internal 8000\n }\n fallback b {\n  to 127.0.0.1:9002\n }\n}",
 	}

@@ -227,6 +227,9 @@ func registerMetrics(reg *prometheus.Registry) error {
 			return err
 		}
 	}
+	if err := register(reg, prefixCollectors()...); err != nil { // prefixcache.go
+		return err
+	}
 	return register(reg, bodyMemory...)
 }
 

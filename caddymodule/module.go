@@ -139,7 +139,10 @@ type LoadBalancing struct {
 	// query, weighted_round_robin, ...), or {"policy": "least_queue"}: the
 	// gateway's own policy, not a Caddy module, which picks the upstream
 	// with the lowest saturation score (see Saturation; without it the
-	// score is the attempts in flight, as least_conn). least_conn and
+	// score is the attempts in flight, as least_conn), or {"policy":
+	// "prefix_cache", "block_chars": 256, "max_blocks": 8192,
+	// "load_factor": 2}: the gateway's prefix-cache-aware policy (see
+	// PrefixCacheConfig for its fields and defaults). least_conn and
 	// random_choose count the gateway's own attempts in flight. With
 	// Saturation configured, saturated upstreams are removed before any
 	// policy chooses. Default: least_queue with Saturation, else
@@ -371,6 +374,9 @@ func (h *Handler) check() error {
 	}
 	if h.LoadBalancing != nil && h.LoadBalancing.SelectionPolicyRaw != nil {
 		if _, err := leastQueue(h.LoadBalancing.SelectionPolicyRaw); err != nil {
+			return err
+		}
+		if _, _, err := prefixCacheConfig(h.LoadBalancing.SelectionPolicyRaw); err != nil {
 			return err
 		}
 	}

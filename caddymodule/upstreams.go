@@ -141,8 +141,9 @@ func (s caddySelector) Select(cs []upstream.Candidate, r *http.Request, w http.R
 	return slices.Index(pool, chosen)
 }
 
-// loadSelector returns the handler's selection policy: least_queue (the
-// pool's own, not a Caddy module), a loaded Caddy policy, or the default
+// loadSelector returns the handler's selection policy: least_queue or
+// prefix_cache (the pool's own, not Caddy modules), a loaded Caddy policy,
+// or the default
 // (least_queue with saturation, else least_conn).
 func (h *Handler) loadSelector(ctx caddy.Context) (upstream.Selector, error) {
 	if h.LoadBalancing == nil || h.LoadBalancing.SelectionPolicyRaw == nil {
@@ -150,6 +151,12 @@ func (h *Handler) loadSelector(ctx caddy.Context) (upstream.Selector, error) {
 			return upstream.LeastQueue{}, nil
 		}
 		return selector(nil), nil
+	}
+	if pc, ok, err := prefixCacheConfig(h.LoadBalancing.SelectionPolicyRaw); ok || err != nil {
+		if err != nil {
+			return nil, err
+		}
+		return pc.selector(), nil
 	}
 	lq, err := leastQueue(h.LoadBalancing.SelectionPolicyRaw)
 	if err != nil {
