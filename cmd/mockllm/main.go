@@ -49,6 +49,14 @@ Flags:
                            until its prompt fits, then holds the blocks of its
                            prompt and generated tokens (default 2048)
   --kv-block-tokens N      tokens per KV-cache block (default 16)
+  --prefix-cache N         model vLLM's prefix caching: each replica keeps the
+                           last N prompt blocks it prefilled, and a request's
+                           TTFT grows by --prefill-per-block per block of its
+                           prompt not cached from the start; /metrics reports
+                           vllm:prefix_cache_queries_total and _hits_total
+                           (default 0 = off)
+  --prefix-block-chars N   bytes of prompt JSON per cached block (default 64)
+  --prefill-per-block DUR  TTFT of one missed block (default 2ms)
   --fault SPEC             fault for every replica (see Faults)
   --replica-fault I=SPEC   fault for replica I only, e.g. 2=status=503,fraction=0.3
                            (repeatable; replaces --fault for that replica)
@@ -149,6 +157,9 @@ func run(args []string, stdout, stderr io.Writer) error {
 	capacity := fs.Int("capacity", 0, "")
 	kvBlocks := fs.Int("kv-blocks", mockllm.DefaultKVBlocks, "")
 	kvBlockTokens := fs.Int("kv-block-tokens", mockllm.DefaultKVBlockTokens, "")
+	prefixBlocks := fs.Int("prefix-cache", 0, "")
+	prefixChars := fs.Int("prefix-block-chars", 0, "")
+	prefill := fs.Duration("prefill-per-block", 0, "")
 	metricsSpec := fs.String("metrics", "", "")
 	seed := fs.Uint64("seed", 0, "")
 	grace := fs.Duration("grace", 5*time.Second, "")
@@ -251,6 +262,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 		PerReplicaMetrics: perMetrics,
 		IdleTimeout:       *idleTimeout,
 		IdleCloseRace:     *idleRace,
+		PrefixCache:       mockllm.PrefixCacheConfig{Blocks: *prefixBlocks, BlockChars: *prefixChars, PrefillPerBlock: *prefill},
 		Seed:              *seed,
 		Logger:            log,
 	})

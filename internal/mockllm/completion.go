@@ -238,7 +238,7 @@ func (x *exchange) run() {
 		return
 	}
 	defer x.leave()
-	if x.wait(x.p.ttft) != nil {
+	if x.wait(x.p.ttft+x.prefill()) != nil {
 		x.end(OutcomeCancelled, FaultNone)
 		return
 	}

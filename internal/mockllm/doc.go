@@ -42,6 +42,12 @@
 // blocks, 0 to 1) and the vllm:request_queue_time_seconds histogram
 // (observed once per request when it is scheduled; 0 when at once).
 //
+// With [FleetConfig.PrefixCache] each replica models vLLM's automatic
+// prefix caching: an LRU of the chained keys of the prompt blocks it
+// prefilled; a request's TTFT grows by a prefill cost per block of its
+// prompt not cached from the start, and /metrics reports
+// vllm:prefix_cache_queries_total and vllm:prefix_cache_hits_total.
+//
 // How /metrics answers is a [MetricsMode], apart from the Behavior:
 // normal, frozen (the same body on every scrape), hang, status=CODE or
 // slow=DURATION, and which KV-cache gauge it exposes (kv=new, old, both or

@@ -82,6 +82,10 @@ type FleetConfig struct {
 	// sees in time). Needs IdleTimeout; at most IdleTimeout.
 	IdleCloseRace time.Duration
 
+	// PrefixCache models vLLM's automatic prefix caching on every replica
+	// (see PrefixCacheConfig); its zero value turns it off.
+	PrefixCache PrefixCacheConfig
+
 	// Seed seeds the random generators (lognormal TTFT, stragglers, fault
 	// fractions); replica i uses the stream (Seed, i). Zero picks a random
 	// seed.
@@ -116,6 +120,9 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 		return nil, fmt.Errorf("idle close race %v: needs an idle timeout at least as long (have %v)", cfg.IdleCloseRace, cfg.IdleTimeout)
 	}
 	n := max(cfg.Replicas, 1)
+	if err := cfg.PrefixCache.validate(); err != nil {
+		return nil, err
+	}
 	if err := cfg.Behavior.Validate(); err != nil {
 		return nil, fmt.Errorf("behavior: %w", err)
 	}
@@ -167,6 +174,7 @@ func StartFleet(cfg FleetConfig) (*Fleet, error) {
 		}
 		r := newReplica(f, i, b, newScheduler(cfg.Capacity, cfg.KVBlocks, cfg.KVBlockTokens), seed, log)
 		r.idleTimeout, r.idleRace = cfg.IdleTimeout, cfg.IdleCloseRace
+		r.enablePrefixCache(cfg.PrefixCache)
 		m := cfg.Metrics
 		if pm, ok := cfg.PerReplicaMetrics[i]; ok {
 			m = pm

@@ -26,7 +26,8 @@ type Replica struct {
 	log     *zap.Logger
 	queue   *scheduler
 	metrics *replicaMetrics
-	created int64 // unix time, for /v1/models
+	prefix  *prefixCache // nil without FleetConfig.PrefixCache (prefixcache.go)
+	created int64        // unix time, for /v1/models
 
 	idleTimeout time.Duration // http.Server.IdleTimeout (FleetConfig.IdleTimeout)
 	idleRace    time.Duration // FleetConfig.IdleCloseRace
