@@ -1,0 +1,311 @@
+package e2e
+
+// End-to-end tests of lb_policy prefix_cache (issue 21): a mock fleet whose
+// replicas model vLLM's prefix cache (an LRU of prompt blocks; a missed
+// block costs prefill time), multi-turn conversations with long system
+// prompts, and the gateway routing each turn to the replica holding its
+// conversation's prefix — unless health or saturation say otherwise.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
+)
+
+// prefixFleet is three replicas with a prefix cache of 4,000 blocks each
+// (every conversation of a run fits: a miss is never an eviction), 10ms
+// base TTFT and 3ms of prefill per missed 64-byte block: a 6,000-character
+// system prompt costs about 290ms when missed, some 30 tokens a ms.
+func prefixFleet(t *testing.T, capacity int) *mockllm.Fleet {
+	return startFleet(t, mockllm.FleetConfig{Replicas: 3, Capacity: capacity,
+		Behavior:    mockllm.Behavior{TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 4, TokenInterval: time.Millisecond},
+		PrefixCache: mockllm.PrefixCacheConfig{Blocks: 4000, PrefillPerBlock: 3 * time.Millisecond}})
+}
+
+// conversation is one multi-turn chat with a 6,000-character system prompt
+// of its own.
+type conversation struct {
+	id   int
+	msgs []map[string]string
+}
+
+func newConversation(run string, id int) *conversation {
+	head := fmt.Sprintf("[%s: conversation %02d] You are assistant %02d. ", run, id, id)
+	rule := fmt.Sprintf("Rule %02d: answer precisely, cite your sources, keep it short. ", id)
+	sys := head + strings.Repeat(rule, 6000/len(rule)+1)
+	return &conversation{id: id, msgs: []map[string]string{{"role": "system", "content": sys[:6000]}}}
+}
+
+// ask adds the user's next question and returns the request body.
+func (c *conversation) ask(turn int) string {
+	c.msgs = append(c.msgs, map[string]string{"role": "user", "content": fmt.Sprintf("Question %d of conversation %d: %s", turn, c.id, strings.Repeat("and why? ", 20))})
+	b, _ := json.Marshal(map[string]any{"model": "mock-llama", "stream": true, "messages": c.msgs})
+	return string(b)
+}
+
+// answered adds the assistant's answer to the conversation.
+func (c *conversation) answered(turn int) {
+	c.msgs = append(c.msgs, map[string]string{"role": "assistant", "content": fmt.Sprintf("Answer %d: %s", turn, strings.Repeat("because. ", 30))})
+}
+
+// turnResult is one turn as its client saw it.
+type turnResult struct {
+	conv, turn int
+	replica    string
+	ttft       time.Duration
+	problem    string // "" when the stream was served in full
+}
+
+// runTurns runs turns [from, to) of every conversation, workers of them at
+// once, each conversation's turns in order.
+func runTurns(ctx context.Context, c *http.Client, url string, convs []*conversation, from, to, workers int) []turnResult {
+	var mu sync.Mutex
+	var out []turnResult
+	next := make(chan *conversation)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for cv := range next {
+				for turn := from; turn < to; turn++ {
+					r := turnResult{conv: cv.id, turn: turn}
+					s, err := doStream(ctx, c, url, cv.ask(turn), "X-Mock-Tokens: 4", "X-Mock-Token-Interval: 1ms")
+					switch {
+					case err != nil:
+						r.problem = err.Error()
+					case s.Status != http.StatusOK:
+						r.problem = fmt.Sprintf("status %d: %s", s.Status, raw(s.Events))
+					case s.Err != nil || len(s.dataEvents()) == 0 || !s.Events[len(s.Events)-1].IsDone():
+						r.problem = fmt.Sprintf("stream cut: %v", s.Err)
+					default:
+						r.replica = s.Header.Get("X-Mock-Replica")
+						r.ttft = s.dataEvents()[0].At.Sub(s.Sent)
+					}
+					cv.answered(turn)
+					mu.Lock()
+					out = append(out, r)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	for _, cv := range convs {
+		next <- cv
+	}
+	close(next)
+	wg.Wait()
+	return out
+}
+
+func conversations(run string, n int) []*conversation {
+	out := make([]*conversation, n)
+	for i := range out {
+		out[i] = newConversation(run, i)
+	}
+	return out
+}
+
+// fleetHitRatio is the share of prompt blocks the fleet's prefix caches
+// found, since the fleet started.
+func fleetHitRatio(f *mockllm.Fleet) float64 {
+	var q, h int64
+	for _, r := range f.Replicas() {
+		rq, rh := r.PrefixCacheStats()
+		q, h = q+rq, h+rh
+	}
+	return float64(h) / float64(max(q, 1))
+}
+
+// policyRun is what one policy did with 18 conversations of 4 turns.
+type policyRun struct {
+	hitRatio  float64
+	meanTTFT  time.Duration
+	byReplica map[string]int
+	results   []turnResult
+}
+
+func runPolicy(t *testing.T, policy string) policyRun {
+	fleet := prefixFleet(t, 0)
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy "+policy+"\n\t}")
+	c := newClient(t)
+	ctx := testContext(t, 2*time.Minute)
+	rs := runTurns(ctx, c, gw.URL+"/v1/chat/completions", conversations(policy, 18), 0, 4, 6)
+	run := policyRun{hitRatio: fleetHitRatio(fleet), byReplica: map[string]int{}, results: rs}
+	var sum time.Duration
+	for _, r := range rs {
+		if r.problem != "" {
+			t.Errorf("%s: conversation %d turn %d: %s", policy, r.conv, r.turn, r.problem)
+			continue
+		}
+		sum += r.ttft
+		run.byReplica[r.replica]++
+	}
+	run.meanTTFT = sum / time.Duration(max(len(rs), 1))
+	return run
+}
+
+// TestPrefixCacheKeepsConversationsWhereTheirPrefixIs: 18 conversations of
+// 4 turns with 6,000-character system prompts, 6 at a time, on three
+// replicas with a prefix cache: prefix_cache finds at least 0.65 of the
+// prompt blocks in cache and 1.5 × what round_robin finds, its mean TTFT is
+// at most 0.6 × round_robin's, and no replica takes more than half the
+// requests.
+func TestPrefixCacheKeepsConversationsWhereTheirPrefixIs(t *testing.T) {
+	t.Parallel()
+	rr := runPolicy(t, "round_robin")
+	pc := runPolicy(t, "prefix_cache")
+	if t.Failed() {
+		return
+	}
+	t.Logf("round_robin:  hit ratio %.2f, mean TTFT %v, requests %v", rr.hitRatio, rr.meanTTFT, rr.byReplica)
+	t.Logf("prefix_cache: hit ratio %.2f, mean TTFT %v, requests %v", pc.hitRatio, pc.meanTTFT, pc.byReplica)
+	if pc.hitRatio < 0.65 || pc.hitRatio < 1.5*rr.hitRatio {
+		t.Errorf("prefix_cache hit ratio %.3f, want ≥ 0.65 and ≥ 1.5 × round_robin's %.3f", pc.hitRatio, rr.hitRatio)
+	}
+	if float64(pc.meanTTFT) > 0.6*float64(rr.meanTTFT) {
+		t.Errorf("prefix_cache mean TTFT %v, want ≤ 0.6 × round_robin's %v", pc.meanTTFT, rr.meanTTFT)
+	}
+	if len(pc.byReplica) != 3 {
+		t.Errorf("prefix_cache used replicas %v, want all three", pc.byReplica)
+	}
+	for addr, n := range pc.byReplica {
+		if n > len(pc.results)/2 {
+			t.Errorf("replica %s took %d of %d requests, want at most half", addr, n, len(pc.results))
+		}
+	}
+	// Each conversation's later turns stay on one replica, save a move
+	// when its replica was loaded beyond the bound.
+	moves := 0
+	last := map[int]string{}
+	for _, r := range pc.results {
+		if prev, ok := last[r.conv]; ok && prev != r.replica {
+			moves++
+		}
+		last[r.conv] = r.replica
+	}
+	t.Logf("prefix_cache: %d moves of a conversation to another replica", moves)
+	if moves > 6 {
+		t.Errorf("conversations changed replica %d times in 54 later turns, want a few at most", moves)
+	}
+}
+
+// homes returns, for each conversation, the replica that served its turn
+// (of results holding one turn per conversation).
+func homes(rs []turnResult) map[int]string {
+	out := map[int]string{}
+	for _, r := range rs {
+		out[r.conv] = r.replica
+	}
+	return out
+}
+
+func checkServed(t *testing.T, what string, rs []turnResult) {
+	t.Helper()
+	for _, r := range rs {
+		if r.problem != "" {
+			t.Errorf("%s: conversation %d turn %d: %s", what, r.conv, r.turn, r.problem)
+		}
+	}
+}
+
+// TestPrefixCacheRoutesAroundASaturatedReplica: the replica holding some
+// conversations' prefixes has a full queue (load from another client); while
+// it stays saturated it receives at most two of the gateway's requests, and
+// every turn is served.
+func TestPrefixCacheRoutesAroundASaturatedReplica(t *testing.T) {
+	t.Parallel()
+	fleet := prefixFleet(t, 2)
+	gw := startGateway(t, satSite(fleet, "interval 200ms", "lb_policy prefix_cache"))
+	c := newClient(t)
+	ctx := testContext(t, 2*time.Minute)
+	url := gw.URL + "/v1/chat/completions"
+	convs := conversations("saturated", 9)
+	first := runTurns(ctx, c, url, convs, 0, 1, 1)
+	checkServed(t, "first turns", first)
+	held := map[string]int{}
+	for _, addr := range homes(first) {
+		held[addr]++
+	}
+	hot := homes(first)[0]
+	var replica *mockllm.Replica
+	for _, r := range fleet.Replicas() {
+		if r.Addr() == hot {
+			replica = r
+		}
+	}
+	if replica == nil {
+		t.Fatalf("conversation 0's replica %q is not in the fleet", hot)
+	}
+	// 2 running and 6 waiting, for 10s: queue 6 ≥ queue_threshold 5.
+	load := startDirectLoad(t, replica, 8, false, "", "X-Mock-Tokens: 1000", "X-Mock-Token-Interval: 10ms")
+	defer load.stop()
+	if v, ok := gw.waitSaturation(hot, 5*time.Second, func(v satView) bool { return v.ScoreKnown && v.Score >= 1 }); !ok {
+		t.Fatalf("the loaded replica never read saturated: %+v", v)
+	}
+	before := replica.Stats().Requests
+	rest := runTurns(ctx, c, url, convs, 1, 4, 3)
+	got := replica.Stats().Requests - before
+	checkServed(t, "later turns", rest)
+	if v := gw.saturation()[hot]; !v.ScoreKnown || v.Score < 1 {
+		t.Fatalf("the replica stopped being saturated during the turns (%+v): the test proves nothing", v)
+	}
+	t.Logf("conversations per replica after the first turn: %v; the saturated %s got %d of %d later turns", held, hot, got, len(rest))
+	if got > 2 {
+		t.Errorf("the saturated replica received %d of the gateway's requests while saturated, want at most 2", got)
+	}
+}
+
+// TestPrefixCacheMovesConversationsOffAnOpenBreaker: the replica holding
+// some conversations' prefixes goes down; their next turns fail over to
+// another replica without a failed request, its breaker opens, and each
+// moved conversation then stays on its new replica.
+func TestPrefixCacheMovesConversationsOffAnOpenBreaker(t *testing.T) {
+	t.Parallel()
+	fleet := prefixFleet(t, 0)
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy prefix_cache\n\t}")
+	c := newClient(t)
+	ctx := testContext(t, 2*time.Minute)
+	url := gw.URL + "/v1/chat/completions"
+	convs := conversations("breaker", 9)
+	first := runTurns(ctx, c, url, convs, 0, 1, 1)
+	checkServed(t, "first turns", first)
+	down := homes(first)[0]
+	var moved []int
+	for conv, addr := range homes(first) {
+		if addr == down {
+			moved = append(moved, conv)
+		}
+	}
+	for _, r := range fleet.Replicas() {
+		if r.Addr() == down {
+			if err := r.Stop(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	rest := runTurns(ctx, c, url, convs, 1, 4, 1)
+	checkServed(t, "later turns", rest)
+	if b := gw.breaker(down); b.State != "open" {
+		t.Errorf("the stopped replica's breaker is %q, want open", b.State)
+	}
+	for _, conv := range moved {
+		var on []string
+		for _, r := range rest {
+			if r.conv == conv {
+				on = append(on, r.replica)
+			}
+		}
+		if len(on) != 3 || on[0] == down || on[1] != on[0] || on[2] != on[0] {
+			t.Errorf("conversation %d (on %s) went to %v for turns 2-4, want one other replica for all three", conv, down, on)
+		}
+	}
+	if len(moved) == 0 {
+		t.Fatal("no conversation was on the stopped replica")
+	}
+}
