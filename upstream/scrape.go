@@ -282,6 +282,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 		e.reg.obs.SignalUpdated(e.addr, sig, snap.values[i], snap.states[i], from)
 	}
 	e.reg.obs.Scraped(e.addr, took, err)
+	e.reportPrefixHits(prev, snap) // prefixcache_scrape.go
 	e.mu.Unlock()
 
 	if t := cfg.Trip; t != nil {

@@ -45,6 +45,12 @@ type SignalNames struct {
 	// TTFT is the histogram of the time to the first output token, in
 	// seconds, as the server measures it.
 	TTFT []string
+	// PrefixQueries and PrefixHits are counters of the prompt tokens the
+	// server looked up in its prefix cache and found there; PrefixHitRate
+	// is a gauge of the share found (0–1), read when the counters are not
+	// exposed. They are not load signals: the gateway reports the server's
+	// own prefix-cache hit ratio next to lb_policy prefix_cache's guess.
+	PrefixQueries, PrefixHits, PrefixHitRate []string
 }
 
 // VLLMSignals are vLLM's metric names, the default preset. KV-cache usage
@@ -59,6 +65,11 @@ var VLLMSignals = SignalNames{
 	KVUsage:   []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
 	QueueTime: []string{"vllm:request_queue_time_seconds"},
 	TTFT:      []string{"vllm:time_to_first_token_seconds"},
+	// vLLM V1's counters (vllm/v1/metrics/loggers.py; the text exposition
+	// names them with _total), then V0's gauge.
+	PrefixQueries: []string{"vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"},
+	PrefixHits:    []string{"vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"},
+	PrefixHitRate: []string{"vllm:gpu_prefix_cache_hit_rate"},
 }
 
 // SGLangSignals are SGLang's metric names (server started with
@@ -74,6 +85,9 @@ var SGLangSignals = SignalNames{
 	KVUsage:   []string{"sglang:token_usage"},
 	QueueTime: []string{"sglang:queue_time_seconds"},
 	TTFT:      []string{"sglang:time_to_first_token_seconds"},
+	// SchedulerMetricsCollector's cache_hit_rate: the prefix (radix)
+	// cache's hit ratio, 0–1.
+	PrefixHitRate: []string{"sglang:cache_hit_rate"},
 }
 
 // TGISignals are Hugging Face Text Generation Inference's metric names.
@@ -164,6 +178,10 @@ type Readings struct {
 	QueueTime Histogram
 	// TTFT is the time-to-first-token histogram (seconds), summed likewise.
 	TTFT Histogram
+	// PrefixQueries and PrefixHits are the prefix-cache counters (tokens
+	// since the server started), summed over the series; PrefixHitRate the
+	// hit-ratio gauge (0–1), the mean of the series.
+	PrefixQueries, PrefixHits, PrefixHitRate Value
 }
 
 // Sample is one scrape's signals and the time it was taken. The zero
@@ -359,6 +377,10 @@ func readings(fams map[string]*dto.MetricFamily, names SignalNames, model string
 		KVUsage:   scalar(fams, names.KVUsage, model, maxValues),
 		QueueTime: histogram(fams, names.QueueTime, model),
 		TTFT:      histogram(fams, names.TTFT, model),
+
+		PrefixQueries: scalar(fams, names.PrefixQueries, model, sumValues),
+		PrefixHits:    scalar(fams, names.PrefixHits, model, sumValues),
+		PrefixHitRate: scalar(fams, names.PrefixHitRate, model, meanValues),
 	}
 }
 
@@ -428,6 +450,8 @@ func sumValues(vs []float64) float64 {
 }
 
 func maxValues(vs []float64) float64 { return slices.Max(vs) }
+
+func meanValues(vs []float64) float64 { return sumValues(vs) / float64(len(vs)) }
 
 // scalar reads the first listed gauge, counter or untyped family with
 // series for model, combining them.
