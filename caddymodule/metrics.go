@@ -416,6 +416,7 @@ func (upstreamObserver) ScraperGone(addr string) {
 	}
 	metrics.scrapeDuration.DeleteLabelValues(addr)
 	metrics.scrapeErrors.DeleteLabelValues(addr)
+	prefixServerHitRatio.DeleteLabelValues(addr) // prefixcache.go
 }
 
 // admissionObserver turns admission's measurements into metrics. The

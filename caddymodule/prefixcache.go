@@ -133,6 +133,14 @@ var (
 		Help:    "Blocks of the prompt's prefix that the chosen upstream held by the gateway's index, per pick of lb_policy prefix_cache.",
 		Buckets: prefixMatchBuckets,
 	})
+	prefixPromptBlocks = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm_proxy", Name: "prefix_prompt_blocks_total",
+		Help: "Blocks of the prompts routed by lb_policy prefix_cache: with the sum of caddy_llm_proxy_prefix_match_blocks, the gateway's guess of the fleet's prefix-cache hit ratio.",
+	})
+	prefixServerHitRatio = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "llm_proxy", Name: "upstream_prefix_cache_hit_ratio",
+		Help: "The upstream's own prefix-cache hit ratio (0-1) over its last scrape interval, from its /metrics (vLLM prefix_cache_hits / prefix_cache_queries, SGLang cache_hit_rate), by upstream; needs saturation.",
+	}, []string{"upstream"})
 	prefixRouted = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "prefix_routed_total",
 		Help: "Picks of lb_policy prefix_cache by result: hit (to the upstream holding the longest prefix), miss (no upstream held any), overloaded (the holder was loaded beyond load_factor).",
@@ -142,8 +150,9 @@ var (
 // prefixMetrics feeds PrefixCache's decisions into the collectors.
 type prefixMetrics struct{}
 
-func (prefixMetrics) PrefixRouted(matched int, r upstream.PrefixResult) {
+func (prefixMetrics) PrefixRouted(matched, prompt int, r upstream.PrefixResult) {
 	prefixMatchBlocks.Observe(float64(matched))
+	prefixPromptBlocks.Add(float64(prompt))
 	prefixRouted.WithLabelValues(r.String()).Inc()
 }
 
@@ -153,5 +162,13 @@ func prefixCollectors() []prometheus.Collector {
 	for _, r := range []upstream.PrefixResult{upstream.PrefixHit, upstream.PrefixMiss, upstream.PrefixOverloaded} {
 		prefixRouted.WithLabelValues(r.String())
 	}
-	return []prometheus.Collector{prefixMatchBlocks, prefixRouted}
+	return []prometheus.Collector{prefixMatchBlocks, prefixPromptBlocks, prefixServerHitRatio, prefixRouted}
 }
+
+// ServerPrefixHitRatio implements upstream.PrefixHitObserver: the
+// scraped upstream's own hit ratio.
+func (upstreamObserver) ServerPrefixHitRatio(addr string, ratio float64) {
+	prefixServerHitRatio.WithLabelValues(addr).Set(ratio)
+}
+
+var _ upstream.PrefixHitObserver = upstreamObserver{}

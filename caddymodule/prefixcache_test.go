@@ -109,12 +109,20 @@ func TestPrefixMetricsCountDecisions(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := testutil.ToFloat64(prefixRouted.WithLabelValues("overloaded"))
-	prefixMetrics{}.PrefixRouted(7, upstream.PrefixOverloaded)
+	prefixMetrics{}.PrefixRouted(7, 9, upstream.PrefixOverloaded)
 	if got := testutil.ToFloat64(prefixRouted.WithLabelValues("overloaded")) - before; got != 1 {
 		t.Fatalf("overloaded counted %v, want 1", got)
 	}
-	n, err := testutil.GatherAndCount(reg, "caddy_llm_proxy_prefix_routed_total", "caddy_llm_proxy_prefix_match_blocks")
-	if err != nil || n != 4 {
-		t.Fatalf("%d series (%v), want 3 results and 1 histogram", n, err)
+	n, err := testutil.GatherAndCount(reg, "caddy_llm_proxy_prefix_routed_total", "caddy_llm_proxy_prefix_match_blocks", "caddy_llm_proxy_prefix_prompt_blocks_total")
+	if err != nil || n != 5 {
+		t.Fatalf("%d series (%v), want 3 results, 1 histogram and the prompt blocks", n, err)
+	}
+	upstreamObserver{}.ServerPrefixHitRatio("10.9.9.9:8000", 0.75)
+	if got := testutil.ToFloat64(prefixServerHitRatio.WithLabelValues("10.9.9.9:8000")); got != 0.75 {
+		t.Fatalf("server hit ratio gauge %v, want 0.75", got)
+	}
+	upstreamObserver{}.ScraperGone("10.9.9.9:8000")
+	if n, _ := testutil.GatherAndCount(reg, "caddy_llm_proxy_upstream_prefix_cache_hit_ratio"); n != 0 {
+		t.Fatalf("%d hit-ratio series after the scraper went, want 0", n)
 	}
 }

@@ -99,8 +99,9 @@ func (r PrefixResult) String() string {
 // safe for concurrent use and cheap.
 type PrefixObserver interface {
 	// PrefixRouted reports one pick: the blocks of the prompt the chosen
-	// upstream's index held, and how the choice was made.
-	PrefixRouted(matchedBlocks int, result PrefixResult)
+	// upstream's index held, the prompt's blocks (at most MaxBlocks), and
+	// how the choice was made.
+	PrefixRouted(matchedBlocks, promptBlocks int, result PrefixResult)
 }
 
 // Validate checks the settings: no negative size, a LoadFactor of at least
@@ -261,7 +262,7 @@ func (s *PrefixCache) learn(cs []Candidate, i int, keys []uint64, matched int, r
 		cs[i].Entry.prefixIndex(s.maxBlocks()).Insert(keys)
 	}
 	if s.Observer != nil {
-		s.Observer.PrefixRouted(matched, result)
+		s.Observer.PrefixRouted(matched, len(keys), result)
 	}
 }
 

@@ -21,7 +21,7 @@ type prefixLog struct {
 	matched []int
 }
 
-func (l *prefixLog) PrefixRouted(m int, r PrefixResult) {
+func (l *prefixLog) PrefixRouted(m, _ int, r PrefixResult) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.results, l.matched = append(l.results, r), append(l.matched, m)
@@ -310,13 +310,13 @@ func TestPrefixCacheWithoutPromptIsLeastLoaded(t *testing.T) {
 
 func TestPrefixCacheValidate(t *testing.T) {
 	for _, tc := range []struct {
-		s  PrefixCache
+		s  *PrefixCache
 		ok bool
 	}{
-		{PrefixCache{}, true},
-		{PrefixCache{BlockChars: 64, MaxBlocks: 100, LoadFactor: 1}, true},
-		{PrefixCache{LoadFactor: 0.5}, false},
-		{PrefixCache{BlockChars: -1}, false},
+		{&PrefixCache{}, true},
+		{&PrefixCache{BlockChars: 64, MaxBlocks: 100, LoadFactor: 1}, true},
+		{&PrefixCache{LoadFactor: 0.5}, false},
+		{&PrefixCache{BlockChars: -1}, false},
 	} {
 		if err := tc.s.Validate(); (err == nil) != tc.ok {
 			t.Errorf("%+v: Validate() = %v", tc.s, err)
