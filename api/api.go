@@ -50,7 +50,7 @@ type API interface {
 	// it says: the first generated event, the normal end, usage, an
 	// in-band error. It does not allocate, except to parse an in-band
 	// error (the rare path).
-	Inspect(st *Stream, ev *sse.Event) Class
+	Inspect(st *Stream, ev sse.Event) Class
 	// InspectBody reads a complete (non-streaming) JSON response body for
 	// its token usage; Reported is false when it has none.
 	InspectBody(body []byte) Usage

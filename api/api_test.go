@@ -28,7 +28,7 @@ func replay(t testing.TB, a api.API, transcript string) ([]api.Class, api.Stream
 		if err != nil {
 			t.Fatalf("transcript: %v", err)
 		}
-		classes = append(classes, a.Inspect(&st, &ev))
+		classes = append(classes, a.Inspect(&st, ev))
 	}
 }
 
@@ -361,11 +361,11 @@ func TestInspectDoesNotAllocate(t *testing.T) {
 		for i := range events {
 			ev := &events[i]
 			var st api.Stream
-			if n := testing.AllocsPerRun(200, func() { tt.api.Inspect(&st, ev) }); n != 0 {
+			if n := testing.AllocsPerRun(200, func() { tt.api.Inspect(&st, *ev) }); n != 0 {
 				t.Errorf("%s %s event %d: %v allocs, want 0", tt.api.Name(), tt.file, i, n)
 			}
 			st = api.Stream{Generated: true}
-			if n := testing.AllocsPerRun(200, func() { tt.api.Inspect(&st, ev) }); n != 0 {
+			if n := testing.AllocsPerRun(200, func() { tt.api.Inspect(&st, *ev) }); n != 0 {
 				t.Errorf("%s %s event %d after commit: %v allocs, want 0", tt.api.Name(), tt.file, i, n)
 			}
 		}

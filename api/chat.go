@@ -31,7 +31,7 @@ func (c chatAPI) OutputLimitFields() []string {
 
 func (chatAPI) InjectsUsage() bool { return true }
 
-func (chatAPI) Inspect(st *Stream, ev *sse.Event) Class {
+func (chatAPI) Inspect(st *Stream, ev sse.Event) Class {
 	switch ev.Kind() {
 	case sse.KindComment:
 		return Lifecycle
@@ -95,7 +95,7 @@ func (noneAPI) OutputLimitFields() []string               { return nil }
 func (noneAPI) InjectsUsage() bool                        { return false }
 func (noneAPI) InspectBody([]byte) Usage                  { return Usage{} }
 
-func (noneAPI) Inspect(st *Stream, ev *sse.Event) Class {
+func (noneAPI) Inspect(st *Stream, ev sse.Event) Class {
 	if !ev.HasData {
 		return Lifecycle
 	}

@@ -54,7 +54,7 @@ func fuzzInspect(f *testing.F, a api.API, prefix string) {
 			if err != nil {
 				break
 			}
-			c := a.Inspect(&st, &ev)
+			c := a.Inspect(&st, ev)
 			switch c {
 			case api.ErrorEvent:
 				if st.Err.Status < 400 || st.Err.Status > 599 {

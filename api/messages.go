@@ -36,7 +36,7 @@ func (messagesAPI) OutputLimitFields() []string { return []string{"max_tokens"} 
 
 func (messagesAPI) InjectsUsage() bool { return false }
 
-func (messagesAPI) Inspect(st *Stream, ev *sse.Event) Class {
+func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 	if !ev.HasData {
 		return Lifecycle
 	}

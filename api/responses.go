@@ -33,7 +33,7 @@ func (responsesAPI) OutputLimitFields() []string { return []string{"max_output_t
 
 func (responsesAPI) InjectsUsage() bool { return false }
 
-func (responsesAPI) Inspect(st *Stream, ev *sse.Event) Class {
+func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 	if !ev.HasData {
 		return Lifecycle
 	}

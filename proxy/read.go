@@ -53,13 +53,13 @@ func (x *exchange) read() bool {
 	}
 	x.body = body.Bytes()
 	if isJSONRequest(x.r) {
-		info, err := body.Parse()
+		info, err := body.Parse(x.api)
 		if err != nil {
 			x.jsonErr = err
 			return false
 		}
 		x.res.Info = info
-		if x.p.cfg.RequestUsage && info.Stream && !info.IncludeUsage {
+		if x.p.cfg.RequestUsage && x.api.InjectsUsage() && info.Stream && !info.IncludeUsage {
 			if edited, ok := requestUsage(x.body); ok {
 				x.body, x.stripUsage = edited, true
 			}

@@ -9,7 +9,6 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
-
 )
 
 func TestParseRequest(t *testing.T) {
@@ -277,4 +276,3 @@ func TestBestOfIsReserved(t *testing.T) {
 		t.Fatal("best_of 0 accepted")
 	}
 }
-
