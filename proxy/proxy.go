@@ -92,9 +92,8 @@ type PickRequest struct {
 	// Hedge is true for a backup attempt: only upstreams whose breaker is
 	// closed qualify (never hedge into a sick fleet).
 	Hedge bool
-	// Prompt yields the request's prompt text in order (PromptSegments of
-	// the body sent), for policies that route by prompt prefix; nil when
-	// there is no body.
+	// Prompt yields the request's prompt text in order (api.PromptText of
+	// the body sent), for policies that route by prompt prefix.
 	Prompt func(yield func(string) bool)
 }
 
