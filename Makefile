@@ -11,7 +11,7 @@ demo:
 	scripts/demo.sh
 
 # The whole benchmark suite (issue 12) in one run, under 15 minutes: S1, S3,
-# S4, S4b, S6, S7 and the request-body burst, each against a direct
+# S4, S4b, S6, S7, S8 (prefix-cache routing) and the request-body burst, each against a direct
 # connection, stock reverse_proxy and nginx (installed by
 # scripts/setup-bench.sh when missing); rewrites the suite section of
 # docs/benchmarks.md and docs/img/suite-*.png. SMOKE=1 (or BENCH_SMOKE=1): a
@@ -36,6 +36,13 @@ bench-isolation:
 # Selection under overload (issue 9): round_robin, least_conn and
 # least_queue (saturation) on a fleet with a half-capacity straggler; TTFT
 # p50/p99, throughput, replica shares; a PNG of the TTFT CDFs.
+# Prefix-cache-aware routing (issue 21, S8 of make bench): conversations
+# through round_robin, least_queue and prefix_cache to a mock fleet with a
+# prefix cache; hit ratio, TTFT p50/p99, replica shares and a PNG.
+.PHONY: bench-prefix
+bench-prefix:
+	scripts/bench-prefix.sh
+
 .PHONY: bench-saturation
 bench-saturation:
 	scripts/bench-saturation.sh

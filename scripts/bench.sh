@@ -17,6 +17,9 @@
 #   S4b     200 streams at 50 events/s: CPU per event, achieved events/s
 #   S6      retry storm, 3 replicas, error rate 0 -> 100%: attempts per request
 #   S7      hedging (scripts/bench-hedge.sh, at a smaller size)
+#   S8      prefix-cache routing: multi-turn conversations against
+#           round_robin, least_queue and prefix_cache on a mock fleet with a
+#           prefix cache (scripts/bench-prefix.sh)
 #   bodies  the request-body memory burst (scripts/bench-bodies.sh, if present)
 #
 # Usage: scripts/bench.sh [SCENARIO...]      (default: all, in the order above)
@@ -45,7 +48,7 @@ cd "$(dirname "$0")/.."
 SCRIPT_NAME=bench
 . scripts/lib.sh
 
-ALL=(S1 S3 S4 S4b S6 S7 bodies)
+ALL=(S1 S3 S4 S4b S6 S7 S8 bodies)
 SMOKE=${BENCH_SMOKE:-${SMOKE:-}}
 case "$SMOKE" in 0 | false | no) SMOKE="" ;; esac
 full=1
@@ -299,6 +302,17 @@ if wants S7; then
 		tail -n 5 "$logdir/S7.log" >&2 || true
 		failed+=(S7)
 		missing+=("S7: scripts/bench-hedge.sh failed; its log is $logdir/S7.log")
+	fi
+fi
+if wants S8; then
+	log "scenario S8 (scripts/bench-prefix.sh)"
+	if run_fg env BENCH_SMOKE="$SMOKE" SMOKE="${SMOKE:+1}" CADDY="$caddy_bin" OUT="$OUT/S8" scripts/bench-prefix.sh >"$OUT/S8.full.md" 2>"$logdir/S8.log" &&
+		[ -s "$OUT/S8/prefix.md" ]; then
+		includes+=(--include "S8 prefix-cache routing (scripts/bench-prefix.sh; TTFT CDFs in $OUT/S8/prefix-ttft-cdf.png)=$OUT/S8/prefix.md")
+	else
+		tail -n 5 "$logdir/S8.log" >&2 || true
+		failed+=(S8)
+		missing+=("S8: scripts/bench-prefix.sh failed; its log is $logdir/S8.log")
 	fi
 fi
 if wants bodies; then

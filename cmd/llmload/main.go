@@ -14,6 +14,8 @@
 //	    --noisy-key KA --victim-keys KB,KC,KD [--mock http://127.0.0.1:9401] [--access-log file] [--plot out.png]
 //	llmload overload --target round_robin=http://127.0.0.1:8111 --target least_conn=http://127.0.0.1:8112 \
 //	    --target least_queue=http://127.0.0.1:8113 [--mock http://127.0.0.1:9501]... --rate 30 [--plot out.png]
+//	llmload prefix --target round_robin=http://127.0.0.1:8121 --target prefix_cache=http://127.0.0.1:8123 \
+//	    --mock http://127.0.0.1:9601 [--conversations 36 --turns 4 --concurrency 9] [--plot out.png]
 //	llmload suite run --scenario S4 --out DIR --target direct=URL --target llm_proxy=URL --pid llm_proxy=PID ...
 //	llmload suite report --dir DIR --md DIR/suite.md [--docs docs/benchmarks.md --img docs/img]
 //
@@ -43,6 +45,8 @@ Usage:
                              admission control; A's refusal latency; a PNG of the TTFT CDFs
   llmload overload [flags]   selection under overload: the same open-loop load through gateways that
                              differ in lb_policy, one after another; TTFT, throughput, replica shares
+  llmload prefix [flags]     multi-turn conversations through gateways that differ in lb_policy, to a mock
+                             fleet with a prefix cache: hit ratio, TTFT p50/p99, replica shares (S8)
 
 Run 'llmload <command> -h' for the flags of a command.
 `
@@ -64,6 +68,8 @@ func main() {
 		err = isolationCmd(os.Args[2:])
 	case "overload":
 		err = overloadCmd(os.Args[2:])
+	case "prefix":
+		err = prefixCmd(os.Args[2:])
 	case "suite":
 		err = suiteCmd(os.Args[2:])
 	case "-h", "--help", "help":
