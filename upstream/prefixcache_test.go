@@ -323,3 +323,36 @@ func TestPrefixCacheValidate(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkPrefixCachePick is one pick of a 3-upstream pool for the fourth
+// turn of a conversation with a 6,000-character system prompt (~33 blocks).
+func BenchmarkPrefixCachePick(b *testing.B) {
+	p, err := NewRegistry(nil).NewPool(Config{Key: "bench", Static: targets(fleet3...), Selector: &PrefixCache{}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer p.Release()
+	p.Activate()
+	c := newChat(1)
+	for range 3 {
+		c.turn()
+		c.reply()
+	}
+	segs := c.turn()
+	w, r := httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil)
+	req := proxy.PickRequest{Prompt: func(yield func(string) bool) {
+		for _, s := range segs {
+			if !yield(s) {
+				return
+			}
+		}
+	}}
+	b.ReportAllocs()
+	for b.Loop() {
+		up, err := p.Pick(w, r, req)
+		if err != nil {
+			b.Fatal(err)
+		}
+		up.Done(nil)
+	}
+}
