@@ -60,6 +60,10 @@ func TestBenchSuiteSmoke(t *testing.T) {
 			t.Log("S7 not run: its fixed ports were in use")
 		}
 	}
+	// S8 (scripts/bench-prefix.sh) takes free ports: it always runs.
+	if !strings.Contains(doc, "### S8 prefix-cache routing") || !strings.Contains(doc, "| prefix_cache | ") {
+		t.Error("suite.md has no S8 section with a prefix_cache row")
+	}
 	tables := markdownTables(doc)
 	withTargets := 0
 	for _, tb := range tables {
