@@ -21,12 +21,13 @@ import (
 
 // prefixFleet is three replicas with a prefix cache of 4,000 blocks each
 // (every conversation of a run fits: a miss is never an eviction), 10ms
-// base TTFT and 3ms of prefill per missed 64-byte block: a 6,000-character
-// system prompt costs about 290ms when missed, some 30 tokens a ms.
+// base TTFT and 5ms of prefill per missed 64-byte block: a 6,000-character
+// system prompt costs about 480ms when missed, so that the prefill, not the
+// machine's scheduling noise, makes the TTFT.
 func prefixFleet(t *testing.T, capacity int) *mockllm.Fleet {
 	return startFleet(t, mockllm.FleetConfig{Replicas: 3, Capacity: capacity,
 		Behavior:    mockllm.Behavior{TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 4, TokenInterval: time.Millisecond},
-		PrefixCache: mockllm.PrefixCacheConfig{Blocks: 4000, PrefillPerBlock: 3 * time.Millisecond}})
+		PrefixCache: mockllm.PrefixCacheConfig{Blocks: 4000, PrefillPerBlock: 5 * time.Millisecond}})
 }
 
 // conversation is one multi-turn chat with a 6,000-character system prompt
@@ -155,9 +156,9 @@ func runPolicy(t *testing.T, policy string) policyRun {
 // replicas with a prefix cache: prefix_cache finds at least 0.65 of the
 // prompt blocks in cache and 1.5 × what round_robin finds, its mean TTFT is
 // at most 0.6 × round_robin's, and no replica takes more than half the
-// requests.
+// requests. It does not run in parallel with the other tests: it compares
+// mean TTFTs, which CPU contention would blur.
 func TestPrefixCacheKeepsConversationsWhereTheirPrefixIs(t *testing.T) {
-	t.Parallel()
 	rr := runPolicy(t, "round_robin")
 	pc := runPolicy(t, "prefix_cache")
 	if t.Failed() {
@@ -258,6 +259,25 @@ func TestPrefixCacheRoutesAroundASaturatedReplica(t *testing.T) {
 	t.Logf("conversations per replica after the first turn: %v; the saturated %s got %d of %d later turns", held, hot, got, len(rest))
 	if got > 2 {
 		t.Errorf("the saturated replica received %d of the gateway's requests while saturated, want at most 2", got)
+	}
+	// The decisions are counted, and the scraper reports each serving
+	// replica's own hit ratio next to them.
+	samples := gw.scrapeMetrics()
+	if hits, _ := metricValue(samples, "caddy_llm_proxy_prefix_routed_total", map[string]string{"result": "hit"}); hits < 1 {
+		t.Errorf("caddy_llm_proxy_prefix_routed_total{result=hit} = %v, want the later turns that stayed home", hits)
+	}
+	if n, _ := metricValue(samples, "caddy_llm_proxy_prefix_match_blocks_count", nil); n != float64(len(first)+len(rest)) {
+		t.Errorf("caddy_llm_proxy_prefix_match_blocks_count = %v, want one per pick, %d", n, len(first)+len(rest))
+	}
+	addr := rest[len(rest)-1].replica // a replica that served the latest turns
+	var ratio float64
+	var found bool
+	waitFor(3*time.Second, func() bool {
+		ratio, found = metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_upstream_prefix_cache_hit_ratio", map[string]string{"upstream": addr})
+		return found && ratio > 0
+	})
+	if !found || ratio <= 0 || ratio > 1 {
+		t.Errorf("caddy_llm_proxy_upstream_prefix_cache_hit_ratio{upstream=%s} = %v (found %v), want the replica's own ratio in (0, 1]", addr, ratio, found)
 	}
 }
 
