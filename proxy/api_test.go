@@ -383,7 +383,8 @@ func TestNonStreamingBodiesSettleWithTheirAPIsUsage(t *testing.T) {
 	}{
 		{"/v1/responses", `{"id":"resp_1","object":"response","status":"completed","usage":{"input_tokens":7,"output_tokens":3}}`, Usage{PromptTokens: 7, CompletionTokens: 3, Reported: true}},
 		{"/v1/messages", `{"id":"msg_1","type":"message","usage":{"input_tokens":7,"output_tokens":3}}`, Usage{PromptTokens: 7, CompletionTokens: 3, Reported: true}},
-		{"/v1/embeddings", `{"data":[],"usage":{"prompt_tokens":7,"total_tokens":7}}`, Usage{}},
+		// Other paths read OpenAI's usage of a JSON body (embeddings).
+		{"/v1/embeddings", `{"data":[],"usage":{"prompt_tokens":7,"total_tokens":7}}`, Usage{PromptTokens: 7, Reported: true}},
 	} {
 		up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "application/json")
