@@ -411,3 +411,23 @@ func TestAPIOptionOverridesThePath(t *testing.T) {
 		t.Fatalf("api %s usage %+v info %+v", res.API, res.Usage, res.Info)
 	}
 }
+
+// TestStreamWithoutUsageSettlesAnEstimate: a Responses stream cut before
+// its response.completed reported no usage: the tenant is charged the
+// prompt estimate plus one token per generated event, counted as
+// estimated.
+func TestStreamWithoutUsageSettlesAnEstimate(t *testing.T) {
+	tn := newTenancy(t, 0)
+	up := newUpstream(t, sseUpstream(events(transcript(t, "responses_cut.sse"))...))
+	p, _ := tn.proxy(t, Config{}, up)
+	r := apiPost("/v1/responses", responsesBody)
+	r.Header.Set("X-Api-Key", "sk-a")
+	res := p.ServeHTTP(httptest.NewRecorder(), r)
+	if res.Usage.Reported || res.Outcome != OutcomeTruncated {
+		t.Fatalf("usage %+v outcome %s", res.Usage, res.Outcome)
+	}
+	// "abcdefgh": 2 prompt tokens; two output_text deltas.
+	if got, want := tn.obs.settled(), "a prompt estimate 2, a completion estimate 2"; got != want {
+		t.Fatalf("settled %q, want %q", got, want)
+	}
+}
