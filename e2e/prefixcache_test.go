@@ -329,3 +329,42 @@ func TestPrefixCacheMovesConversationsOffAnOpenBreaker(t *testing.T) {
 		t.Fatal("no conversation was on the stopped replica")
 	}
 }
+
+// TestPrefixCacheIndexSurvivesReload: the index lives with the upstreams'
+// entries, so after `caddy reload` (a changed prefix_cache block) every
+// conversation's next turn is still routed as a hit to its replica.
+func TestPrefixCacheIndexSurvivesReload(t *testing.T) {
+	t.Parallel()
+	fleet := prefixFleet(t, 0)
+	site := func(block string) string {
+		return "\tllm_proxy " + upstreams(fleet) + " {\n\t\tlb_policy prefix_cache" + block + "\n\t}"
+	}
+	gw := startGateway(t, site(""))
+	c := newClient(t)
+	ctx := testContext(t, 2*time.Minute)
+	url := gw.URL + "/v1/chat/completions"
+	convs := conversations("reload", 6)
+	first := runTurns(ctx, c, url, convs, 0, 1, 1)
+	checkServed(t, "first turns", first)
+	routed := func(result string) float64 {
+		v, _ := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_prefix_routed_total", map[string]string{"result": result})
+		return v
+	}
+	hits, misses := routed("hit"), routed("miss")
+	if misses != 6 || hits != 0 {
+		t.Fatalf("first turns routed: %v hits, %v misses; want 6 misses", hits, misses)
+	}
+	gw.reload(site(" {\n\t\t\tload_factor 3\n\t\t}"))
+	c.CloseIdleConnections() // the reload closed the old server's idle connections
+	second := runTurns(ctx, c, url, convs, 1, 2, 1)
+	checkServed(t, "second turns", second)
+	if h, m := routed("hit")-hits, routed("miss")-misses; h != 6 || m != 0 {
+		t.Errorf("after the reload the second turns were %v hits and %v misses, want 6 hits: the index must survive the reload", h, m)
+	}
+	before := homes(first)
+	for conv, addr := range homes(second) {
+		if addr != before[conv] {
+			t.Errorf("conversation %d moved from %s to %s across the reload", conv, before[conv], addr)
+		}
+	}
+}
