@@ -368,3 +368,33 @@ func TestPrefixCacheIndexSurvivesReload(t *testing.T) {
 		}
 	}
 }
+
+// TestPrefixCacheGatewaysAgreeWithoutTalking: two gateways in front of one
+// fleet, sharing nothing (no fleet block, no Redis), send each new
+// conversation's first turn to the same replica: the rendezvous hash of
+// the prompt's first block decides among equally loaded replicas.
+func TestPrefixCacheGatewaysAgreeWithoutTalking(t *testing.T) {
+	t.Parallel()
+	fleet := prefixFleet(t, 0)
+	a := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy prefix_cache\n\t}")
+	// The other gateway lists the replicas in another order.
+	addrs := fleet.Addrs()
+	b := startGateway(t, "\tllm_proxy "+strings.Join([]string{addrs[2], addrs[0], addrs[1]}, " ")+" {\n\t\tlb_policy prefix_cache\n\t}")
+	c := newClient(t)
+	ctx := testContext(t, 2*time.Minute)
+	viaA := runTurns(ctx, c, a.URL+"/v1/chat/completions", conversations("agree", 12), 0, 1, 1)
+	viaB := runTurns(ctx, c, b.URL+"/v1/chat/completions", conversations("agree", 12), 0, 1, 1)
+	checkServed(t, "gateway a", viaA)
+	checkServed(t, "gateway b", viaB)
+	ha, hb := homes(viaA), homes(viaB)
+	used := map[string]bool{}
+	for conv, addr := range ha {
+		used[addr] = true
+		if hb[conv] != addr {
+			t.Errorf("conversation %d: gateway a chose %s, gateway b %s", conv, addr, hb[conv])
+		}
+	}
+	if len(used) < 2 {
+		t.Errorf("12 conversations all went to %v: the hash does not spread them", used)
+	}
+}
