@@ -107,7 +107,7 @@ func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *u
 		// A new gate is not live yet: its capacity applies now.
 		sg.cap.Store(want)
 		sg.g = admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Saturated: sg.saturated, Queue: want.queue, Controller: ctl},
-			admission.SystemClock{}, admissionObserver{})
+			admission.SystemClock{}, newGateObserver())
 		return sg, nil
 	}, nil)
 	return sg, want, err

@@ -139,11 +139,11 @@ func initMetrics() {
 		}, []string{"tier", "tenant"})
 		metrics.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "queue_depth",
-			Help: "Requests waiting in the pools' priority queues, by tier.",
+			Help: "Requests waiting in the priority queues, by tier: the sum over every pool's gate (every handler and fallback pool).",
 		}, []string{"tier"})
 		metrics.inflight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "inflight",
-			Help: "Admitted requests in flight, by tier.",
+			Help: "Admitted requests in flight, by tier: the sum over every pool's gate (every handler and fallback pool).",
 		}, []string{"tier"})
 		metrics.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "tokens_total",
@@ -439,15 +439,11 @@ func (admissionObserver) QueueWait(tenant, tier string, d time.Duration) {
 	metrics.queueWait.WithLabelValues(tier, tenantLabel(tenant)).Observe(d.Seconds())
 }
 
-func (admissionObserver) QueueDepth(tier string, n int) {
-	initMetrics()
-	metrics.queueDepth.WithLabelValues(tier).Set(float64(n))
-}
+// QueueDepth and Inflight are reported by the gates, each through its own
+// gateObserver (gauges.go): the gauges are sums over every gate.
+func (admissionObserver) QueueDepth(string, int) {}
 
-func (admissionObserver) Inflight(tier string, n int) {
-	initMetrics()
-	metrics.inflight.WithLabelValues(tier).Set(float64(n))
-}
+func (admissionObserver) Inflight(string, int) {}
 
 func (admissionObserver) Tokens(tenant, tier, kind, source string, n int) {
 	initMetrics()
