@@ -1,5 +1,12 @@
 package caddymodule
 
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
 // gateObserver is one gate's admission observer. A gate reports its own
 // per-tier counts (queued, in flight); caddy_llm_proxy_queue_depth{tier}
 // and caddy_llm_proxy_inflight{tier} are the sums of those counts over
@@ -31,4 +38,62 @@ func (o *gateObserver) Inflight(tier string, n int) {
 	initMetrics()
 	metrics.inflight.WithLabelValues(tier).Add(float64(n - o.inflight[tier]))
 	o.inflight[tier] = n
+}
+
+// tenantBreakerCollector is caddy_llm_proxy_tenant_breaker_state: the
+// tenant breakers that are not closed, by the tier each tenant has in the
+// newest running config and by state (open, half-open), counted from the
+// breakers themselves at each scrape. A count cannot go negative, and a
+// tenant moved to another tier by a reload (or a breaker rebuilt while
+// open) is counted once, under its tier now. Every tier of the config has
+// its two series, at 0 when no breaker of it is in that state.
+type tenantBreakerCollector struct {
+	desc *prometheus.Desc
+	// tenants returns the controller whose breakers are counted and the
+	// tiers of its config (nil: no tenants, no series).
+	tenants func() (*admission.Controller, []string)
+}
+
+// tenantBreakerStates are the states tenant_breaker_state counts.
+var tenantBreakerStates = []breaker.State{breaker.Open, breaker.HalfOpen}
+
+func (c tenantBreakerCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c tenantBreakerCollector) Collect(ch chan<- prometheus.Metric) {
+	ctl, tiers := c.tenants()
+	if ctl == nil {
+		return
+	}
+	type key struct {
+		tier  string
+		state breaker.State
+	}
+	counts := map[key]int{}
+	for _, tier := range tiers {
+		for _, st := range tenantBreakerStates {
+			counts[key{tier, st}] = 0
+		}
+	}
+	for _, v := range ctl.Tenants() {
+		if v.Breaker != nil && v.Breaker.State != breaker.Closed {
+			counts[key{v.Tier, v.Breaker.State}]++
+		}
+	}
+	for k, n := range counts {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), k.tier, k.state.String())
+	}
+}
+
+// runningTenants is the controller and tier names of the newest running
+// config with tenants.
+func runningTenants() (*admission.Controller, []string) {
+	a := newestApp()
+	if a == nil || a.tenancy == nil {
+		return nil, nil
+	}
+	var tiers []string
+	for _, ti := range a.tenancy.cfg.Tiers {
+		tiers = append(tiers, ti.Name)
+	}
+	return a.tenancy.ctl, tiers
 }

@@ -2,10 +2,13 @@ package caddymodule
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
@@ -82,5 +85,108 @@ func TestTierGaugesSumOverEveryGate(t *testing.T) {
 	relB()
 	if v := inflight(); v != 0 {
 		t.Fatalf("inflight = %v after both requests ended, want 0", v)
+	}
+}
+
+// gathered sums the samples of the metric family name whose labels
+// include labels, from a registry holding every collector of the module;
+// found is false when no series matches.
+func gathered(t *testing.T, name string, labels map[string]string) (sum float64, found bool) {
+	t.Helper()
+	r := prometheus.NewRegistry()
+	if err := registerMetrics(r); err != nil {
+		t.Fatal(err)
+	}
+	fams, err := r.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range f.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue series
+				}
+			}
+			found = true
+			switch {
+			case m.Gauge != nil:
+				sum += m.GetGauge().GetValue()
+			case m.Counter != nil:
+				sum += m.GetCounter().GetValue()
+			case m.Histogram != nil:
+				sum += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return sum, found
+}
+
+// TestTenantBreakerStateFollowsAReloadedTier: a tenant whose breaker is open
+// is moved from one tier to another by a reload; the gauge counts its
+// breaker under the new tier only, and nothing goes negative when the
+// breaker closes.
+func TestTenantBreakerStateFollowsAReloadedTier(t *testing.T) {
+	tenant := "acme-" + t.Name()
+	build := func(tier string) *App {
+		a := &App{Tenants: &TenantsConfig{Keys: []TenantKey{{SHA256: strings.Repeat("cd", 32), Tenant: tenant}}},
+			Tiers:           []TierConfig{{Name: "default"}, {Name: "free", Breaker: &BreakerConfig{}}, {Name: "gold", Breaker: &BreakerConfig{}}},
+			TenantOverrides: []TenantOverride{{ID: tenant, Tier: tier}}}
+		tn, err := newTenancy(a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.tenancy, a.logger = tn, zap.NewNop()
+		return a
+	}
+	state := func(tier, st string) float64 {
+		v, found := gathered(t, "caddy_llm_proxy_tenant_breaker_state", map[string]string{"tier": tier, "state": st})
+		if !found {
+			t.Fatalf("no caddy_llm_proxy_tenant_breaker_state{tier=%q,state=%q} series", tier, st)
+		}
+		return v
+	}
+	free := build("free")
+	if err := free.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer free.Stop()
+	ctl := free.tenancy.ctl
+	ctl.TenantBreaker(tenant).ForceOpen(time.Hour, "test")
+	if v := state("free", "open"); v != 1 {
+		t.Fatalf("tenant_breaker_state{tier=free,state=open} = %v with the tenant's breaker open, want 1", v)
+	}
+
+	// The reload moves the tenant to gold while its breaker is open; its
+	// next request (refused: the breaker is open) is admitted under gold.
+	gold := build("gold")
+	if err := gold.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer gold.Stop()
+	if err := free.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, r := ctl.Reserve(admission.Request{Tenant: tenant}); r == nil || r.Code != admission.CodeTenantCircuitOpen {
+		t.Fatalf("request of a tenant with an open breaker: refusal %+v, want %s", r, admission.CodeTenantCircuitOpen)
+	}
+	if free, gold := state("free", "open"), state("gold", "open"); free != 0 || gold != 1 {
+		t.Fatalf("after the reload: open tenant breakers free %v, gold %v; want 0 and 1", free, gold)
+	}
+	ctl.TenantBreaker(tenant).ForceClose("test")
+	for _, tier := range []string{"free", "gold"} {
+		for _, st := range []string{"open", "half_open"} {
+			if v := state(tier, st); v != 0 {
+				t.Errorf("after the breaker closed: tenant_breaker_state{tier=%s,state=%s} = %v, want 0", tier, st, v)
+			}
+		}
 	}
 }

@@ -41,7 +41,7 @@ var metrics = struct {
 	queueDepth    *prometheus.GaugeVec
 	inflight      *prometheus.GaugeVec
 	tokens        *prometheus.CounterVec
-	tenantBreaker *prometheus.GaugeVec
+	tenantBreaker prometheus.Collector
 
 	saturation     *prometheus.GaugeVec
 	signalState    *prometheus.GaugeVec
@@ -149,10 +149,9 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "tokens_total",
 			Help: "Tokens settled against tenants' limits, by tier, kind (prompt, completion) and source (usage: reported by the upstream; estimate: counted by the gateway).",
 		}, []string{"tier", "kind", "source", "tenant"})
-		metrics.tenantBreaker = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "tenant_breaker_state",
-			Help: "Tenant circuit breakers not closed (open or half-open), by tier.",
-		}, []string{"tier"})
+		metrics.tenantBreaker = tenantBreakerCollector{prometheus.NewDesc(ns+"_"+sub+"_tenant_breaker_state",
+			"Tenant circuit breakers not closed, by the tenant's tier in the running config and state (open, half-open), counted from the breakers at each scrape.",
+			[]string{"tier", "state"}, nil), runningTenants}
 		metrics.saturation = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "upstream_saturation",
 			Help: "The last known value of an upstream's saturation signal scraped from its /metrics: queue_depth and running (requests), kv_usage (ratio 0-1), queue_time (recent queue-wait p99, seconds), ttft (recent server TTFT p95, seconds). No series until the value is known; see saturation_signal_state for whether it is current.",
@@ -451,13 +450,8 @@ func (admissionObserver) Tokens(tenant, tier, kind, source string, n int) {
 }
 
 func (admissionObserver) TenantBreaker(tenant, tier string, tr breaker.Transition) {
-	initMetrics()
-	switch {
-	case tr.From == breaker.Closed:
-		metrics.tenantBreaker.WithLabelValues(tier).Inc()
-	case tr.To == breaker.Closed:
-		metrics.tenantBreaker.WithLabelValues(tier).Dec()
-	}
+	// caddy_llm_proxy_tenant_breaker_state is counted from the breakers
+	// at each scrape (tenantBreakerCollector): here, only the log line.
 	if app := newestApp(); app != nil {
 		level := zapcore.InfoLevel
 		if tr.To == breaker.Open {
