@@ -1,10 +1,15 @@
 package caddymodule
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+	"strings"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 // gateObserver is one gate's admission observer. A gate reports its own
@@ -96,4 +101,59 @@ func runningTenants() (*admission.Controller, []string) {
 		tiers = append(tiers, ti.Name)
 	}
 	return a.tenancy.ctl, tiers
+}
+
+// breakerStateCollector is caddy_llm_proxy_breaker_state{pool,upstream,model}:
+// the state of every breaker of every upstream of every pool of the
+// running configs, read from the breakers at each scrape. A breaker shared
+// by two pools (one upstream in both) has a series in each, so "every
+// upstream of a pool is open" is min by (pool) >= 1; a breaker that is
+// gone, or whose upstream left every running config, has no series.
+type breakerStateCollector struct{ desc *prometheus.Desc }
+
+func (c breakerStateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c breakerStateCollector) Collect(ch chan<- prometheus.Metric) {
+	type key struct{ pool, upstream, model string }
+	seen := map[key]bool{}
+	for _, p := range runningPools() {
+		pool := poolLabel(p.Key())
+		for _, e := range p.Entries() {
+			for model, b := range e.Breakers() {
+				k := key{pool, e.Addr(), model}
+				if seen[k] {
+					continue
+				}
+				seen[k] = true
+				ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(b.State()), k.pool, k.upstream, k.model)
+			}
+		}
+	}
+}
+
+// runningPools returns the pools of every running config, newest config
+// first.
+func runningPools() []*upstream.Pool {
+	current.Lock()
+	defer current.Unlock()
+	var out []*upstream.Pool
+	for i := len(current.apps) - 1; i >= 0; i-- {
+		out = append(out, current.apps[i].pools...)
+	}
+	return out
+}
+
+// poolLabel is the pool label of a pool's key: its sorted dial addresses
+// joined by commas ("fallback <name> " before a fallback's), with a
+// dynamic source's configuration replaced by the first 12 hex digits of
+// its sha256 ("dynamic:3f2a…"), so the label stays short and stable
+// across reloads.
+func poolLabel(key string) string {
+	const dyn = "dynamic:"
+	i := strings.Index(key, dyn)
+	if i < 0 {
+		return key
+	}
+	sum := sha256.Sum256([]byte(key[i+len(dyn):]))
+	return key[:i] + dyn + hex.EncodeToString(sum[:6])
 }

@@ -6,11 +6,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -189,4 +192,81 @@ func TestTenantBreakerStateFollowsAReloadedTier(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestBreakerStateHasAPoolLabel: two pools share an upstream; with every
+// upstream of the first pool open, min by (pool) of breaker_state says so
+// for that pool alone, and a stopped config's pools have no series.
+func TestBreakerStateHasAPoolLabel(t *testing.T) {
+	initMetrics()
+	const a, b, c = "10.20.5.1:8000", "10.20.5.2:8000", "10.20.5.3:8000"
+	s := breaker.Settings{ConsecutiveFailures: 1}
+	newPool := func(addrs ...string) *upstream.Pool {
+		var ts []upstream.Target
+		for _, addr := range addrs {
+			ts = append(ts, upstream.Target{Addr: addr})
+		}
+		p, err := reg.NewPool(upstream.Config{Key: poolKeyOf(upstreamPool(addrs...), nil), Static: ts, Breaker: &s})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Release)
+		return p
+	}
+	p1, p2 := newPool(a, b), newPool(b, c)
+	app := &App{ctx: caddy.Context{Context: context.Background()}, logger: zap.NewNop()}
+	app.adopt(p1)
+	app.adopt(p2)
+	if err := app.Start(); err != nil {
+		t.Fatal(err)
+	}
+	stopped := false
+	t.Cleanup(func() {
+		if !stopped {
+			_ = app.Stop()
+		}
+	})
+	for _, addr := range []string{a, b} {
+		br, _ := reg.Breaker(addr)
+		if br == nil {
+			t.Fatalf("no breaker for %s", addr)
+		}
+		br.ForceOpen(time.Hour, "test")
+	}
+	min := func(pool string) float64 {
+		m := -1.0
+		for _, addr := range []string{a, b, c} {
+			v, found := gathered(t, "caddy_llm_proxy_breaker_state", map[string]string{"pool": pool, "upstream": addr})
+			if found && (m < 0 || v < m) {
+				m = v
+			}
+		}
+		return m
+	}
+	pool1, pool2 := a+","+b, b+","+c
+	if v := min(pool1); v != float64(breaker.Open) {
+		t.Errorf("min breaker_state of pool %s (every upstream open) = %v, want 2", pool1, v)
+	}
+	if v := min(pool2); v != float64(breaker.Closed) {
+		t.Errorf("min breaker_state of pool %s (one upstream closed) = %v, want 0", pool2, v)
+	}
+	if v, found := gathered(t, "caddy_llm_proxy_breaker_state", map[string]string{"pool": pool2, "upstream": b}); !found || v != float64(breaker.Open) {
+		t.Errorf("breaker_state{pool=%s,upstream=%s} = %v (found %v): the shared upstream's breaker, want 2", pool2, b, v, found)
+	}
+	stopped = true
+	if err := app.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, found := gathered(t, "caddy_llm_proxy_breaker_state", map[string]string{"upstream": a}); found {
+		t.Error("a stopped config's pool still has breaker_state series")
+	}
+}
+
+// upstreamPool is a Caddy upstream list of addrs.
+func upstreamPool(addrs ...string) reverseproxy.UpstreamPool {
+	var out reverseproxy.UpstreamPool
+	for _, a := range addrs {
+		out = append(out, &reverseproxy.Upstream{Dial: a})
+	}
+	return out
 }

@@ -101,7 +101,7 @@ func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
 	if got := testutil.ToFloat64(metrics.breakerTransitions.WithLabelValues(addr, "closed", "open")) - before; got != 1 {
 		t.Fatalf("transitions_total grew by %v", got)
 	}
-	if v := testutil.ToFloat64(metrics.breakerState.WithLabelValues(addr, "")); v != float64(breaker.Open) {
+	if v, _ := gathered(t, "caddy_llm_proxy_breaker_state", map[string]string{"pool": t.Name(), "upstream": addr, "model": ""}); v != float64(breaker.Open) {
 		t.Fatalf("breaker_state = %v, want %d (open)", v, breaker.Open)
 	}
 }

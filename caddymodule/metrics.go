@@ -26,7 +26,7 @@ var metrics = struct {
 	streamDuration *prometheus.HistogramVec
 	eventsRelayed  prometheus.Counter
 
-	breakerState       *prometheus.GaugeVec
+	breakerState       prometheus.Collector
 	breakerTransitions *prometheus.CounterVec
 	shortCircuited     *prometheus.CounterVec
 
@@ -96,10 +96,9 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "events_relayed_total",
 			Help: "SSE events written to clients.",
 		})
-		metrics.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "breaker_state",
-			Help: "Circuit breaker state per upstream (and model with scope model): 0 closed, 1 half-open, 2 open.",
-		}, []string{"upstream", "model"})
+		metrics.breakerState = breakerStateCollector{prometheus.NewDesc(ns+"_"+sub+"_breaker_state",
+			"Circuit breaker state per pool, upstream (and model with scope model), read from the breakers at each scrape: 0 closed, 1 half-open, 2 open.",
+			[]string{"pool", "upstream", "model"}, nil)}
 		metrics.breakerTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "breaker_transitions_total",
 			Help: "Circuit breaker state changes, by upstream, from and to state.",
@@ -287,19 +286,11 @@ func (o requestObserver) RequestDone(r *proxy.Result) {
 // the newest running config's logger and events app.
 type upstreamObserver struct{}
 
-// breakerModelLabel is the "model" label of breaker metrics: empty for
-// per-upstream breakers, the model key under scope model.
-func breakerModelLabel(key string) string { return key }
+// BreakerCreated and BreakerGone need nothing: breaker_state is read from
+// the pools' breakers at each scrape (breakerStateCollector).
+func (upstreamObserver) BreakerCreated(string, string) {}
 
-func (upstreamObserver) BreakerCreated(addr, key string) {
-	initMetrics()
-	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(0)
-}
-
-func (upstreamObserver) BreakerGone(addr, key string) {
-	initMetrics()
-	metrics.breakerState.DeleteLabelValues(addr, breakerModelLabel(key))
-}
+func (upstreamObserver) BreakerGone(string, string) {}
 
 func (upstreamObserver) ShortCircuited(addr string) {
 	metrics.shortCircuited.WithLabelValues(addr).Inc()
@@ -315,7 +306,6 @@ func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
 
 func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transition) {
 	initMetrics()
-	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(float64(tr.To))
 	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
 	if tr.To == breaker.Closed {
 		// Asynchronously: this runs under the upstream entry's lock.

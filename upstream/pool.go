@@ -356,6 +356,14 @@ func (p *Pool) BreakerState(addr, model string) string {
 // Registry returns the registry the pool belongs to.
 func (p *Pool) Registry() *Registry { return p.reg }
 
+// Key returns the pool's identity, Config.Key.
+func (p *Pool) Key() string { return p.cfg.Key }
+
+// Entries returns the entries of the upstreams the pool holds now: its
+// static upstreams, or the dynamic ones its source returned (and those it
+// remembers from before a reload). Do not modify them.
+func (p *Pool) Entries() []*Entry { return p.entries() }
+
 // ClosedUpstreams returns how many of the pool's known upstreams are
 // healthy: their per-upstream breaker closed, or under scope model at least
 // one of their model breakers closed (all of them when breakers are off),
