@@ -214,16 +214,20 @@ func probeLeaseCounted(result string) {
 // registerMetrics adds the collectors to a config's registry.
 func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
-	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
-		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
-		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
+	for _, c := range []prometheus.Collector{metrics.eventsRelayed, metrics.breakerState,
+		metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay,
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
-		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors,
 		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases,
-		degradedTotal, tierObjectives, interEventGap} {
+		degradedTotal, tierObjectives} {
 		if err := register(reg, c); err != nil {
 			return err
 		}
+	}
+	// The per-upstream series go when their upstream leaves (series.go).
+	if err := register(reg, perUpstream(metrics.requests, metrics.attempts, metrics.ttft, metrics.streamDuration,
+		interEventGap, metrics.breakerTransitions, metrics.shortCircuited, metrics.retries, metrics.staleConns,
+		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors)...); err != nil {
+		return err
 	}
 	return register(reg, bodyMemory...)
 }

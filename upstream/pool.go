@@ -317,15 +317,34 @@ func (p *Pool) sweep(now int64, current []*member) {
 	p.dynamic.Range(func(k, v any) bool {
 		m := v.(*member)
 		if now-m.lastSeen.Load() > int64(dynamicTTL) || (over && !slices.Contains(current, m)) {
-			p.dynamic.Delete(k)
-			p.nDynamic.Add(-1)
-			if p.mem != nil {
-				p.mem.forget(m.t.Addr)
-			}
-			registry.Drop(&p.claims, p.reg.entries, m.t.Addr)
+			p.forget(m)
 		}
 		return true
 	})
+}
+
+// ForgetUnseen forgets the dynamic upstreams that the pool's source has not
+// returned since t, and releases their entries, as the sweep does for those
+// unseen for dynamicTTL (1 minute); for tests that cannot wait that long.
+func (p *Pool) ForgetUnseen(t time.Time) {
+	p.dynamic.Range(func(_, v any) bool {
+		if m := v.(*member); m.lastSeen.Load() < t.UnixNano() {
+			p.forget(m)
+		}
+		return true
+	})
+}
+
+// forget drops a dynamic member and the pool's reference to its entry.
+func (p *Pool) forget(m *member) {
+	if !p.dynamic.CompareAndDelete(m.t.Addr, m) {
+		return
+	}
+	p.nDynamic.Add(-1)
+	if p.mem != nil {
+		p.mem.forget(m.t.Addr)
+	}
+	registry.Drop(&p.claims, p.reg.entries, m.t.Addr)
 }
 
 // breakerKey is the model part of a breaker's key for a request's model.
