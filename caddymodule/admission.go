@@ -85,9 +85,6 @@ func (s *sharedGate) apply(c *gateCapacity) {
 	s.g.SetQueue(c.queue)
 }
 
-// gates holds the shared gates by pool identity.
-var gates = registry.NewTable[*sharedGate](nil)
-
 // gate takes the handler's reference to its pool's shared gate and returns
 // it with the capacity this config will apply when it starts: a gate
 // whenever capacity or tenants are configured (the gate counts admission
@@ -102,7 +99,7 @@ func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *u
 	if ac != nil {
 		want.fixed, want.perUpstream, want.queue = ac.Capacity, ac.PerUpstream, ac.Queue
 	}
-	sg, err := gates.Acquire(claims, poolKey, func() (*sharedGate, error) {
+	sg, err := shared.gates.Acquire(claims, poolKey, func() (*sharedGate, error) {
 		sg := new(sharedGate)
 		// A new gate is not live yet: its capacity applies now.
 		sg.cap.Store(want)
@@ -118,7 +115,7 @@ func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *u
 // cleared the saturation signal): waiting requests are admitted now rather
 // than at the next release.
 func capacityChanged() {
-	_, gs := gates.Snapshot()
+	_, gs := shared.gates.Snapshot()
 	for _, g := range gs {
 		g.g.Saturated()
 	}

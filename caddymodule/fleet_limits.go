@@ -2,8 +2,6 @@ package caddymodule
 
 import (
 	"context"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
@@ -20,11 +18,6 @@ type fleetLimits struct {
 	slot  *fleetSlot
 	share int // expected_instances
 	local *admission.LocalLimits
-
-	// l is the fleet store of the slot's connection once it is open (a
-	// config opens one connection, once).
-	l  atomic.Pointer[fleet.Limits]
-	mu sync.Mutex
 }
 
 func newFleetLimits(slot *fleetSlot, cfg fleet.Config) *fleetLimits {
@@ -33,23 +26,7 @@ func newFleetLimits(slot *fleetSlot, cfg fleet.Config) *fleetLimits {
 
 // limits returns the fleet store of the config's connection, nil before it
 // is open.
-func (f *fleetLimits) limits() *fleet.Limits {
-	if l := f.l.Load(); l != nil {
-		return l
-	}
-	c := f.slot.Load()
-	if c == nil {
-		return nil
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if l := f.l.Load(); l != nil {
-		return l
-	}
-	l := limitsFor(c)
-	f.l.Store(l)
-	return l
-}
+func (f *fleetLimits) limits() *fleet.Limits { return f.slot.limits.Load() }
 
 // Reserve implements admission.LimitStore.
 func (f *fleetLimits) Reserve(q *admission.Quota, h *admission.Hold) admission.Decision {
@@ -62,7 +39,7 @@ func (f *fleetLimits) Reserve(q *admission.Quota, h *admission.Hold) admission.D
 // Settle implements admission.LimitStore: a hold the fleet store took
 // carries its Ref; one of the local store's does not.
 func (f *fleetLimits) Settle(h *admission.Hold, used int64) {
-	if l := f.l.Load(); l != nil && h.Ref != nil {
+	if l := f.limits(); l != nil && h.Ref != nil {
 		l.Settle(h, used)
 		return
 	}
@@ -71,44 +48,11 @@ func (f *fleetLimits) Settle(h *admission.Hold, used int64) {
 
 // Cancel implements admission.LimitStore.
 func (f *fleetLimits) Cancel(h *admission.Hold) {
-	if l := f.l.Load(); l != nil && h.Ref != nil {
+	if l := f.limits(); l != nil && h.Ref != nil {
 		l.Cancel(h)
 		return
 	}
 	f.local.Cancel(h)
-}
-
-// fleetLimitStores holds one fleet.Limits per open connection, dropped
-// when its connection closes (the store stops with it).
-var fleetLimitStores struct {
-	sync.Mutex
-	m map[*fleet.Client]*fleet.Limits
-}
-
-// limitsFor returns the fleet limit store of connection c, creating it.
-func limitsFor(c *fleet.Client) *fleet.Limits {
-	fleetLimitStores.Lock()
-	defer fleetLimitStores.Unlock()
-	if l := fleetLimitStores.m[c]; l != nil {
-		return l
-	}
-	l, err := fleet.NewLimits(c, fleet.LimitsConfig{})
-	if err != nil {
-		panic(err) // the defaults are valid
-	}
-	if fleetLimitStores.m == nil {
-		fleetLimitStores.m = make(map[*fleet.Client]*fleet.Limits)
-	}
-	fleetLimitStores.m[c] = l
-	go func() {
-		<-l.Done()
-		fleetLimitStores.Lock()
-		if fleetLimitStores.m[c] == l {
-			delete(fleetLimitStores.m, c)
-		}
-		fleetLimitStores.Unlock()
-	}()
-	return l
 }
 
 // liveLimitStore is the fleet limit store the controller uses now, nil in
@@ -119,7 +63,7 @@ func liveLimitStore() *fleet.Limits {
 		return nil
 	}
 	if f, ok := ctl.LimitStore().(*fleetLimits); ok {
-		return f.l.Load()
+		return f.limits()
 	}
 	return nil
 }

@@ -134,11 +134,11 @@ func (c breakerStateCollector) Collect(ch chan<- prometheus.Metric) {
 // runningPools returns the pools of every running config, newest config
 // first.
 func runningPools() []*upstream.Pool {
-	current.Lock()
-	defer current.Unlock()
+	shared.running.Lock()
+	defer shared.running.Unlock()
 	var out []*upstream.Pool
-	for i := len(current.apps) - 1; i >= 0; i-- {
-		out = append(out, current.apps[i].pools...)
+	for i := len(shared.running.apps) - 1; i >= 0; i-- {
+		out = append(out, shared.running.apps[i].pools...)
 	}
 	return out
 }

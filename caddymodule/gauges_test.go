@@ -22,7 +22,7 @@ import (
 // as a handler (or a fallback) of its own gets it.
 func testGate(t *testing.T, key, addr string) *admission.Gate {
 	t.Helper()
-	pool, err := reg.NewPool(upstream.Config{Key: key, Static: []upstream.Target{{Addr: addr}}})
+	pool, err := shared.upstreams.NewPool(upstream.Config{Key: key, Static: []upstream.Target{{Addr: addr}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,6 +143,8 @@ func TestTenantBreakerStateFollowsAReloadedTier(t *testing.T) {
 		a := &App{Tenants: &TenantsConfig{Keys: []TenantKey{{SHA256: strings.Repeat("cd", 32), Tenant: tenant}}},
 			Tiers:           []TierConfig{{Name: "default"}, {Name: "free", Breaker: &BreakerConfig{}}, {Name: "gold", Breaker: &BreakerConfig{}}},
 			TenantOverrides: []TenantOverride{{ID: tenant, Tier: tier}}}
+		a.claims = new(registry.Claims)
+		t.Cleanup(func() { _ = a.Cleanup() })
 		tn, err := newTenancy(a)
 		if err != nil {
 			t.Fatal(err)
@@ -206,7 +208,7 @@ func TestBreakerStateHasAPoolLabel(t *testing.T) {
 		for _, addr := range addrs {
 			ts = append(ts, upstream.Target{Addr: addr})
 		}
-		p, err := reg.NewPool(upstream.Config{Key: poolKeyOf(upstreamPool(addrs...), nil), Static: ts, Breaker: &s})
+		p, err := shared.upstreams.NewPool(upstream.Config{Key: poolKeyOf(upstreamPool(addrs...), nil), Static: ts, Breaker: &s})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -227,7 +229,7 @@ func TestBreakerStateHasAPoolLabel(t *testing.T) {
 		}
 	})
 	for _, addr := range []string{a, b} {
-		br, _ := reg.Breaker(addr)
+		br, _ := shared.upstreams.Breaker(addr)
 		if br == nil {
 			t.Fatalf("no breaker for %s", addr)
 		}

@@ -3,7 +3,6 @@ package caddymodule
 import (
 	"errors"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -412,11 +411,8 @@ func (upstreamObserver) ScraperGone(addr string) {
 // tenant label is the tenant id, and only with metrics_tenant_label.
 type admissionObserver struct{}
 
-// tenantLabels is metrics_tenant_label of the newest started config.
-var tenantLabels atomic.Bool
-
 func tenantLabel(tenant string) string {
-	if tenantLabels.Load() {
+	if shared.tenantLabels.Load() {
 		return tenant
 	}
 	return ""

@@ -100,14 +100,11 @@ func upstreamOf(m prometheus.Metric) string {
 	return ""
 }
 
-// life is the process's seriesLife, over the process-wide registry.
-var life = &seriesLife{entries: func() []*upstream.Entry { return reg.Entries() }}
-
 // perUpstream wraps the per-upstream vectors for registration.
 func perUpstream(vecs ...upstreamVec) []prometheus.Collector {
 	out := make([]prometheus.Collector, len(vecs))
 	for i, v := range vecs {
-		out[i] = upstreamSeries{vec: v, life: life}
+		out[i] = upstreamSeries{vec: v, life: &shared.series}
 	}
 	return out
 }

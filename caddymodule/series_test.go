@@ -19,7 +19,7 @@ import (
 // observer, as the lifecycle does: an attempt with a TTFT, a retry, and
 // the request.
 func served(addr string) {
-	o := requestObserver{models: reg.Models}
+	o := requestObserver{models: shared.upstreams.Models}
 	o.AttemptDone(&proxy.AttemptReport{Upstream: addr, Outcome: proxy.AttemptSuccess, TTFT: 20 * time.Millisecond})
 	o.Retry(addr, proxy.AttemptHTTP5xx)
 	o.RequestDone(&proxy.Result{Upstream: addr, Outcome: proxy.OutcomeSuccess, Status: 200, Streamed: true, Duration: time.Second})
@@ -69,7 +69,7 @@ func pickFrom(t *testing.T, p *upstream.Pool, tried ...string) proxy.Upstream {
 func TestSeriesOfAnUpstreamRemovedByAReloadGo(t *testing.T) {
 	initMetrics()
 	const x, y = "10.20.7.1:8000", "10.20.7.2:8000"
-	old, err := reg.NewPool(upstream.Config{Key: t.Name() + "-old", Static: []upstream.Target{{Addr: x}, {Addr: y}}})
+	old, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name() + "-old", Static: []upstream.Target{{Addr: x}, {Addr: y}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -81,7 +81,7 @@ func TestSeriesOfAnUpstreamRemovedByAReloadGo(t *testing.T) {
 	}
 	running := pickFrom(t, old, x) // a stream to y, still running across the reload
 
-	next, err := reg.NewPool(upstream.Config{Key: t.Name() + "-new", Static: []upstream.Target{{Addr: x}}})
+	next, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name() + "-new", Static: []upstream.Target{{Addr: x}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +92,7 @@ func TestSeriesOfAnUpstreamRemovedByAReloadGo(t *testing.T) {
 		t.Fatal(err)
 	}
 	old.Release()
-	if _, ok := reg.Entry(y); ok {
+	if _, ok := shared.upstreams.Entry(y); ok {
 		t.Fatalf("%s is still in the registry after the reload that dropped it", y)
 	}
 	if got := seriesOf(t, y); len(got) != len(perUpstreamFamilies) {
@@ -118,7 +118,7 @@ func TestSeriesOfAnUpstreamADynamicSourceDroppedGo(t *testing.T) {
 	src := func(*http.Request) ([]upstream.Target, error) {
 		return []upstream.Target{{Addr: current.Load().(string)}}, nil
 	}
-	p, err := reg.NewPool(upstream.Config{Key: "dynamic:" + t.Name(), Source: src})
+	p, err := shared.upstreams.NewPool(upstream.Config{Key: "dynamic:" + t.Name(), Source: src})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,7 +135,7 @@ func TestSeriesOfAnUpstreamADynamicSourceDroppedGo(t *testing.T) {
 	pickFrom(t, p).Done(&proxy.AttemptReport{Upstream: d2, Outcome: proxy.AttemptSuccess})
 	served(d2)
 	p.ForgetUnseen(dropped) // as the sweep does a minute later
-	if _, ok := reg.Entry(d1); ok {
+	if _, ok := shared.upstreams.Entry(d1); ok {
 		t.Fatalf("%s is still in the registry after the pool forgot it", d1)
 	}
 	if got := seriesOf(t, d1); len(got) != 0 {
