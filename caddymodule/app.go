@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 
+	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -161,14 +162,14 @@ func (a *App) Cleanup() error {
 	return nil
 }
 
-// adoptedGate is a shared gate with the capacity this config gives it.
+// adoptedGate is a shared gate with the settings this config gives it.
 type adoptedGate struct {
-	g    *sharedGate
-	want *gateCapacity
+	g    *admission.Gate
+	want *admission.GateSettings
 }
 
 // adoptGate records a gate whose capacity this config sets when it starts.
-func (a *App) adoptGate(g *sharedGate, want *gateCapacity) {
+func (a *App) adoptGate(g *admission.Gate, want *admission.GateSettings) {
 	a.gates = append(a.gates, adoptedGate{g, want})
 }
 
@@ -204,7 +205,7 @@ func (a *App) Start() error {
 		p.Activate()
 	}
 	for _, g := range a.gates {
-		g.g.apply(g.want)
+		g.g.SetSettings(*g.want)
 	}
 	return nil
 }
@@ -233,7 +234,7 @@ func (a *App) Stop() error {
 	// start, the old one).
 	if prev := newestApp(); prev != nil {
 		for _, g := range prev.gates {
-			g.g.apply(g.want)
+			g.g.SetSettings(*g.want)
 		}
 		if a.tenancy != nil && prev.tenancy != nil {
 			return prev.tenancy.start()

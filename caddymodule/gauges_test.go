@@ -32,7 +32,7 @@ func testGate(t *testing.T, key, addr string) *admission.Gate {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return sg.g
+	return sg
 }
 
 // TestTierGaugesSumOverEveryGate: two handlers (two pools, two gates) serve

@@ -328,9 +328,7 @@ func TestPoolSignalKeepsTheGateAllocationFree(t *testing.T) {
 	startedApp(t, caddy.Context{Context: context.Background()}, nil, pool)
 	waitFor(t, "the pool signal", pool.Saturated)
 
-	sg := &sharedGate{}
-	sg.cap.Store(&gateCapacity{pool: pool})
-	g := admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Saturated: sg.saturated}, admission.SystemClock{}, nil)
+	g := admission.NewPoolGate(admission.GateSettings{Pool: pool}, nil, admission.SystemClock{}, nil)
 	if !g.Saturated() {
 		t.Fatal("the gate does not see the pool signal")
 	}
