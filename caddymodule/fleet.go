@@ -136,7 +136,7 @@ func (a *App) startFleet() error {
 	}
 	a.fleet.breakers.Store(bs)
 	// The tenants' limits are counted in Redis through the connection's
-	// limit store (fleetLimits reads it from the slot).
+	// limit store (the tenancy's fleet.FailOpenLimits reads it from the slot).
 	l, err := shared.fleetLimits.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Limits, error) {
 		return fleet.NewLimits(c, fleet.LimitsConfig{})
 	}, nil)
