@@ -2,8 +2,10 @@ package caddymodule
 
 import (
 	"errors"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -65,13 +67,33 @@ func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *u
 	return g, want, err
 }
 
-// capacityChanged re-checks every gate's capacity and pool signal (a
-// breaker closed, so a per_upstream capacity grew; a scrape may have
-// cleared the saturation signal): waiting requests are admitted now rather
-// than at the next release.
-func capacityChanged() {
+// gatePump is the upstream registry's observer: the metrics and logs of
+// upstreamObserver, and the pump of the gates when their capacity or pool
+// signal may have changed (a breaker closed, so a per_upstream capacity
+// grew; a scrape may have cleared the saturation signal): waiting requests
+// are admitted now rather than at the next release.
+type gatePump struct{ upstreamObserver }
+
+// BreakerTransition pumps the gates when a breaker closes, asynchronously:
+// it runs under the upstream entry's lock.
+func (p gatePump) BreakerTransition(addr, key string, tr breaker.Transition) {
+	p.upstreamObserver.BreakerTransition(addr, key, tr)
+	if tr.To == breaker.Closed {
+		go pumpGates()
+	}
+}
+
+// Scraped pumps the gates after each scrape (on the entry's scrape loop,
+// outside its lock).
+func (p gatePump) Scraped(addr string, took time.Duration, err error) {
+	p.upstreamObserver.Scraped(addr, took, err)
+	pumpGates()
+}
+
+// pumpGates pumps every gate of the registry.
+func pumpGates() {
 	_, gs := shared.gates.Snapshot()
 	for _, g := range gs {
-		g.Saturated()
+		g.Pump()
 	}
 }

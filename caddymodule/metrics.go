@@ -310,10 +310,6 @@ func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
 func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transition) {
 	initMetrics()
 	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
-	if tr.To == breaker.Closed {
-		// Asynchronously: this runs under the upstream entry's lock.
-		go capacityChanged()
-	}
 	app := newestApp()
 	if app == nil {
 		return
@@ -349,9 +345,8 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 	}
 }
 
-// Scraped records one scrape and pumps the gates: the pool signal may have
-// cleared, and queued requests are admitted now rather than at the next
-// release. It runs on the entry's scrape loop, outside its lock.
+// Scraped records one scrape. It runs on the entry's scrape loop, outside
+// its lock.
 func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
 	initMetrics()
 	metrics.scrapeDuration.WithLabelValues(addr).Observe(took.Seconds())
@@ -359,7 +354,6 @@ func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
 	if err != nil {
 		errs.Inc()
 	}
-	capacityChanged()
 }
 
 // SignalUpdated sets a signal's gauges and logs a change of its state once:

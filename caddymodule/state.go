@@ -59,7 +59,7 @@ type sharedState struct {
 
 func newSharedState() *sharedState {
 	s := &sharedState{
-		upstreams:     upstream.NewRegistry(upstreamObserver{}),
+		upstreams:     upstream.NewRegistry(gatePump{}),
 		gates:         registry.NewTable[*admission.Gate](nil),
 		bodies:        registry.NewTable[*proxy.BodyBudget](nil),
 		tenants:       registry.NewTable[*admission.Controller](nil),
