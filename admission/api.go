@@ -417,6 +417,12 @@ func (g *Gate) Acquire(ctx context.Context, tenant string, tier Tier) (release f
 // for which capacity has grown or the signal has cleared.
 func (g *Gate) Saturated() bool { return g.saturated() }
 
+// Pump admits the queued requests for which a slot is free now: call it
+// when the capacity may have grown or the pool signal cleared without an
+// Acquire, release or queue timeout (the pool's breakers closed, a scrape
+// showed its queues drained).
+func (g *Gate) Pump() { g.saturated() }
+
 // TenantView is one tenant's state for the admin API (no keys).
 type TenantView struct {
 	Tenant   string `json:"tenant"`

@@ -21,6 +21,8 @@ type gateState struct {
 	ctl           *Controller
 	clock         Clock
 	obs           Observer
+	// settings are a pool gate's (NewPoolGate), nil for others.
+	settings *poolGate
 
 	mu       sync.Mutex
 	inflight int

@@ -140,7 +140,10 @@ func (b *Breaker) Close() {
 //     half-open breaker that TripObserved opened stays observed. The
 //     listener sees the transition as usual.
 //   - Open: the cooldown end moves out to `until` if that is later (zero:
-//     open until closed); it is no longer a local trip.
+//     open until closed); a local trip (its own rules, not published)
+//     takes `until` as its cooldown end even when it is earlier, so that
+//     the gateway whose failures opened the key fleet-wide ends its
+//     cooldown with the others. It is no longer a local trip.
 //
 // A non-zero `until` that is not after now does nothing. Adopt never calls
 // the store (no echo between gateways). It never waits for the breaker's
@@ -242,11 +245,18 @@ func (b *Breaker) adoptLocked(now, until time.Time, reason string) {
 	case HalfOpen:
 		b.openLocked(now, until, false, b.observed.Load(), reason)
 	case Open:
+		wasLocal := b.local
 		b.local = false
 		switch {
 		case b.forever:
 		case forever:
 			b.forced, b.forever = true, true
+			b.setGateLocked()
+		case wasLocal:
+			// A local trip's own (jittered) cooldown gives way to the
+			// fleet's verdict, earlier or later: every gateway's breaker
+			// of the key then ends its cooldown at the same time.
+			b.openUntil, b.minOpenUntil, b.useMinOpen = until, b.openedAt, false
 			b.setGateLocked()
 		case until.After(b.gateTimeLocked()):
 			b.openUntil = until

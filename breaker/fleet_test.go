@@ -66,6 +66,20 @@ func TestAdopt(t *testing.T) {
 			t.Fatalf("%d transitions, want 1", n)
 		}
 	})
+	t.Run("a local trip takes the fleet's end, even an earlier one", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Minute}, breaker.WithStore(st))
+		f.fail(3)
+		if snap := f.b.Snapshot(); snap.State != breaker.Open || !snap.Local {
+			t.Fatalf("after its own rules tripped: %+v", snap)
+		}
+		f.b.Adopt(f.clk.Now().Add(20*time.Second), "fleet: 3 consecutive failures")
+		if d := f.openFor(); d != 20*time.Second {
+			t.Fatalf("open for %s, want the fleet's 20s (its own cooldown of 1m and MinOpen give way)", d)
+		}
+		if f.b.Snapshot().Local {
+			t.Fatal("still a local trip")
+		}
+	})
 	t.Run("zero means until closed", func(t *testing.T) {
 		f := newFixture(t, breaker.Settings{}, breaker.WithStore(st))
 		f.b.Adopt(time.Time{}, "forced open: drain")

@@ -107,7 +107,7 @@ func (adminAPI) saturation(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
-	views := reg.Saturation(time.Now())
+	views := shared.upstreams.Saturation(time.Now())
 	addr, one := strings.CutPrefix(r.URL.Path, "/llm_proxy/saturation/")
 	if !one {
 		if views == nil {
@@ -127,7 +127,7 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
-	views := reg.Breakers()
+	views := shared.upstreams.Breakers()
 	if views == nil {
 		views = []upstream.BreakerView{}
 	}
@@ -139,10 +139,11 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 	return json.NewEncoder(w).Encode(views)
 }
 
+// liveController is the tenant controller while a config with tenants
+// holds it, nil otherwise.
 func liveController() *admission.Controller {
-	controller.Lock()
-	defer controller.Unlock()
-	return controller.ctl
+	ctl, _ := shared.tenants.Peek("")
+	return ctl
 }
 
 func writeJSON(w http.ResponseWriter, v any) error {
@@ -232,7 +233,7 @@ func control(b *breaker.Breaker, action string, r *http.Request) error {
 func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
 	if r.Method == http.MethodGet {
-		b, e := reg.Breaker(rest)
+		b, e := shared.upstreams.Breaker(rest)
 		if b == nil {
 			if i := strings.LastIndex(rest, "/"); i > 0 && breakerExists(rest[:i]) {
 				return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("use POST for %s", rest[i+1:])}
@@ -250,7 +251,7 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_proxy/breakers/<key>/open|close|reset")}
 	}
 	key, action := rest[:i], rest[i+1:]
-	b, e := reg.Breaker(key)
+	b, e := shared.upstreams.Breaker(key)
 	if b == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
 	}
@@ -262,7 +263,7 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 }
 
 func breakerExists(key string) bool {
-	b, _ := reg.Breaker(key)
+	b, _ := shared.upstreams.Breaker(key)
 	return b != nil
 }
 

@@ -2,9 +2,10 @@ package caddymodule
 
 import (
 	"errors"
-	"sync/atomic"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -43,83 +44,56 @@ func (ac *AdmissionConfig) validate() error {
 	return nil
 }
 
-// sharedGate is a pool's gate, kept across reloads by the pool's identity
-// (its upstream set): the requests in flight and queued through the old
-// config's handler still count against the new one's capacity. The newest
-// started config's capacity and queue apply.
-type sharedGate struct {
-	g   *admission.Gate
-	cap atomic.Pointer[gateCapacity]
-}
-
-// gateCapacity is one config's capacity setting for a shared gate.
-type gateCapacity struct {
-	fixed, perUpstream, queue int
-	pool                      *upstream.Pool
-}
-
-// capacity is the gate's capacity now; 0 is unlimited.
-func (s *sharedGate) capacity() int {
-	c := s.cap.Load()
-	if c == nil {
-		return 0
-	}
-	healthy := 0
-	if c.perUpstream > 0 {
-		healthy = c.pool.ClosedUpstreams()
-	}
-	return admission.PoolCapacity(c.fixed, c.perUpstream, healthy)
-}
-
-// saturated is the pool signal of the newest started config's pool
-// (false when that pool has no saturation configured): admission treats a
-// saturated pool like a full capacity.
-func (s *sharedGate) saturated() bool {
-	c := s.cap.Load()
-	return c != nil && c.pool.Saturated()
-}
-
-// apply makes c the gate's capacity (the config starts).
-func (s *sharedGate) apply(c *gateCapacity) {
-	s.cap.Store(c)
-	s.g.SetQueue(c.queue)
-}
-
-// gates holds the shared gates by pool identity.
-var gates = registry.NewTable[*sharedGate](nil)
-
-// gate takes the handler's reference to its pool's shared gate and returns
-// it with the capacity this config will apply when it starts: a gate
-// whenever capacity or tenants are configured (the gate counts admission
-// decisions) or need is set (the degradation ladder reads the pool's
-// saturation from it), nil otherwise.
-func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller, need bool) (*sharedGate, *gateCapacity, error) {
+// gate takes the handler's reference to its pool's gate (shared.gates, by
+// pool identity: kept across reloads, so the requests in flight and queued
+// through the old config's handler count against the new one's capacity)
+// and returns it with the settings this config will apply when it starts:
+// a gate whenever capacity or tenants are configured (the gate counts
+// admission decisions) or need is set (the degradation ladder reads the
+// pool's saturation from it), nil otherwise.
+func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller, need bool) (*admission.Gate, *admission.GateSettings, error) {
 	hasCapacity := ac != nil && (ac.Capacity > 0 || ac.PerUpstream > 0)
 	if !hasCapacity && ctl == nil && !need {
 		return nil, nil, nil
 	}
-	want := &gateCapacity{pool: pool}
+	want := &admission.GateSettings{Pool: pool}
 	if ac != nil {
-		want.fixed, want.perUpstream, want.queue = ac.Capacity, ac.PerUpstream, ac.Queue
+		want.Capacity, want.PerUpstream, want.Queue = ac.Capacity, ac.PerUpstream, ac.Queue
 	}
-	sg, err := gates.Acquire(claims, poolKey, func() (*sharedGate, error) {
-		sg := new(sharedGate)
-		// A new gate is not live yet: its capacity applies now.
-		sg.cap.Store(want)
-		sg.g = admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Saturated: sg.saturated, Queue: want.queue, Controller: ctl},
-			admission.SystemClock{}, admissionObserver{})
-		return sg, nil
+	g, err := shared.gates.Acquire(claims, poolKey, func() (*admission.Gate, error) {
+		// A new gate is not live yet: its settings apply now.
+		return admission.NewPoolGate(*want, ctl, admission.SystemClock{}, newGateObserver()), nil
 	}, nil)
-	return sg, want, err
+	return g, want, err
 }
 
-// capacityChanged re-checks every gate's capacity and pool signal (a
-// breaker closed, so a per_upstream capacity grew; a scrape may have
-// cleared the saturation signal): waiting requests are admitted now rather
-// than at the next release.
-func capacityChanged() {
-	_, gs := gates.Snapshot()
+// gatePump is the upstream registry's observer: the metrics and logs of
+// upstreamObserver, and the pump of the gates when their capacity or pool
+// signal may have changed (a breaker closed, so a per_upstream capacity
+// grew; a scrape may have cleared the saturation signal): waiting requests
+// are admitted now rather than at the next release.
+type gatePump struct{ upstreamObserver }
+
+// BreakerTransition pumps the gates when a breaker closes, asynchronously:
+// it runs under the upstream entry's lock.
+func (p gatePump) BreakerTransition(addr, key string, tr breaker.Transition) {
+	p.upstreamObserver.BreakerTransition(addr, key, tr)
+	if tr.To == breaker.Closed {
+		go pumpGates()
+	}
+}
+
+// Scraped pumps the gates after each scrape (on the entry's scrape loop,
+// outside its lock).
+func (p gatePump) Scraped(addr string, took time.Duration, err error) {
+	p.upstreamObserver.Scraped(addr, took, err)
+	pumpGates()
+}
+
+// pumpGates pumps every gate of the registry.
+func pumpGates() {
+	_, gs := shared.gates.Snapshot()
 	for _, g := range gs {
-		g.g.Saturated()
+		g.Pump()
 	}
 }

@@ -2,12 +2,14 @@ package caddymodule
 
 import (
 	"fmt"
+	"strconv"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 
+	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -78,6 +80,10 @@ type App struct {
 	fleet       *fleetSlot
 	fleetClaims *registry.Claims
 
+	// claims are the config's references to shared state that lives from
+	// Provision to Cleanup (its body budget, the tenant controller).
+	claims *registry.Claims
+
 	pools  []*upstream.Pool
 	gates  []adoptedGate
 	logger *zap.Logger
@@ -93,15 +99,12 @@ func (App) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// reg is the process-wide registry of upstream entries and pool state: it
-// outlives every config, which is what keeps state across reloads.
-var reg = upstream.NewRegistry(upstreamObserver{})
-
 // Provision loads the events app, to which breaker transitions are
 // emitted, and checks the tenants and the fleet settings. It connects to
 // nothing: a config that fails to load must not touch live state.
 func (a *App) Provision(ctx caddy.Context) error {
 	a.ctx, a.logger = ctx, ctx.Logger()
+	a.claims = new(registry.Claims)
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
 	}
@@ -112,7 +115,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		}
 		a.fleetCfg, a.fleet = cfg, new(fleetSlot)
 	}
-	bodies, err := bodyBudgetFor(a.MaxBufferedBodies)
+	bodies, err := bodyBudgetFor(a.claims, a.MaxBufferedBodies)
 	if err != nil {
 		return err
 	}
@@ -130,42 +133,43 @@ func (a *App) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-func (a *App) registry() *upstream.Registry { return reg }
+func (a *App) registry() *upstream.Registry { return shared.upstreams }
 
-// bodyBudgets holds the process's body budgets by size: a reload that
-// keeps max_buffered_bodies keeps the budget, with the charges of the
-// requests still running; a new size starts a new budget while the old
-// one's requests finish.
-var bodyBudgets sync.Map // int64 → *proxy.BodyBudget
-
-// bodyBudgetFor returns the process-wide body budget of size bytes (0:
-// proxy.DefaultMaxBufferedBodies).
-func bodyBudgetFor(size int64) (*proxy.BodyBudget, error) {
+// bodyBudgetFor takes claims' reference to the shared body budget of size
+// bytes (0: proxy.DefaultMaxBufferedBodies): a reload that keeps
+// max_buffered_bodies keeps the budget, with the charges of the requests
+// still running; a new size starts a new budget while the old one's
+// requests finish, and the old one goes with the last config of its size.
+func bodyBudgetFor(claims *registry.Claims, size int64) (*proxy.BodyBudget, error) {
 	if size < 0 {
 		return nil, fmt.Errorf("llm_proxy: negative max_buffered_bodies %d", size)
 	}
 	if size == 0 {
 		size = proxy.DefaultMaxBufferedBodies
 	}
-	if b, ok := bodyBudgets.Load(size); ok {
-		return b.(*proxy.BodyBudget), nil
-	}
-	b, err := proxy.NewBodyBudget(size, proxy.DefaultBodyBudgetWait)
-	if err != nil {
-		return nil, err
-	}
-	got, _ := bodyBudgets.LoadOrStore(size, b)
-	return got.(*proxy.BodyBudget), nil
+	return shared.bodies.Acquire(claims, strconv.FormatInt(size, 10), func() (*proxy.BodyBudget, error) {
+		return proxy.NewBodyBudget(size, proxy.DefaultBodyBudgetWait)
+	}, nil)
 }
 
-// adoptedGate is a shared gate with the capacity this config gives it.
+// Cleanup releases the config's references taken in Provision (its body
+// budget, the tenant controller); requests still running keep what they
+// hold.
+func (a *App) Cleanup() error {
+	if a.claims != nil {
+		a.claims.Release()
+	}
+	return nil
+}
+
+// adoptedGate is a shared gate with the settings this config gives it.
 type adoptedGate struct {
-	g    *sharedGate
-	want *gateCapacity
+	g    *admission.Gate
+	want *admission.GateSettings
 }
 
 // adoptGate records a gate whose capacity this config sets when it starts.
-func (a *App) adoptGate(g *sharedGate, want *gateCapacity) {
+func (a *App) adoptGate(g *admission.Gate, want *admission.GateSettings) {
 	a.gates = append(a.gates, adoptedGate{g, want})
 }
 
@@ -185,14 +189,14 @@ func (a *App) Start() error {
 			return err
 		}
 	}
-	current.push(a)
-	liveBodies.Store(a.bodies)
+	shared.running.push(a)
+	shared.liveBodies.Store(a.bodies)
 	// After push: the connection logs through the newest config's logger.
 	if err := a.startFleet(); err != nil {
 		_ = a.Stop() // Caddy does not stop an app whose Start failed
 		return err
 	}
-	reg.SetBreakerStore(a.breakerStore())
+	shared.upstreams.SetBreakerStore(a.breakerStore())
 	if a.tenancy != nil {
 		// Tenant breakers are shared by the fleet as the upstreams' are.
 		a.tenancy.ctl.SetBreakerStore(a.breakerStore())
@@ -201,7 +205,7 @@ func (a *App) Start() error {
 		p.Activate()
 	}
 	for _, g := range a.gates {
-		g.g.apply(g.want)
+		g.g.SetSettings(*g.want)
 	}
 	return nil
 }
@@ -215,10 +219,10 @@ func (a *App) Stop() error {
 	for _, p := range a.pools {
 		p.Deactivate()
 	}
-	current.pop(a)
+	shared.running.pop(a)
 	// The breakers go back to the newest running config's store (none
 	// without a fleet) before this config's connection may close.
-	reg.SetBreakerStore(newestApp().breakerStore())
+	shared.upstreams.SetBreakerStore(newestApp().breakerStore())
 	if prev := newestApp(); a.tenancy != nil && prev != nil && prev.tenancy != nil {
 		prev.tenancy.ctl.SetBreakerStore(prev.breakerStore())
 	} else if a.tenancy != nil && prev == nil {
@@ -230,7 +234,7 @@ func (a *App) Stop() error {
 	// start, the old one).
 	if prev := newestApp(); prev != nil {
 		for _, g := range prev.gates {
-			g.g.apply(g.want)
+			g.g.SetSettings(*g.want)
 		}
 		if a.tenancy != nil && prev.tenancy != nil {
 			return prev.tenancy.start()
@@ -245,8 +249,6 @@ type appStack struct {
 	sync.Mutex
 	apps []*App
 }
-
-var current appStack
 
 func (c *appStack) push(a *App) {
 	c.Lock()
@@ -267,16 +269,17 @@ func (c *appStack) pop(a *App) {
 
 // newestApp returns the newest running app, nil before any started.
 func newestApp() *App {
-	current.Lock()
-	defer current.Unlock()
-	if len(current.apps) == 0 {
+	shared.running.Lock()
+	defer shared.running.Unlock()
+	if len(shared.running.apps) == 0 {
 		return nil
 	}
-	return current.apps[len(current.apps)-1]
+	return shared.running.apps[len(shared.running.apps)-1]
 }
 
 // Interface guards
 var (
-	_ caddy.App         = (*App)(nil)
-	_ caddy.Provisioner = (*App)(nil)
+	_ caddy.App          = (*App)(nil)
+	_ caddy.Provisioner  = (*App)(nil)
+	_ caddy.CleanerUpper = (*App)(nil)
 )

@@ -1,15 +1,8 @@
 package caddymodule
 
 import (
-	"sync/atomic"
-
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
-
-// liveBodies is the body budget of the newest started config.
-var liveBodies atomic.Pointer[proxy.BodyBudget]
 
 // bodyMemory exports the body budget's use and size, so that an operator
 // sees a burst of large prompts coming before it is refused.
@@ -18,7 +11,7 @@ var bodyMemory = []prometheus.Collector{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "buffered_body_bytes",
 		Help: "Bytes of request bodies held in memory now, charged to max_buffered_bodies (the newest config's budget).",
 	}, func() float64 {
-		if b := liveBodies.Load(); b != nil {
+		if b := shared.liveBodies.Load(); b != nil {
 			return float64(b.InUse())
 		}
 		return 0
@@ -27,7 +20,7 @@ var bodyMemory = []prometheus.Collector{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "buffered_body_limit_bytes",
 		Help: "max_buffered_bodies of the newest started config, in bytes.",
 	}, func() float64 {
-		if b := liveBodies.Load(); b != nil {
+		if b := shared.liveBodies.Load(); b != nil {
 			return float64(b.Size())
 		}
 		return 0

@@ -1,11 +1,13 @@
 package caddymodule
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -41,15 +43,25 @@ func TestMaxBufferedBodiesCaddyfile(t *testing.T) {
 }
 
 // Configs of the same max_buffered_bodies share one budget (its charges
-// survive a reload); the default is 256MiB; a negative size is an error.
+// survive a reload); the default is 256MiB; a negative size is an error;
+// the budget goes with the last config that claims it.
 func TestBodyBudgetSharedBySize(t *testing.T) {
-	a, _ := bodyBudgetFor(0)
-	b, _ := bodyBudgetFor(proxy.DefaultMaxBufferedBodies)
-	c, _ := bodyBudgetFor(1 << 20)
+	var old, next registry.Claims
+	a, _ := bodyBudgetFor(&old, 0)
+	b, _ := bodyBudgetFor(&next, proxy.DefaultMaxBufferedBodies)
+	c, _ := bodyBudgetFor(&next, 1<<20)
 	if a != b || a.Size() != 256<<20 || c == a || c.Size() != 1<<20 {
 		t.Fatalf("budgets %p %p %p, sizes %d %d", a, b, c, a.Size(), c.Size())
 	}
-	if _, err := bodyBudgetFor(-1); err == nil {
+	if _, err := bodyBudgetFor(&next, -1); err == nil {
 		t.Fatal("a negative max_buffered_bodies was accepted")
+	}
+	old.Release() // the reload's old config
+	if got, _ := bodyBudgetFor(&next, 0); got != a {
+		t.Fatal("the budget of a size the new config keeps was dropped with the old config")
+	}
+	next.Release()
+	if _, ok := shared.bodies.Peek(strconv.FormatInt(1<<20, 10)); ok {
+		t.Fatal("a budget outlived every config that claimed it")
 	}
 }

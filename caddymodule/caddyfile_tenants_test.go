@@ -7,6 +7,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 )
 
 const tenantsSite = `{
@@ -200,6 +202,8 @@ func TestAppStopHandsTiersBack(t *testing.T) {
 	build := func(rpm int) *App {
 		a := &App{Tenants: &TenantsConfig{Keys: []TenantKey{{SHA256: strings.Repeat("ab", 32), Tenant: "acme"}}},
 			Tiers: []TierConfig{{Name: "default", RPM: rpm}}}
+		a.claims = new(registry.Claims)
+		t.Cleanup(func() { _ = a.Cleanup() })
 		tn, err := newTenancy(a)
 		if err != nil {
 			t.Fatal(err)

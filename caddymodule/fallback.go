@@ -168,7 +168,7 @@ func (h *Handler) provisionFallbacks(ctx caddy.Context, app *App, sel upstream.S
 		var g *admission.Gate
 		if sg != nil {
 			app.adoptGate(sg, want)
-			g = sg.g
+			g = sg
 		}
 		when, _ := fc.when()
 		out = append(out, proxy.Fallback{

@@ -105,20 +105,18 @@ func fleetKey(cfg fleet.Config) string {
 	return hex.EncodeToString(h[:])
 }
 
-// fleets holds the open connections, one per distinct settings, each
-// referenced by the running configs that use it: a reload with the same
-// settings keeps the connection (and the generated instance id), and the
-// last config to stop closes it.
-var fleets = registry.NewTable(func(_ string, c *fleet.Client) { _ = c.Close() })
-
-// startFleet takes this config's reference to its connection, opening it
-// when no running config has it.
+// startFleet takes this config's reference to its connection
+// (shared.fleets, one per distinct settings), opening it when no running
+// config has it: a reload with the same settings keeps the connection (and
+// the generated instance id), and the last config to stop closes it. Its
+// breaker and limit stores live as long as the connection, under the same
+// key and claims.
 func (a *App) startFleet() error {
 	if a.fleet == nil { // no fleet configured (Provision made the slot)
 		return nil
 	}
 	a.fleetClaims = new(registry.Claims)
-	c, err := fleets.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Client, error) {
+	c, err := shared.fleets.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Client, error) {
 		return fleet.Open(a.fleetCfg, fleetObserver{}, fleetLogger())
 	}, nil)
 	if err != nil {
@@ -130,19 +128,24 @@ func (a *App) startFleet() error {
 	// The fleet's breaker store lives as long as its connection (the
 	// claims drop it first): the upstream breakers share their counts and
 	// open state through it (Start gives it to the registry).
-	bs, err := fleetBreakerStores.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Breakers, error) {
+	bs, err := shared.fleetBreakers.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Breakers, error) {
 		return fleet.NewBreakers(c, fleet.BreakersOptions{OnDrop: breakerReportDropped, OnLease: probeLeaseCounted}), nil
 	}, nil)
 	if err != nil {
 		return fmt.Errorf("llm_proxy: fleet: %w", err)
 	}
 	a.fleet.breakers.Store(bs)
+	// The tenants' limits are counted in Redis through the connection's
+	// limit store (the tenancy's fleet.FailOpenLimits reads it from the slot).
+	l, err := shared.fleetLimits.Acquire(a.fleetClaims, fleetKey(a.fleetCfg), func() (*fleet.Limits, error) {
+		return fleet.NewLimits(c, fleet.LimitsConfig{})
+	}, nil)
+	if err != nil {
+		return fmt.Errorf("llm_proxy: fleet: %w", err)
+	}
+	a.fleet.limits.Store(l)
 	return nil
 }
-
-// fleetBreakerStores holds the fleets' breaker stores, one per connection,
-// under the same keys and references as fleets.
-var fleetBreakerStores = registry.NewTable(func(_ string, bs *fleet.Breakers) { bs.Close() })
 
 // breakerReportDropped counts a breaker report that found the store's
 // queue full (the worker behind a slow Redis).
@@ -151,11 +154,13 @@ func breakerReportDropped(op string) {
 	metrics.fleetErrors.WithLabelValues(op, "queue_full").Inc()
 }
 
-// fleetSlot holds a running config's connection and its breaker store:
-// written by Start, read by the admin API and the metrics.
+// fleetSlot holds a running config's connection and its breaker and limit
+// stores: written by Start, read by the admin API, the metrics and the
+// tenants' limit store.
 type fleetSlot struct {
 	atomic.Pointer[fleet.Client]
 	breakers atomic.Pointer[fleet.Breakers]
+	limits   atomic.Pointer[fleet.Limits]
 }
 
 // breakerStore is the breaker store this config gives the upstream
@@ -173,7 +178,7 @@ func (a *App) breakerStore() breaker.Store {
 // liveBreakerStore is the fleet breaker store the upstream breakers use
 // now, nil for none.
 func liveBreakerStore() *fleet.Breakers {
-	bs, _ := reg.BreakerStore().(*fleet.Breakers)
+	bs, _ := shared.upstreams.BreakerStore().(*fleet.Breakers)
 	return bs
 }
 

@@ -2,113 +2,16 @@ package caddymodule
 
 import (
 	"context"
-	"sync"
-	"sync/atomic"
-	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 )
 
-// fleetLimits is the tenant-limit store of a config with a fleet: the
-// fleet's store in Redis (fleet.Limits) over the config's connection.
-// tenancy.start gives it to the process-wide controller just before
-// App.Start opens the connection; a request in that instant is decided as
-// in local mode — on this gateway's share of the limits, or 503 for a
-// fail_closed tier — by a local store of its own.
-type fleetLimits struct {
-	slot  *fleetSlot
-	share int // expected_instances
-	local *admission.LocalLimits
-
-	// l is the fleet store of the slot's connection once it is open (a
-	// config opens one connection, once).
-	l  atomic.Pointer[fleet.Limits]
-	mu sync.Mutex
-}
-
-func newFleetLimits(slot *fleetSlot, cfg fleet.Config) *fleetLimits {
-	return &fleetLimits{slot: slot, share: cfg.Defaults().ExpectedInstances, local: admission.NewLocalLimits(nil)}
-}
-
-// limits returns the fleet store of the config's connection, nil before it
-// is open.
-func (f *fleetLimits) limits() *fleet.Limits {
-	if l := f.l.Load(); l != nil {
-		return l
-	}
-	c := f.slot.Load()
-	if c == nil {
-		return nil
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if l := f.l.Load(); l != nil {
-		return l
-	}
-	l := limitsFor(c)
-	f.l.Store(l)
-	return l
-}
-
-// Reserve implements admission.LimitStore.
-func (f *fleetLimits) Reserve(q *admission.Quota, h *admission.Hold) admission.Decision {
-	if l := f.limits(); l != nil {
-		return l.Reserve(q, h)
-	}
-	return admission.ReserveShare(f.local, f.share, time.Second, q, h)
-}
-
-// Settle implements admission.LimitStore: a hold the fleet store took
-// carries its Ref; one of the local store's does not.
-func (f *fleetLimits) Settle(h *admission.Hold, used int64) {
-	if l := f.l.Load(); l != nil && h.Ref != nil {
-		l.Settle(h, used)
-		return
-	}
-	f.local.Settle(h, used)
-}
-
-// Cancel implements admission.LimitStore.
-func (f *fleetLimits) Cancel(h *admission.Hold) {
-	if l := f.l.Load(); l != nil && h.Ref != nil {
-		l.Cancel(h)
-		return
-	}
-	f.local.Cancel(h)
-}
-
-// fleetLimitStores holds one fleet.Limits per open connection, dropped
-// when its connection closes (the store stops with it).
-var fleetLimitStores struct {
-	sync.Mutex
-	m map[*fleet.Client]*fleet.Limits
-}
-
-// limitsFor returns the fleet limit store of connection c, creating it.
-func limitsFor(c *fleet.Client) *fleet.Limits {
-	fleetLimitStores.Lock()
-	defer fleetLimitStores.Unlock()
-	if l := fleetLimitStores.m[c]; l != nil {
-		return l
-	}
-	l, err := fleet.NewLimits(c, fleet.LimitsConfig{})
-	if err != nil {
-		panic(err) // the defaults are valid
-	}
-	if fleetLimitStores.m == nil {
-		fleetLimitStores.m = make(map[*fleet.Client]*fleet.Limits)
-	}
-	fleetLimitStores.m[c] = l
-	go func() {
-		<-l.Done()
-		fleetLimitStores.Lock()
-		if fleetLimitStores.m[c] == l {
-			delete(fleetLimitStores.m, c)
-		}
-		fleetLimitStores.Unlock()
-	}()
-	return l
+// newFleetLimits is the tenants' limit store of a config with a fleet:
+// the fleet's store of the slot's connection once Start has opened it, this
+// gateway's share of the limits before (fleet.FailOpenLimits).
+func newFleetLimits(slot *fleetSlot, cfg fleet.Config) *fleet.FailOpenLimits {
+	return fleet.NewFailOpenLimits(slot.limits.Load, cfg.Defaults().ExpectedInstances)
 }
 
 // liveLimitStore is the fleet limit store the controller uses now, nil in
@@ -118,8 +21,8 @@ func liveLimitStore() *fleet.Limits {
 	if ctl == nil {
 		return nil
 	}
-	if f, ok := ctl.LimitStore().(*fleetLimits); ok {
-		return f.l.Load()
+	if f, ok := ctl.LimitStore().(*fleet.FailOpenLimits); ok {
+		return f.Fleet()
 	}
 	return nil
 }
@@ -151,6 +54,3 @@ func fleetTenantViews(views []admission.TenantView) []admission.TenantView {
 	}
 	return views
 }
-
-// Interface guard.
-var _ admission.LimitStore = (*fleetLimits)(nil)

@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/redistest"
 )
 
@@ -64,7 +65,7 @@ func TestTenantLimitsUseTheFleetWhenItRuns(t *testing.T) {
 
 	runConfigWithApp(t, listen, tenantsApp(`{"name":"default","rpm":3}`, fleetJSON, "acme"), up)
 	ctl := liveController()
-	if _, ok := ctl.LimitStore().(*fleetLimits); !ok {
+	if _, ok := ctl.LimitStore().(*fleet.FailOpenLimits); !ok {
 		t.Fatalf("limit store %T, want the fleet's", ctl.LimitStore())
 	}
 	tk, rf := ctl.Reserve(admission.Request{Tenant: "acme"})

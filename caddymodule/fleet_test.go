@@ -238,8 +238,8 @@ func TestFleetConnectionAcrossReloads(t *testing.T) {
 	if n := testutil.CollectAndCount(metrics.fleetDegraded); n != 0 {
 		t.Fatalf("caddy_llm_proxy_fleet_degraded has %d series without a fleet", n)
 	}
-	if fleets.Len() != 0 {
-		t.Fatalf("%d connections held", fleets.Len())
+	if shared.fleets.Len() != 0 {
+		t.Fatalf("%d connections held", shared.fleets.Len())
 	}
 }
 
@@ -251,12 +251,12 @@ func TestFleetLogsThroughTheNewestConfig(t *testing.T) {
 	newCore, newLogs := observer.New(zapcore.InfoLevel)
 	older := &App{logger: zap.New(oldCore)}
 	newer := &App{logger: zap.New(newCore)}
-	current.push(older)
-	defer current.pop(older)
+	shared.running.push(older)
+	defer shared.running.pop(older)
 	l := fleetLogger().With(zap.String("instance_id", "gw-1"))
 	l.Warn("first")
-	current.push(newer)
-	defer current.pop(newer)
+	shared.running.push(newer)
+	defer shared.running.pop(newer)
 	l.Warn("second")
 	l.Debug("not enabled")
 	if got := oldLogs.All(); len(got) != 1 || got[0].Message != "first" {
@@ -294,7 +294,7 @@ func TestFleetBreakerStoreWired(t *testing.T) {
 	defer ob.Close()
 	ob.ForceOpen(time.Minute, "maintenance")
 	waitFor(t, "the upstream's breaker open", func() bool {
-		b, _ := reg.Breaker(up)
+		b, _ := shared.upstreams.Breaker(up)
 		return b != nil && b.State() == breaker.Open
 	})
 	v := getBreaker(t, up)
@@ -303,8 +303,8 @@ func TestFleetBreakerStoreWired(t *testing.T) {
 	}
 
 	runConfigWithApp(t, listen, "", handler)
-	if reg.BreakerStore() != nil {
-		t.Fatalf("breaker store %v without a fleet", reg.BreakerStore())
+	if shared.upstreams.BreakerStore() != nil {
+		t.Fatalf("breaker store %v without a fleet", shared.upstreams.BreakerStore())
 	}
 	if v := getBreaker(t, up); v.Scope != "local" || v.OpenedBy != "" || v.State != breaker.Open {
 		t.Fatalf("after a reload without fleet: %+v, want still open, local", v)

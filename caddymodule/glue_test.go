@@ -77,7 +77,7 @@ func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
 	}
 	const addr = "10.1.7.1:8000"
 	s := breaker.Settings{ConsecutiveFailures: 1}
-	pool, err := reg.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Breaker: &s})
+	pool, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Breaker: &s})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +101,7 @@ func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
 	if got := testutil.ToFloat64(metrics.breakerTransitions.WithLabelValues(addr, "closed", "open")) - before; got != 1 {
 		t.Fatalf("transitions_total grew by %v", got)
 	}
-	if v := testutil.ToFloat64(metrics.breakerState.WithLabelValues(addr, "")); v != float64(breaker.Open) {
+	if v, _ := gathered(t, "caddy_llm_proxy_breaker_state", map[string]string{"pool": t.Name(), "upstream": addr, "model": ""}); v != float64(breaker.Open) {
 		t.Fatalf("breaker_state = %v, want %d (open)", v, breaker.Open)
 	}
 }
@@ -113,7 +113,7 @@ func TestAppStartAndStopHandOverSettings(t *testing.T) {
 	const addr = "10.1.8.1:8000"
 	build := func(failures int) *upstream.Pool {
 		s := breaker.Settings{ConsecutiveFailures: failures}
-		p, err := reg.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Breaker: &s})
+		p, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Breaker: &s})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -124,7 +124,7 @@ func TestAppStartAndStopHandOverSettings(t *testing.T) {
 	old := build(3)
 	startedApp(t, ctx, nil, old)
 	got := func() int {
-		b, _ := reg.Breaker(addr)
+		b, _ := shared.upstreams.Breaker(addr)
 		if b == nil {
 			t.Fatal("no breaker")
 		}

@@ -3,7 +3,6 @@ package caddymodule
 import (
 	"errors"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -26,7 +25,7 @@ var metrics = struct {
 	streamDuration *prometheus.HistogramVec
 	eventsRelayed  prometheus.Counter
 
-	breakerState       *prometheus.GaugeVec
+	breakerState       prometheus.Collector
 	breakerTransitions *prometheus.CounterVec
 	shortCircuited     *prometheus.CounterVec
 
@@ -41,7 +40,7 @@ var metrics = struct {
 	queueDepth    *prometheus.GaugeVec
 	inflight      *prometheus.GaugeVec
 	tokens        *prometheus.CounterVec
-	tenantBreaker *prometheus.GaugeVec
+	tenantBreaker prometheus.Collector
 
 	saturation     *prometheus.GaugeVec
 	signalState    *prometheus.GaugeVec
@@ -96,10 +95,9 @@ func initMetrics() {
 			Namespace: ns, Subsystem: sub, Name: "events_relayed_total",
 			Help: "SSE events written to clients.",
 		})
-		metrics.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "breaker_state",
-			Help: "Circuit breaker state per upstream (and model with scope model): 0 closed, 1 half-open, 2 open.",
-		}, []string{"upstream", "model"})
+		metrics.breakerState = breakerStateCollector{prometheus.NewDesc(ns+"_"+sub+"_breaker_state",
+			"Circuit breaker state per pool, upstream (and model with scope model), read from the breakers at each scrape: 0 closed, 1 half-open, 2 open.",
+			[]string{"pool", "upstream", "model"}, nil)}
 		metrics.breakerTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "breaker_transitions_total",
 			Help: "Circuit breaker state changes, by upstream, from and to state.",
@@ -139,20 +137,19 @@ func initMetrics() {
 		}, []string{"tier", "tenant"})
 		metrics.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "queue_depth",
-			Help: "Requests waiting in the pools' priority queues, by tier.",
+			Help: "Requests waiting in the priority queues, by tier: the sum over every pool's gate (every handler and fallback pool).",
 		}, []string{"tier"})
 		metrics.inflight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "inflight",
-			Help: "Admitted requests in flight, by tier.",
+			Help: "Admitted requests in flight, by tier: the sum over every pool's gate (every handler and fallback pool).",
 		}, []string{"tier"})
 		metrics.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "tokens_total",
 			Help: "Tokens settled against tenants' limits, by tier, api (chat, completions, responses, messages, none), kind (prompt, completion) and source (usage: reported by the upstream; estimate: counted by the gateway).",
 		}, []string{"tier", "api", "kind", "source", "tenant"})
-		metrics.tenantBreaker = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "tenant_breaker_state",
-			Help: "Tenant circuit breakers not closed (open or half-open), by tier.",
-		}, []string{"tier"})
+		metrics.tenantBreaker = tenantBreakerCollector{prometheus.NewDesc(ns+"_"+sub+"_tenant_breaker_state",
+			"Tenant circuit breakers not closed, by the tenant's tier in the running config and state (open, half-open), counted from the breakers at each scrape.",
+			[]string{"tier", "state"}, nil), runningTenants}
 		metrics.saturation = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "upstream_saturation",
 			Help: "The last known value of an upstream's saturation signal scraped from its /metrics: queue_depth and running (requests), kv_usage (ratio 0-1), queue_time (recent queue-wait p99, seconds), ttft (recent server TTFT p95, seconds). No series until the value is known; see saturation_signal_state for whether it is current.",
@@ -216,18 +213,22 @@ func probeLeaseCounted(result string) {
 // registerMetrics adds the collectors to a config's registry.
 func registerMetrics(reg *prometheus.Registry) error {
 	initMetrics()
-	for _, c := range []prometheus.Collector{metrics.requests, metrics.attempts, metrics.ttft,
-		metrics.streamDuration, metrics.eventsRelayed, metrics.breakerState, metrics.breakerTransitions,
-		metrics.shortCircuited, metrics.retries, metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay, metrics.staleConns,
+	for _, c := range []prometheus.Collector{metrics.eventsRelayed, metrics.breakerState,
+		metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay,
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
-		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors,
 		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases,
-		degradedTotal, tierObjectives, interEventGap} {
+		degradedTotal, tierObjectives} {
 		if err := register(reg, c); err != nil {
 			return err
 		}
 	}
 	if err := register(reg, prefixCollectors()...); err != nil { // prefixcache.go
+		return err
+	}
+	// The per-upstream series go when their upstream leaves (series.go).
+	if err := register(reg, perUpstream(metrics.requests, metrics.attempts, metrics.ttft, metrics.streamDuration,
+		interEventGap, metrics.breakerTransitions, metrics.shortCircuited, metrics.retries, metrics.staleConns,
+		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors, prefixServerHitRatio)...); err != nil {
 		return err
 	}
 	return register(reg, bodyMemory...)
@@ -291,19 +292,11 @@ func (o requestObserver) RequestDone(r *proxy.Result) {
 // the newest running config's logger and events app.
 type upstreamObserver struct{}
 
-// breakerModelLabel is the "model" label of breaker metrics: empty for
-// per-upstream breakers, the model key under scope model.
-func breakerModelLabel(key string) string { return key }
+// BreakerCreated and BreakerGone need nothing: breaker_state is read from
+// the pools' breakers at each scrape (breakerStateCollector).
+func (upstreamObserver) BreakerCreated(string, string) {}
 
-func (upstreamObserver) BreakerCreated(addr, key string) {
-	initMetrics()
-	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(0)
-}
-
-func (upstreamObserver) BreakerGone(addr, key string) {
-	initMetrics()
-	metrics.breakerState.DeleteLabelValues(addr, breakerModelLabel(key))
-}
+func (upstreamObserver) BreakerGone(string, string) {}
 
 func (upstreamObserver) ShortCircuited(addr string) {
 	metrics.shortCircuited.WithLabelValues(addr).Inc()
@@ -319,12 +312,7 @@ func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
 
 func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transition) {
 	initMetrics()
-	metrics.breakerState.WithLabelValues(addr, breakerModelLabel(key)).Set(float64(tr.To))
 	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
-	if tr.To == breaker.Closed {
-		// Asynchronously: this runs under the upstream entry's lock.
-		go capacityChanged()
-	}
 	app := newestApp()
 	if app == nil {
 		return
@@ -360,9 +348,8 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 	}
 }
 
-// Scraped records one scrape and pumps the gates: the pool signal may have
-// cleared, and queued requests are admitted now rather than at the next
-// release. It runs on the entry's scrape loop, outside its lock.
+// Scraped records one scrape. It runs on the entry's scrape loop, outside
+// its lock.
 func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
 	initMetrics()
 	metrics.scrapeDuration.WithLabelValues(addr).Observe(took.Seconds())
@@ -370,7 +357,6 @@ func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
 	if err != nil {
 		errs.Inc()
 	}
-	capacityChanged()
 }
 
 // SignalUpdated sets a signal's gauges and logs a change of its state once:
@@ -423,11 +409,8 @@ func (upstreamObserver) ScraperGone(addr string) {
 // tenant label is the tenant id, and only with metrics_tenant_label.
 type admissionObserver struct{}
 
-// tenantLabels is metrics_tenant_label of the newest started config.
-var tenantLabels atomic.Bool
-
 func tenantLabel(tenant string) string {
-	if tenantLabels.Load() {
+	if shared.tenantLabels.Load() {
 		return tenant
 	}
 	return ""
@@ -443,15 +426,11 @@ func (admissionObserver) QueueWait(tenant, tier string, d time.Duration) {
 	metrics.queueWait.WithLabelValues(tier, tenantLabel(tenant)).Observe(d.Seconds())
 }
 
-func (admissionObserver) QueueDepth(tier string, n int) {
-	initMetrics()
-	metrics.queueDepth.WithLabelValues(tier).Set(float64(n))
-}
+// QueueDepth and Inflight are reported by the gates, each through its own
+// gateObserver (gauges.go): the gauges are sums over every gate.
+func (admissionObserver) QueueDepth(string, int) {}
 
-func (admissionObserver) Inflight(tier string, n int) {
-	initMetrics()
-	metrics.inflight.WithLabelValues(tier).Set(float64(n))
-}
+func (admissionObserver) Inflight(string, int) {}
 
 func (admissionObserver) Tokens(tenant, tier, api, kind, source string, n int) {
 	initMetrics()
@@ -459,13 +438,8 @@ func (admissionObserver) Tokens(tenant, tier, api, kind, source string, n int) {
 }
 
 func (admissionObserver) TenantBreaker(tenant, tier string, tr breaker.Transition) {
-	initMetrics()
-	switch {
-	case tr.From == breaker.Closed:
-		metrics.tenantBreaker.WithLabelValues(tier).Inc()
-	case tr.To == breaker.Closed:
-		metrics.tenantBreaker.WithLabelValues(tier).Dec()
-	}
+	// caddy_llm_proxy_tenant_breaker_state is counted from the breakers
+	// at each scrape (tenantBreakerCollector): here, only the log line.
 	if app := newestApp(); app != nil {
 		level := zapcore.InfoLevel
 		if tr.To == breaker.Open {

@@ -229,7 +229,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if sg != nil {
-		admitter = proxy.NewTenantAdmitter(ctl, sg.g)
+		admitter = proxy.NewTenantAdmitter(ctl, sg)
 		app.adoptGate(sg, want)
 	} else if ctl != nil {
 		admitter = proxy.NewTenantAdmitter(ctl, nil)

@@ -162,7 +162,7 @@ func prefixCollectors() []prometheus.Collector {
 	for _, r := range []upstream.PrefixResult{upstream.PrefixHit, upstream.PrefixMiss, upstream.PrefixOverloaded} {
 		prefixRouted.WithLabelValues(r.String())
 	}
-	return []prometheus.Collector{prefixMatchBlocks, prefixPromptBlocks, prefixServerHitRatio, prefixRouted}
+	return []prometheus.Collector{prefixMatchBlocks, prefixPromptBlocks, prefixRouted}
 }
 
 // ServerPrefixHitRatio implements upstream.PrefixHitObserver: the

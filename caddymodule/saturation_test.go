@@ -176,7 +176,7 @@ func TestStartedConfigScrapesAndShowsSaturation(t *testing.T) {
 		`{"handler":"llm_proxy","upstreams":[{"dial":"`+addr+`"}],"saturation":{"interval":"200ms"}}`)
 
 	waitFor(t, "a scrape", func() bool {
-		for _, v := range reg.Saturation(time.Now()) {
+		for _, v := range shared.upstreams.Saturation(time.Now()) {
 			if v.Upstream == addr && v.ScrapedAt != nil {
 				return true
 			}
@@ -276,7 +276,7 @@ func TestSaturatedPoolShedsAndQueuesThroughTheGate(t *testing.T) {
 		`"tiers":[{"name":"default","priority":0},{"name":"batch","priority":-1}]}`
 	runConfigWithApp(t, gateway, app, `{"handler":"llm_proxy","upstreams":[{"dial":"`+addr+`"}],"saturation":{"interval":"100ms"}}`)
 	waitFor(t, "the pool signal", func() bool {
-		for _, v := range reg.Saturation(time.Now()) {
+		for _, v := range shared.upstreams.Saturation(time.Now()) {
 			if v.Upstream == addr && v.ScoreKnown && v.Score >= 1 {
 				return true
 			}
@@ -320,7 +320,7 @@ func TestPoolSignalKeepsTheGateAllocationFree(t *testing.T) {
 	m.waiting.Store(10)
 	addr := strings.TrimPrefix(m.URL, "http://")
 	sat := &upstream.Saturation{Interval: 100 * time.Millisecond, Transport: httpScheme{}}
-	pool, err := reg.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Saturation: sat, Selector: upstream.LeastQueue{}})
+	pool, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Saturation: sat, Selector: upstream.LeastQueue{}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -328,9 +328,7 @@ func TestPoolSignalKeepsTheGateAllocationFree(t *testing.T) {
 	startedApp(t, caddy.Context{Context: context.Background()}, nil, pool)
 	waitFor(t, "the pool signal", pool.Saturated)
 
-	sg := &sharedGate{}
-	sg.cap.Store(&gateCapacity{pool: pool})
-	g := admission.NewGate(admission.GateConfig{Capacity: sg.capacity, Saturated: sg.saturated}, admission.SystemClock{}, nil)
+	g := admission.NewPoolGate(admission.GateSettings{Pool: pool}, nil, admission.SystemClock{}, nil)
 	if !g.Saturated() {
 		t.Fatal("the gate does not see the pool signal")
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"sync"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 )
@@ -28,13 +27,6 @@ type tenancy struct {
 	// when the config has a fleet, nil (the controller's own memory)
 	// without.
 	limits admission.LimitStore
-}
-
-// controller holds every tenant's counters and breaker for the process,
-// created by the first config with tenants.
-var controller struct {
-	sync.Mutex
-	ctl *admission.Controller
 }
 
 // newTenancy builds the config's tenancy; nil when it configures none.
@@ -74,17 +66,15 @@ func newTenancy(a *App) (*tenancy, error) {
 	if a.fleet != nil {
 		t.limits = newFleetLimits(a.fleet, a.fleetCfg)
 	}
-	controller.Lock()
-	defer controller.Unlock()
-	if controller.ctl == nil {
-		// The first config: nothing is live yet, so its limits apply now.
-		ctl, err := admission.NewController(cfg, admission.SystemClock{}, admissionObserver{})
-		if err != nil {
-			return nil, fmt.Errorf("llm_proxy: %w", err)
-		}
-		controller.ctl = ctl
+	// The one controller, shared by the configs with tenants; the first
+	// builds it with its limits (nothing is live yet).
+	ctl, err := shared.tenants.Acquire(a.claims, "", func() (*admission.Controller, error) {
+		return admission.NewController(cfg, admission.SystemClock{}, admissionObserver{})
+	}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("llm_proxy: %w", err)
 	}
-	t.ctl = controller.ctl
+	t.ctl = ctl
 	return t, nil
 }
 
@@ -97,7 +87,7 @@ func (t *tenancy) start() error {
 		return fmt.Errorf("llm_proxy: applying tenants: %w", err)
 	}
 	t.ctl.SetLimitStore(t.limits)
-	tenantLabels.Store(t.tenantLabel)
+	shared.tenantLabels.Store(t.tenantLabel)
 	setObjectives(t.cfg.Tiers)
 	return nil
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/tidwall/gjson"
 	"github.com/tidwall/sjson"
+	"golang.org/x/sync/singleflight"
 )
 
 // Defaults of Models.
@@ -41,6 +42,14 @@ type ModelSource struct {
 // "pools", the names of the pools that serve it. The merged list is cached
 // for TTL; when no pool answers, the last list is served, and without one
 // the client gets 502. Safe for concurrent use.
+//
+// One refresh runs at a time, whoever asks: the callers that arrive while
+// it runs wait for its list (each may leave when its own request ends,
+// which never cancels the refresh). The refresh runs under a context of
+// its own — the first caller's values (Caddy's replacer, for dynamic
+// upstream sources) without its cancellation — and each upstream's answer
+// is bounded by Timeout. It asks only upstreams whose breaker is closed,
+// so it never takes a recovering breaker's probe.
 type Models struct {
 	// Sources are the pools, primary first.
 	Sources []ModelSource
@@ -53,9 +62,11 @@ type Models struct {
 	// Clock is the source of time; nil is the real clock.
 	Clock Clock
 
-	mu   sync.Mutex
-	body []byte
-	at   time.Time
+	// flight runs one refresh at a time.
+	flight singleflight.Group
+	mu     sync.Mutex // guards body and at
+	body   []byte
+	at     time.Time
 }
 
 // IsModelsRequest reports whether r asks for the model list (GET …/v1/models).
@@ -80,6 +91,9 @@ func (m *Models) ServeHTTP(w http.ResponseWriter, r *http.Request, id Identifier
 		}
 	}
 	body, err := m.list(r)
+	if err != nil && r.Context().Err() != nil {
+		return // the client left while the list was refreshed
+	}
 	if err != nil {
 		(&GatewayError{Status: http.StatusBadGateway, Type: TypeServer, Code: "upstream_error",
 			Message: "no pool listed its models: " + err.Error()}).Write(w)
@@ -99,26 +113,46 @@ func (m *Models) clock() Clock {
 	return m.Clock
 }
 
-// list returns the cached list, or a fresh one when it is older than TTL.
+// list returns the cached list, or a fresh one when it is older than TTL;
+// it returns r's context error if r ends while the refresh runs.
 func (m *Models) list(r *http.Request) ([]byte, error) {
 	ttl := m.TTL
 	if ttl <= 0 {
 		ttl = DefaultModelsTTL
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock() // one refresh at a time; the others wait for it
-	now := m.clock().Now()
-	if m.body != nil && now.Sub(m.at) < ttl {
-		return m.body, nil
+	body, at := m.body, m.at
+	m.mu.Unlock()
+	if body != nil && m.clock().Now().Sub(at) < ttl {
+		return body, nil
 	}
+	ch := m.flight.DoChan("list", func() (any, error) { return m.refresh(r) })
+	select {
+	case res := <-ch:
+		if res.Err != nil {
+			return nil, res.Err
+		}
+		return res.Val.([]byte), nil
+	case <-r.Context().Done():
+		return nil, r.Context().Err()
+	}
+}
+
+// refresh asks the pools under a context of its own (r's values, not its
+// cancellation) and caches the merged list; when no pool answers it
+// returns the last list, if any.
+func (m *Models) refresh(r *http.Request) ([]byte, error) {
+	r = r.WithContext(context.WithoutCancel(r.Context()))
 	body, err := m.merge(r)
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	if err != nil {
 		if m.body != nil {
 			return m.body, nil
 		}
 		return nil, err
 	}
-	m.body, m.at = body, now
+	m.body, m.at = body, m.clock().Now()
 	return body, nil
 }
 
@@ -183,7 +217,9 @@ func (m *Models) ask(r *http.Request, src ModelSource) ([]json.RawMessage, error
 	var tried []string
 	var lastErr error
 	for range 2 {
-		up, err := src.Balancer.Pick(nowhereWriter{}, r, PickRequest{Tried: tried})
+		// Closed breakers only (as a hedge asks): a half-open breaker's
+		// probe slot is for requests that tell whether it recovered.
+		up, err := src.Balancer.Pick(nowhereWriter{}, r, PickRequest{Tried: tried, Hedge: true})
 		if err != nil {
 			if lastErr == nil {
 				lastErr = err

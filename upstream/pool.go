@@ -317,15 +317,34 @@ func (p *Pool) sweep(now int64, current []*member) {
 	p.dynamic.Range(func(k, v any) bool {
 		m := v.(*member)
 		if now-m.lastSeen.Load() > int64(dynamicTTL) || (over && !slices.Contains(current, m)) {
-			p.dynamic.Delete(k)
-			p.nDynamic.Add(-1)
-			if p.mem != nil {
-				p.mem.forget(m.t.Addr)
-			}
-			registry.Drop(&p.claims, p.reg.entries, m.t.Addr)
+			p.forget(m)
 		}
 		return true
 	})
+}
+
+// ForgetUnseen forgets the dynamic upstreams that the pool's source has not
+// returned since t, and releases their entries, as the sweep does for those
+// unseen for dynamicTTL (1 minute); for tests that cannot wait that long.
+func (p *Pool) ForgetUnseen(t time.Time) {
+	p.dynamic.Range(func(_, v any) bool {
+		if m := v.(*member); m.lastSeen.Load() < t.UnixNano() {
+			p.forget(m)
+		}
+		return true
+	})
+}
+
+// forget drops a dynamic member and the pool's reference to its entry.
+func (p *Pool) forget(m *member) {
+	if !p.dynamic.CompareAndDelete(m.t.Addr, m) {
+		return
+	}
+	p.nDynamic.Add(-1)
+	if p.mem != nil {
+		p.mem.forget(m.t.Addr)
+	}
+	registry.Drop(&p.claims, p.reg.entries, m.t.Addr)
 }
 
 // breakerKey is the model part of a breaker's key for a request's model.
@@ -355,6 +374,14 @@ func (p *Pool) BreakerState(addr, model string) string {
 
 // Registry returns the registry the pool belongs to.
 func (p *Pool) Registry() *Registry { return p.reg }
+
+// Key returns the pool's identity, Config.Key.
+func (p *Pool) Key() string { return p.cfg.Key }
+
+// Entries returns the entries of the upstreams the pool holds now: its
+// static upstreams, or the dynamic ones its source returned (and those it
+// remembers from before a reload). Do not modify them.
+func (p *Pool) Entries() []*Entry { return p.entries() }
 
 // ClosedUpstreams returns how many of the pool's known upstreams are
 // healthy: their per-upstream breaker closed, or under scope model at least
