@@ -22,7 +22,7 @@ func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
 func (c *fakeClock) Since() time.Duration    { return time.Duration(c.ns.Load()) }
 
 // noJitter makes cooldowns exact.
-var noJitter = breaker.WithRand(func() float64 { return 0.5 })
+var noJitter = breaker.WithRand(func() float64 { return 0 })
 
 // recorder collects transitions.
 type recorder struct {

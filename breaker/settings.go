@@ -21,9 +21,11 @@ const (
 )
 
 // OpenJitter is the relative jitter applied to every open cooldown: the
-// cooldown is multiplied by a factor drawn uniformly from [1-OpenJitter,
-// 1+OpenJitter), so that gateways of a fleet which tripped together do not
-// all probe a recovering server at the same instant.
+// cooldown (at least MinOpen) is multiplied by a factor drawn uniformly from
+// [1, 1+2×OpenJitter), so that breakers and gateways which tripped together
+// do not all probe a recovering server at the same instant. The jitter is
+// applied above the MinOpen floor, never cancelled by it (near MaxOpen the
+// range slides down to end there).
 const OpenJitter = 0.2
 
 // MaxRetryAfter is the largest Retry-After that ExtendOpen accepts. A longer
@@ -92,8 +94,8 @@ type Settings struct {
 
 	// OpenFor is the cooldown between opening and half-opening. It doubles
 	// on each consecutive re-open (a probe failed), and every cooldown is
-	// jittered by ±OpenJitter: min(OpenFor × 2^reopens, MaxOpen) × jitter,
-	// capped by MaxOpen. Envoy's outlier detection grows its ejection
+	// jittered upward by up to 2 × OpenJitter above its base
+	// max(min(OpenFor × 2^reopens, MaxOpen), MinOpen), capped by MaxOpen. Envoy's outlier detection grows its ejection
 	// linearly instead (base_ejection_time × times ejected, capped by
 	// max_ejection_time, plus max_ejection_time_jitter); doubling reaches
 	// the cap in fewer failed probes. Default 10s.

@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 )
 
@@ -19,12 +20,24 @@ import (
 func (x *exchange) attempt() *attempt {
 	pool := x.rung.pool
 	rc := &race{x: x, pool: pool, results: make(chan *attempt, x.p.cfg.MaxAttempts)}
+	if x.rc != nil {
+		rc.counted = x.rc.counted // the ladder's earlier pools
+	}
 	x.rc = rc
-	if pool.Retries != nil {
+	// A request earns retry and hedge capacity once per pool: a request
+	// the ladder brings back to the primary (backToPrimary) is not a new
+	// request there.
+	first := !slices.Contains(rc.counted, pool)
+	if first {
+		rc.counted = append(rc.counted, pool)
+	}
+	if pool.Retries != nil && first {
 		pool.Retries.Request()
 	}
 	if pool.Hedging != nil {
-		pool.Hedging.Request()
+		if first {
+			pool.Hedging.Request()
+		}
 		rc.hedgeDelay, rc.hedging = pool.Hedging.Delay(x.res.Info)
 	}
 	if rc.hedging {
@@ -105,6 +118,9 @@ type race struct {
 	// primaryClosed is whether the latest non-hedge attempt's upstream had
 	// a closed breaker; a sick primary is never hedged.
 	primaryClosed bool
+	// counted lists the pools whose budget and hedge cap have counted
+	// this request (Request), carried from race to race of one exchange.
+	counted []*Pool
 }
 
 // launch starts an attempt on up. A primary gets its own hedge delay,
@@ -140,35 +156,28 @@ func (rc *race) disarmHedge() {
 	}
 }
 
-// startNext picks an upstream and starts an attempt on it. It returns the
-// failure to report when no upstream can be had.
-func (rc *race) startNext(hedge bool) *failure {
-	up, err := rc.pick(hedge)
-	if err != nil {
-		return &failure{last: rc.last, pickErr: err}
-	}
-	rc.launch(up, hedge)
-	return nil
-}
-
 // retry decides, after every attempt has failed, whether another one runs:
 // only for a retryable failure, within max_attempts, when the retry budget
 // grants it, after a full-jitter backoff. It starts the attempt, or
 // returns the failure to report at once.
+//
+// The budget is charged only once an upstream has been picked for the
+// retry, right before it starts: a retry that finds no upstream (every
+// breaker open, every slot taken) costs the budget nothing, so a failing
+// pool that refuses requests does not drain the budget that its recovery
+// needs. A budget that is already spent (RetryAvailable) stops the retry
+// before any backoff, so the client gets its error at once.
 func (rc *race) retry() *failure {
 	x, retries, last := rc.x, rc.pool.Retries, rc.last
 	stop := &failure{last: last}
 	if !last.outcome.Retryable() || rc.attempts >= x.p.cfg.MaxAttempts || x.ctx.Err() != nil {
 		return stop
 	}
-	if retries != nil && !retries.TryRetry() {
+	if !retryAvailable(retries) {
 		x.p.obs.RetryBudgetExhausted()
 		return stop
 	}
-	x.p.obs.Retry(last.up.Addr, last.outcome)
 	n := rc.retries
-	rc.retries++
-	x.res.Retries = rc.retries
 	// With hedging on, a primary that fails before the hedge fires is
 	// replaced at once: the failover is the backup.
 	immediate := rc.hedging && rc.hedges == 0
@@ -216,31 +225,68 @@ func (rc *race) retry() *failure {
 			}
 		}
 	}
+	// An upstream will be attempted: now the retry is charged.
+	if retries != nil && !retries.TryRetry() {
+		release(up)
+		x.p.obs.RetryBudgetExhausted()
+		return stop
+	}
+	x.p.obs.Retry(last.up.Addr, last.outcome)
+	rc.retries++
+	x.res.Retries = rc.retries
 	rc.launch(up, false)
 	return nil
+}
+
+// RetryPeeker is implemented by a Retries that can tell, without charging
+// anything, whether a retry would be granted now (upstream's retry gate
+// does). retry asks it before backing off, so that a spent budget answers
+// the client at once instead of after a backoff; the charge itself still
+// happens only when the retry starts.
+type RetryPeeker interface {
+	RetryAvailable() bool
+}
+
+// retryAvailable reports whether r may grant a retry now (true when r is
+// nil, retries at once within max_attempts, or cannot say).
+func retryAvailable(r Retries) bool {
+	if pk, ok := r.(RetryPeeker); ok {
+		return pk.RetryAvailable()
+	}
+	return true
 }
 
 // hedge runs when the hedge delay passes without a first event: it starts
 // a backup on another upstream when the primary's breaker is closed, the
 // hedge-rate cap and the retry budget allow, and attempts remain. It
 // reports whether a backup started.
+//
+// The backup's upstream is picked first: the cap and the budget are
+// charged only when there is one to attempt.
 func (rc *race) hedge() bool {
 	x, h, retries := rc.x, rc.pool.Hedging, rc.pool.Retries
 	if rc.inflight == 0 || rc.hedges >= h.MaxHedges() || rc.attempts >= x.p.cfg.MaxAttempts {
+		return false
+	}
+	if !rc.primaryClosed || !retryAvailable(retries) {
+		x.p.obs.Hedge(HedgeSuppressed)
+		return false
+	}
+	up, err := rc.pick(true)
+	if err != nil {
+		x.p.obs.Hedge(HedgeSuppressed)
 		return false
 	}
 	// The hedge-rate cap is asked before the budget: when the budget then
 	// refuses (a failing pool, where hedging is unwanted anyway) a cap slot
 	// is spent, which only makes hedging more conservative; the other order
 	// would spend retry budget on hedges the cap refuses.
-	if !rc.primaryClosed || !h.TryHedge() || (retries != nil && !retries.TryRetry()) {
+	if !h.TryHedge() || (retries != nil && !retries.TryRetry()) {
+		release(up)
 		x.p.obs.Hedge(HedgeSuppressed)
 		return false
 	}
-	if f := rc.startNext(true); f != nil {
-		x.p.obs.Hedge(HedgeSuppressed)
-		return false
-	}
+	rc.launch(up, true)
 	rc.hedges++
 	x.res.Hedged = true
 	x.p.obs.Hedge(HedgeFired)

@@ -132,6 +132,10 @@ const (
 func (g *retryGate) Request()       { g.budget.Request() }
 func (g *retryGate) TryRetry() bool { return g.budget.TryRetry() }
 
+// RetryAvailable implements proxy.RetryPeeker: whether the budget would
+// grant a retry now, charging nothing.
+func (g *retryGate) RetryAvailable() bool { return g.budget.Stats().Available > 0 }
+
 // Backoff never waits past the backoff cap: a longer Retry-After is the
 // client's to honour, and it gets the 429/503 with it at once.
 func (g *retryGate) Backoff(n int, retryAfter, remaining time.Duration) (time.Duration, bool) {
@@ -220,6 +224,7 @@ func (g *hedger) Observe(info proxy.RequestInfo, ttft time.Duration) {
 }
 
 var (
-	_ proxy.Retries = (*retryGate)(nil)
-	_ proxy.Hedging = (*hedger)(nil)
+	_ proxy.Retries     = (*retryGate)(nil)
+	_ proxy.RetryPeeker = (*retryGate)(nil)
+	_ proxy.Hedging     = (*hedger)(nil)
 )
