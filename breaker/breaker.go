@@ -128,7 +128,7 @@ type Breaker struct {
 	hardRun atomic.Int64
 	// peer is the pool's failure ratio (SetPeerRatio), as float64 bits.
 	peer atomic.Uint64
-	cfg      atomic.Pointer[config]
+	cfg  atomic.Pointer[config]
 	// dirty is the flag Join returned: key's fleet consecutive count may
 	// be non-zero, so a success must tell the fleet. It points to
 	// notDirty (never set) without a fleet, so the success path reads one
