@@ -103,12 +103,12 @@ func (p *Pool) newRetryGate() (*retryGate, error) {
 	if rc.BucketMax > 0 {
 		key = fmt.Sprintf("budget|%s|bucket|%g|%g", p.cfg.Key, rc.BucketMax, rc.BucketRefill)
 		build = func() (budget.Budget, error) {
-			return budget.NewBucket(rc.BucketMax, rc.BucketRefill, budget.SystemClock{})
+			return budget.NewBucket(rc.BucketMax, rc.BucketRefill, p.reg.clock)
 		}
 	} else {
 		cfg := budget.RatioConfig{Ratio: rc.Ratio, Window: rc.Window, MinPerSec: rc.MinPerSec}
 		key = fmt.Sprintf("budget|%s|ratio|%g|%v|%g", p.cfg.Key, cfg.Ratio, cfg.Window, cfg.MinPerSec)
-		build = func() (budget.Budget, error) { return budget.NewRatio(cfg, budget.SystemClock{}) }
+		build = func() (budget.Budget, error) { return budget.NewRatio(cfg, p.reg.clock) }
 	}
 	s, err := p.reg.state.Acquire(&p.claims, key, func() (*poolState, error) {
 		b, err := build()

@@ -55,7 +55,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	if len(members) == 0 {
 		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
 	}
-	now := time.Now()
+	now := p.reg.now()
 	var earliest time.Time
 	open, busy := 0, 0
 	noteOpen := func(addr string, b *breaker.Breaker) {
