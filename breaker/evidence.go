@@ -44,6 +44,17 @@ func (e Evidence) String() string {
 // MarshalText encodes the evidence as its String, for the admin API.
 func (e Evidence) MarshalText() ([]byte, error) { return []byte(e.String()), nil }
 
+// UnmarshalText parses evidence written by MarshalText.
+func (e *Evidence) UnmarshalText(b []byte) error {
+	for i, n := range evidenceNames {
+		if string(b) == n {
+			*e = Evidence(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("breaker evidence %q: want hard or statistical", b)
+}
+
 // ProbeFailureQuantile is the confidence with which a half-open breaker
 // held by statistical evidence tells "fails like its pool" from "still an
 // outlier": it re-opens only after more failed probes than an upstream

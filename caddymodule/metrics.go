@@ -222,7 +222,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
 		metrics.saturation, metrics.signalState, metrics.scrapeDuration, metrics.scrapeErrors,
 		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases,
-		degradedTotal, tierObjectives, interEventGap} {
+		degradedTotal, tierObjectives, interEventGap, poolPanic, panicRequests} {
 		if err := register(reg, c); err != nil {
 			return err
 		}
