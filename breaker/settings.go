@@ -42,10 +42,14 @@ const MaxRetryAfter = 24 * time.Hour
 // above SlowTTFT (a slow call). Neutral outcomes are not counted at all, not
 // even as requests.
 type Settings struct {
-	// ConsecutiveFailures opens the breaker after this many failures in a
-	// row, with no success in between (gobreaker's ConsecutiveFailures,
-	// Envoy outlier detection's consecutive_5xx). Default 3; -1 disables
-	// the rule.
+	// ConsecutiveFailures is the hard-evidence rule (see Hard): the
+	// breaker opens after this many Down outcomes in a row with no sign of
+	// life between them (no success, no Live), or after this many failures
+	// of any kind in a row when no success or first token came within
+	// RatioWindow. Runs of failures amid successes never fire it: under
+	// uniform partial failure every upstream has them (gobreaker's
+	// ConsecutiveFailures and Envoy's consecutive_5xx fire on any run, and
+	// turn 50% success into 0%). Default 3; -1 disables the rule.
 	ConsecutiveFailures int
 
 	// Failures opens the breaker when this many failures fall within
@@ -69,8 +73,10 @@ type Settings struct {
 	// SlowRatio may fire. Default 20.
 	MinRequests int
 
-	// RatioWindow is the rolling window of FailureRatio and SlowRatio,
-	// kept as 10 buckets of RatioWindow/10. Default 30s.
+	// RatioWindow is the rolling window of FailureRatio and SlowRatio, of
+	// the counts a pool's outlier rules read (RatioCounts), and the window
+	// of "no success in the window" (ConsecutiveFailures); kept as 10
+	// buckets of RatioWindow/10. Default 30s.
 	RatioWindow time.Duration
 
 	// SlowTTFT makes a successful call whose time to first token is above

@@ -293,8 +293,8 @@ func writeSuiteSection(w io.Writer, run *suiteRun, m *SuiteMeta, plots map[strin
 			"`proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent` and `proxy_next_upstream_tries 4`; "+
 			"direct talks to one replica. Every scenario starts with fresh proxies. Cells: upstream attempts per client request (the mock's count) · share of "+
 			"requests that succeeded. Targets (issue 19): llm_proxy serves at least what direct serves less 5 points at every error rate, "+
-			"and sends at most 1 + ratio + floor attempts per request (its default budget: 0.1 of requests, plus 3 retries per second holding one second, "+
-			"so 1.1 + 3 × (1 + seconds) ÷ requests). nginx's servers have `max_fails=0` (with the default `max_fails=1 fail_timeout=10s` one 503 takes a server "+
+			"and sends at most 1 + ratio + floor attempts per request (its default budget: 0.1 of the requests in its 10 s window — this rate's and the "+
+			"previous rate's, which ran a moment before — plus 3 retries per second holding one second: 1 + 0.1 × (n + n_prev) ÷ n + 3 × (1 + seconds) ÷ n). nginx's servers have `max_fails=0` (with the default `max_fails=1 fail_timeout=10s` one 503 takes a server "+
 			"out for 10 s, and at any error rate here nginx soon refuses everything with 502 without an attempt).\n\n", run.S6.Upstream, run.S6.Rate, run.S6.Duration)
 		writeStormTable(w, run.S6)
 		if p := plots["amp"]; p != "" {

@@ -63,9 +63,11 @@ type StormPoint struct {
 	Upstream   int64   `json:"upstream_attempts"`
 	PerRequest float64 `json:"attempts_per_request"`
 	// Bound is the attempts per request that llm_proxy's default retry
-	// budget allows at this point: 1 + ratio + floor × (1 + duration in
-	// seconds) ÷ requests (the floor holds one second of retries and
-	// earns its rate per second).
+	// budget allows at this point: 1 + ratio × (requests + the previous
+	// rate's requests) ÷ requests + floor × (1 + duration in seconds) ÷
+	// requests. The rates follow each other within the budget's 10 s
+	// window, so the previous rate's requests still earn retries here;
+	// the floor holds one second of retries and earns its rate per second.
 	Bound float64 `json:"attempts_bound"`
 }
 
@@ -114,17 +116,19 @@ func runStormScenario(ctx context.Context, cfg *SuiteConfig) (*StormReport, erro
 			url = t.URL // direct: one replica, no one to retry
 		}
 		st := StormTarget{Name: t.Name}
+		var prev int64
 		for _, rate := range rep.Rates {
 			if ctx.Err() != nil {
 				break
 			}
-			pt, err := runStormPoint(ctx, client, cfg, url, rate, rep.Rate, rep.Duration)
+			pt, err := runStormPoint(ctx, client, cfg, url, rate, rep.Rate, rep.Duration, prev)
 			if err != nil {
 				return nil, fmt.Errorf("%s at error rate %g: %w", t.Name, rate, err)
 			}
 			suiteLog("S6 %s: error rate %3.0f%%: %.2f upstream attempts per request, %d/%d ok",
 				t.Name, 100*rate, pt.PerRequest, pt.OK, pt.Requests)
 			st.Points = append(st.Points, pt)
+			prev = pt.Requests
 		}
 		rep.Targets = append(rep.Targets, st)
 	}
@@ -142,7 +146,7 @@ func stormFault(rate float64) string {
 	return "status=503,fraction=" + strconv.FormatFloat(rate, 'g', -1, 64)
 }
 
-func runStormPoint(ctx context.Context, hc *http.Client, cfg *SuiteConfig, url string, rate, perSec float64, d time.Duration) (StormPoint, error) {
+func runStormPoint(ctx context.Context, hc *http.Client, cfg *SuiteConfig, url string, rate, perSec float64, d time.Duration, prev int64) (StormPoint, error) {
 	pt := StormPoint{Rate: rate, Outcomes: map[string]int64{}}
 	// Nothing of the previous point may still be in flight when the counts
 	// are reset.
@@ -173,7 +177,8 @@ func runStormPoint(ctx context.Context, hc *http.Client, cfg *SuiteConfig, url s
 	pt.Upstream = summarizeMock(cfg.Mock, fs).Requests
 	if pt.Requests > 0 {
 		pt.PerRequest = float64(pt.Upstream) / float64(pt.Requests)
-		pt.Bound = 1 + stormBudgetRatio + stormBudgetFloor*(1+d.Seconds())/float64(pt.Requests)
+		n := float64(pt.Requests)
+		pt.Bound = 1 + stormBudgetRatio*(n+float64(prev))/n + stormBudgetFloor*(1+d.Seconds())/n
 	}
 	return pt, nil
 }
