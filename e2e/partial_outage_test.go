@@ -181,8 +181,10 @@ func TestEveryReplicaDead(t *testing.T) {
 	if per := attempts / float64(len(rs)); per > 0.2 {
 		t.Errorf("%.2f attempts per request after discovery, want ≤ 0.2", per)
 	}
-	if unavailable != len(rs) {
-		t.Errorf("%d of %d requests answered 503, want all", unavailable, len(rs))
+	// Every request but those that went as a half-open probe (a 502 after
+	// the refused attempt) gets the gateway's 503 at once.
+	if float64(len(rs)-unavailable) > attempts {
+		t.Errorf("%d of %d requests answered 503 with %v attempts made, want all but the probes", unavailable, len(rs), attempts)
 	}
 }
 
