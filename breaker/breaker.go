@@ -466,6 +466,8 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 	switch fc := c.fails.sum(now).failures; {
 	case s.ConsecutiveFailures > 0 && hr >= s.ConsecutiveFailures:
 		why = fmt.Sprintf("%d consecutive connection failures or first-byte timeouts, no sign of life between them", hr)
+	case s.ConsecutiveFailures > 0 && s.AnyRun && n >= s.ConsecutiveFailures:
+		why = fmt.Sprintf("%d consecutive failures", n)
 	case s.ConsecutiveFailures > 0 && silent && n >= s.ConsecutiveFailures:
 		why = fmt.Sprintf("%d consecutive failures, no success within %s", n, s.RatioWindow)
 	case s.Failures > 0 && fc >= s.Failures:

@@ -52,6 +52,12 @@ type Settings struct {
 	// turn 50% success into 0%). Default 3; -1 disables the rule.
 	ConsecutiveFailures int
 
+	// AnyRun makes ConsecutiveFailures fire on any run of failures, amid
+	// successes or not, as plain breakers do. For breakers whose failures
+	// are not a sample of a pool of interchangeable servers: the tenant
+	// breakers (admission/) set it. Default false.
+	AnyRun bool
+
 	// Failures opens the breaker when this many failures fall within
 	// FailuresWindow (e.g. 10 within 30s), whatever the successes in
 	// between. 0 (the default) disables the rule.
