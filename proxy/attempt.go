@@ -3,7 +3,6 @@ package proxy
 import (
 	"context"
 	"errors"
-	"slices"
 	"time"
 )
 
@@ -24,21 +23,20 @@ func (x *exchange) attempt() *attempt {
 		rc.counted = x.rc.counted // the ladder's earlier pools
 	}
 	x.rc = rc
-	// A request earns retry and hedge capacity once per pool: a request
-	// the ladder brings back to the primary (backToPrimary) is not a new
-	// request there.
-	first := !slices.Contains(rc.counted, pool)
-	if first {
-		rc.counted = append(rc.counted, pool)
+	// A request earns retry and hedge capacity once per budget and cap: a
+	// request the ladder brings back to the primary (backToPrimary), or
+	// sends to a fallback pool that shares the primary's budget (the same
+	// upstreams), is not a new request there.
+	if r := pool.Retries; r != nil && !rc.counted.has(r) {
+		rc.counted = append(rc.counted, r)
+		r.Request()
 	}
-	if pool.Retries != nil && first {
-		pool.Retries.Request()
-	}
-	if pool.Hedging != nil {
-		if first {
-			pool.Hedging.Request()
+	if h := pool.Hedging; h != nil {
+		if !rc.counted.has(h) {
+			rc.counted = append(rc.counted, h)
+			h.Request()
 		}
-		rc.hedgeDelay, rc.hedging = pool.Hedging.Delay(x.res.Info)
+		rc.hedgeDelay, rc.hedging = h.Delay(x.res.Info)
 	}
 	if rc.hedging {
 		// Armed by each primary when it starts (launch), not here.
@@ -118,9 +116,33 @@ type race struct {
 	// primaryClosed is whether the latest non-hedge attempt's upstream had
 	// a closed breaker; a sick primary is never hedged.
 	primaryClosed bool
-	// counted lists the pools whose budget and hedge cap have counted
+	// counted lists the retry budgets and hedge caps that have counted
 	// this request (Request), carried from race to race of one exchange.
-	counted []*Pool
+	counted counted
+}
+
+// counted is a short list of the Retries and Hedging values a request was
+// counted by, compared by identity (implementations are pointers, as
+// upstream's are; a value that is not comparable is never deduplicated).
+type counted []any
+
+func (c counted) has(v any) bool {
+	for _, o := range c {
+		if sameValue(o, v) {
+			return true
+		}
+	}
+	return false
+}
+
+// sameValue is o == v, false where == would panic (non-comparable values).
+func sameValue(o, v any) (same bool) {
+	defer func() {
+		if recover() != nil {
+			same = false
+		}
+	}()
+	return o == v
 }
 
 // launch starts an attempt on up. A primary gets its own hedge delay,

@@ -103,3 +103,24 @@ func TestHedgeNotChargedWithoutAnUpstream(t *testing.T) {
 		t.Fatalf("hedge cap charged %d, budget %d, with no upstream for the hedge; want 0 and 0", h, r)
 	}
 }
+
+// Each request is counted once by a budget: the primary fails, the ladder
+// takes the request to a fallback pool that shares the primary's budget
+// (the same upstreams, another model), which fails too. The budget saw one
+// request, not two.
+func TestRequestCountedOncePerBudget(t *testing.T) {
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, failing(503))
+	rs := &countingRetries{}
+	f := Fallback{Model: "llama-8b"}
+	f.Retries = rs
+	p, _ := fallbackProxy(t, Config{MaxAttempts: 2, Retries: rs}, f, []*upstream{primary}, small)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, post(`{"model":"llama-70b","stream":true}`))
+	if res.Fallback != "small" || primary.calls.Load() == 0 || small.calls.Load() == 0 {
+		t.Fatalf("result %+v, calls %d/%d: want both pools tried", res, primary.calls.Load(), small.calls.Load())
+	}
+	if n := rs.requests.Load(); n != 1 {
+		t.Fatalf("the shared budget counted %d requests for one client request, want 1", n)
+	}
+}
