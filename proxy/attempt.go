@@ -184,11 +184,15 @@ func (rc *race) disarmHedge() {
 // returns the failure to report at once.
 //
 // The budget is charged only once an upstream has been picked for the
-// retry, right before it starts: a retry that finds no upstream (every
-// breaker open, every slot taken) costs the budget nothing, so a failing
-// pool that refuses requests does not drain the budget that its recovery
-// needs. A budget that is already spent (RetryAvailable) stops the retry
-// before any backoff, so the client gets its error at once.
+// retry: a retry that finds no upstream (every breaker open, every slot
+// taken) costs the budget nothing, so a failing pool that refuses requests
+// does not drain the budget its recovery needs. It is charged before the
+// backoff, so that a refused retry never sleeps: the client gets its error
+// at once. The picked upstream is given back during the backoff and picked
+// again after it; if none can be had then, the charge stays (an upstream
+// was there when it was made, as with a request cancelled in its backoff).
+// When every upstream asked for a short pause (Retry-After), the retry
+// waits for the earliest first and is charged once it has an upstream.
 func (rc *race) retry() *failure {
 	x, retries, last := rc.x, rc.pool.Retries, rc.last
 	stop := &failure{last: last}
@@ -223,7 +227,14 @@ func (rc *race) retry() *failure {
 		if up, err = rc.pick(false); err != nil {
 			return stop
 		}
+		if !rc.charge(up) {
+			return stop
+		}
 	} else if retries != nil {
+		// An upstream will be attempted: now the retry is charged.
+		if !rc.charge(up) {
+			return stop
+		}
 		// Going back to the upstream that asked for a pause (the only one,
 		// or breakers off): honour its Retry-After if it fits, else stop.
 		var retryAfter time.Duration
@@ -247,17 +258,22 @@ func (rc *race) retry() *failure {
 			}
 		}
 	}
-	// An upstream will be attempted: now the retry is charged.
-	if retries != nil && !retries.TryRetry() {
-		release(up)
-		x.p.obs.RetryBudgetExhausted()
-		return stop
-	}
 	x.p.obs.Retry(last.up.Addr, last.outcome)
 	rc.retries++
 	x.res.Retries = rc.retries
 	rc.launch(up, false)
 	return nil
+}
+
+// charge charges the retry budget for a retry on up, the upstream picked
+// for it; when the budget refuses it gives up back and reports false.
+func (rc *race) charge(up Upstream) bool {
+	if rc.pool.Retries == nil || rc.pool.Retries.TryRetry() {
+		return true
+	}
+	release(up)
+	rc.x.p.obs.RetryBudgetExhausted()
+	return false
 }
 
 // RetryPeeker is implemented by a Retries that can tell, without charging
