@@ -252,6 +252,8 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		"llm_proxy 127.0.0.1:9000 {\n saturation {\n  trip off\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n fallback small {\n  to 127.0.0.1:9001\n  model llama-8b\n  context_window 8192\n  max_output_tokens 4096\n  when unavailable saturated\n  tiers free batch\n  capacity 4\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n fallback a {\n  dynamic a small.internal 8000\n }\n fallback b {\n  to 127.0.0.1:9002\n }\n}",
+		"llm_proxy 127.0.0.1:9000 127.0.0.1:9001 {\n breaker {\n  max_ejection 0.5\n  panic_threshold off\n }\n}",
+		"llm_proxy 127.0.0.1:9000 {\n breaker {\n  panic_threshold 0.25\n }\n}",
 	}
 	for _, s := range seeds {
 		f.Add(s)
@@ -272,6 +274,9 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 			if err := fc.check(); err != nil {
 				t.Fatalf("accepted a fallback that Provision refuses: %v", err)
 			}
+		}
+		if err := h.Breaker.validate(); err != nil {
+			t.Fatalf("accepted a breaker block that Validate refuses: %v", err)
 		}
 	})
 }
