@@ -449,9 +449,13 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 	c.fails.record(now, true, false)
 	b.lastFailure, b.lastFailureAt = reason, now
 	silent := !b.lifeWithin(now, s.RatioWindow)
-	if b.fleet != nil {
-		// The fleet applies its rules to the fleet's counts of every
-		// failure (not yet told hard from statistical evidence).
+	if b.fleet != nil && (down || silent || s.AnyRun) {
+		// Only what may be hard evidence is the fleet's business: its
+		// rules count runs of failures, and a run amid this gateway's
+		// successes is no outage (under uniform partial failure every
+		// gateway sees such runs). Down outcomes and failures with no
+		// success in the window are reported; the tenant breakers
+		// (AnyRun) report every failure.
 		b.fleet.Failure(b.key, s, now, reason)
 		// A fleet that opens key on this failure pushes to this breaker
 		// too: apply it now, rather than tripping locally on top of it.
@@ -515,8 +519,11 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 	}
 	c := b.cfg.Load()
 	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
-	if o == Success && !slow {
-		b.lastLife.Store(b.mono(now))
+	if o == Success {
+		b.hardRun.Store(0)
+		if !slow {
+			b.lastLife.Store(b.mono(now))
+		}
 	}
 	switch {
 	case o == Neutral:
@@ -719,6 +726,7 @@ func (b *Breaker) setGateLocked() {
 func (b *Breaker) closeLocked(now time.Time, reason string, reset, publish bool) {
 	b.cfg.Store(b.cfg.Load().fresh(now))
 	b.consec.Store(0)
+	b.hardRun.Store(0)
 	b.reopens = 0
 	b.probes = b.probes[:0]
 	b.successes = 0

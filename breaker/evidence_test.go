@@ -225,3 +225,21 @@ func TestFirstTripsSpreadOverTheJitterRange(t *testing.T) {
 		}
 	}
 }
+
+// A breaker that recovered starts a new run of Down outcomes from zero: the
+// run that opened it does not carry over into the closed state.
+func TestRecoveryResetsTheDownRun(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.calls(down, down, down)
+	f.wantState(breaker.Open)
+	f.clk.Advance(f.openFor())
+	for range 2 {
+		p := f.probe()
+		p.Done(ok, 0, "")
+	}
+	f.wantState(breaker.Closed)
+	f.calls(down, down)
+	f.wantState(breaker.Closed)
+	f.calls(down)
+	f.wantState(breaker.Open)
+}

@@ -75,6 +75,17 @@ func (f *fixture) fail(n int) {
 	}
 }
 
+// down runs n calls that end Down (connection refused): hard evidence,
+// which a Fleet is told of whatever the successes before.
+func (f *fixture) down(n int) {
+	f.t.Helper()
+	for range n {
+		if !f.call(breaker.Down, 0) {
+			f.t.Fatalf("Allow refused in %s", f.b.State())
+		}
+	}
+}
+
 func (f *fixture) succeed(n int) {
 	f.t.Helper()
 	for range n {

@@ -82,7 +82,7 @@ func (g *gateway) call(key string, o breaker.Outcome) {
 func (g *gateway) fail(key string, n int) {
 	g.t.Helper()
 	for range n {
-		g.call(key, breaker.Failure)
+		g.call(key, breaker.Down) // hard evidence: the fleet is told
 	}
 }
 
