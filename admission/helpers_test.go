@@ -160,7 +160,7 @@ func newCtl(t testing.TB, cfg Config) (*Controller, *fakeClock, *recObserver) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.rand = func() float64 { return 0.5 }
+	c.rand = func() float64 { return 0 }
 	return c, clk, obs
 }
 

@@ -57,6 +57,9 @@ func tenantBreakerSettings(t *Tier) (s *breaker.Settings, slowRatio bool) {
 		bs = *t.Breaker
 	}
 	bs.SlowTTFT = 0
+	// A tenant's own failures are no sample of a pool: any run of them
+	// trips, amid successes or not.
+	bs.AnyRun = true
 	if bs.SlowRatio > 0 && t.hasSLO() {
 		bs.SlowTTFT = slowMark
 		slowRatio = true

@@ -38,7 +38,8 @@ func WithClock(c Clock) Option {
 
 // WithRand sets the source of the cooldown jitter: a function returning
 // values in [0, 1), safe for concurrent use (default math/rand/v2.Float64).
-// 0.5 means no jitter; 0 and 1 are the ends of ±OpenJitter.
+// 0 means no jitter (the cooldown's base); values toward 1 lengthen it up
+// to +2 × OpenJitter (see cooldownLocked). A value outside [0, 1) counts as 0.
 func WithRand(f func() float64) Option {
 	return func(o *options) {
 		if f != nil {
@@ -71,7 +72,7 @@ type config struct {
 	s     Settings // effective: defaults applied, invalid values replaced
 	raw   Settings // as given, for fresh
 	fails *window  // FailuresWindow; failures only (recorded under the lock)
-	ratio *window  // RatioWindow; nil unless FailureRatio or SlowRatio is on
+	ratio *window  // RatioWindow: every success and failure (RatioCounts)
 }
 
 func newConfig(raw Settings, now time.Time, old *config) *config {
@@ -81,12 +82,12 @@ func newConfig(raw Settings, now time.Time, old *config) *config {
 	} else {
 		c.fails = newWindow(now, c.s.FailuresWindow)
 	}
-	if c.s.FailureRatio > 0 || c.s.SlowRatio > 0 {
-		if old != nil && old.ratio != nil && old.s.RatioWindow == c.s.RatioWindow {
-			c.ratio = old.ratio
-		} else {
-			c.ratio = newWindow(now, c.s.RatioWindow)
-		}
+	// The ratio window is always kept: the pool's outlier rules read it
+	// (RatioCounts) whatever the breaker's own rules.
+	if old != nil && old.s.RatioWindow == c.s.RatioWindow {
+		c.ratio = old.ratio
+	} else {
+		c.ratio = newWindow(now, c.s.RatioWindow)
 	}
 	return c
 }
@@ -116,7 +117,18 @@ type Breaker struct {
 	// recovery is by Observe only: Allow and AllowProbe refuse without the
 	// lock while it is set. Written under mu, before the word.
 	observed atomic.Bool
-	cfg      atomic.Pointer[config]
+	// evidence (Open, HalfOpen) is the Evidence that holds it, written
+	// under mu with every open.
+	evidence atomic.Uint32
+	// lastLife is the time of the last success or first token (Live), in
+	// nanoseconds since base; noLife before any.
+	lastLife atomic.Int64
+	// hardRun is the current run of Down outcomes since the last sign of
+	// life or answer.
+	hardRun atomic.Int64
+	// peer is the pool's failure ratio (SetPeerRatio), as float64 bits.
+	peer atomic.Uint64
+	cfg  atomic.Pointer[config]
 	// dirty is the flag Join returned: key's fleet consecutive count may
 	// be non-zero, so a success must tell the fleet. It points to
 	// notDirty (never set) without a fleet, so the success path reads one
@@ -153,6 +165,7 @@ type Breaker struct {
 	probes        []probe
 	lastProbe     uint64
 	successes     int
+	probeFails    int // failed probes tolerated in this half-open
 	lastFailure   string
 	lastFailureAt time.Time
 	pending       []Transition
@@ -184,6 +197,7 @@ func New(key string, s Settings, opts ...Option) *Breaker {
 		since:    now,
 	}
 	b.cfg.Store(newConfig(s, now, nil))
+	b.lastLife.Store(noLife)
 	b.joinFleet()
 	if b.store != nil {
 		b.mu.Lock()
@@ -217,10 +231,11 @@ func (b *Breaker) mono(t time.Time) int64 { return int64(t.Sub(b.base)) }
 // looking at ok. Do not copy a permit that is in use: Done is idempotent per
 // copy.
 type Permit struct {
-	b     *Breaker
-	word  uint64 // the state word it was issued under
-	probe uint64 // probe id; 0 for a closed-state permit
-	done  bool
+	b         *Breaker
+	word      uint64 // the state word it was issued under
+	probe     uint64 // probe id; 0 for a closed-state permit
+	synthetic bool   // from AllowProbe: the gateway's own probe
+	done      bool
 }
 
 // Probe reports whether the permit is a half-open probe, whose outcome
@@ -289,10 +304,10 @@ func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
 	case stateOf(w) == Open:
 		if !b.forever && t >= b.gate.Load() {
 			b.halfOpenLocked(now)
-			p, ok = b.takeProbeLocked(now)
+			p, ok = b.takeProbeLocked(now, synthetic)
 		}
 	case stateOf(w) == HalfOpen:
-		p, ok = b.takeProbeLocked(now)
+		p, ok = b.takeProbeLocked(now, synthetic)
 	}
 	b.unlock()
 	return p, ok
@@ -301,11 +316,12 @@ func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
 // halfOpenLocked moves an open breaker whose cooldown is over to HalfOpen.
 func (b *Breaker) halfOpenLocked(now time.Time) {
 	b.forced = false
+	b.probeFails = 0
 	b.toLocked(HalfOpen, now, fmt.Sprintf("cooldown over after %s", now.Sub(b.openedAt)))
 }
 
 // takeProbeLocked hands out a probe permit if a slot is free.
-func (b *Breaker) takeProbeLocked(now time.Time) (Permit, bool) {
+func (b *Breaker) takeProbeLocked(now time.Time, synthetic bool) (Permit, bool) {
 	c := b.cfg.Load()
 	if len(b.probes) >= c.s.HalfOpenProbes {
 		return Permit{}, false
@@ -313,7 +329,7 @@ func (b *Breaker) takeProbeLocked(now time.Time) (Permit, bool) {
 	b.lastProbe++
 	b.probes = append(b.probes, probe{id: b.lastProbe, deadline: now.Add(c.s.ProbeTimeout)})
 	b.updateBusyLocked()
-	return Permit{b: b, word: b.word.Load(), probe: b.lastProbe}, true
+	return Permit{b: b, word: b.word.Load(), probe: b.lastProbe, synthetic: synthetic}, true
 }
 
 // updateBusyLocked publishes until when Allow may refuse without the lock.
@@ -351,7 +367,7 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 	}
 	p.done = true
 	if p.probe != 0 {
-		b.doneProbe(p.word, p.probe, o, ttft, reason)
+		b.doneProbe(p.word, p.probe, p.synthetic, o, ttft, reason)
 		return
 	}
 	if o == Neutral || b.word.Load() != p.word {
@@ -359,20 +375,29 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 	}
 	c := b.cfg.Load()
 	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
-	if o == Success && !slow {
-		// The hot path: no lock; two atomic adds at most.
-		if c.ratio != nil {
-			c.ratio.record(b.clock.Now(), false, false)
+	if o == Success {
+		// The server answered: a run of Down outcomes ends. A slow call
+		// is a failure for the rules, so only a timely success dates the
+		// last success (a first token, slow or not, does through Live).
+		now := b.clock.Now()
+		if b.hardRun.Load() != 0 {
+			b.hardRun.Store(0)
 		}
-		if b.consec.Load() != 0 {
-			b.consec.Store(0)
+		if !slow {
+			b.lastLife.Store(b.mono(now))
+			// The hot path: no lock; one atomic add, and stores only
+			// where a run of failures ends.
+			c.ratio.record(now, false, false)
+			if b.consec.Load() != 0 {
+				b.consec.Store(0)
+			}
+			if b.dirty.Load() {
+				b.fleet.Success(b.key) // ends the fleet's run; rare
+			}
+			return
 		}
-		if b.dirty.Load() {
-			b.fleet.Success(b.key) // ends the fleet's run; rare
-		}
-		return
 	}
-	b.doneFailure(p.word, slow, ttft, reason)
+	b.doneFailure(p.word, slow, o == Down, ttft, reason)
 }
 
 // failureReason composes the reason recorded for a failure.
@@ -391,8 +416,20 @@ func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) strin
 }
 
 // doneFailure records a failure (or slow call) of a closed-state permit and
-// trips the breaker if a rule fires.
-func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason string) {
+// trips the breaker if a rule fires; down marks a Down outcome. The rules,
+// in order (DESIGN §4, hard and statistical evidence):
+//
+//   - hard: ConsecutiveFailures Down outcomes in a row with no sign of life
+//     or answer between them (a dead or hanging server), or ConsecutiveFailures
+//     failures of any kind in a row with no success or first token within
+//     RatioWindow (a server that fails everything);
+//   - statistical: the Failures, FailureRatio and SlowRatio rules when
+//     configured. The pool adds its own (Eject).
+//
+// Failures amid successes never trip the ConsecutiveFailures rule: under
+// uniform partial failure every upstream has runs of failures, and opening
+// on them turns 50% success into 0%.
+func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, reason string) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -400,40 +437,56 @@ func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason st
 		return
 	}
 	c := b.cfg.Load()
-	reason = failureReason(slow, ttft, c.s.SlowTTFT, reason)
+	s := c.s
+	reason = failureReason(slow, ttft, s.SlowTTFT, reason)
 	n := int(b.consec.Add(1))
+	hr := 0
+	if down {
+		hr = int(b.hardRun.Add(1))
+	} else {
+		b.hardRun.Store(0) // the server answered
+	}
 	c.fails.record(now, true, false)
 	b.lastFailure, b.lastFailureAt = reason, now
-	if b.fleet != nil {
-		b.fleet.Failure(b.key, c.s, now, reason)
+	silent := !b.lifeWithin(now, s.RatioWindow)
+	if b.fleet != nil && (down || silent || s.AnyRun) {
+		// Only what may be hard evidence is the fleet's business: its
+		// rules count runs of failures, and a run amid this gateway's
+		// successes is no outage (under uniform partial failure every
+		// gateway sees such runs). Down outcomes and failures with no
+		// success in the window are reported; the tenant breakers
+		// (AnyRun) report every failure.
+		b.fleet.Failure(b.key, s, now, reason)
 		// A fleet that opens key on this failure pushes to this breaker
 		// too: apply it now, rather than tripping locally on top of it.
 		if b.applyPushesLocked(); b.word.Load() != w {
 			return
 		}
 	}
-	var rc counts
-	if c.ratio != nil {
-		c.ratio.record(now, true, slow)
-		rc = c.ratio.sum(now)
-	}
-	s := c.s
+	c.ratio.record(now, true, slow)
+	rc := c.ratio.sum(now)
 	var why string
+	ev := Hard
 	switch fc := c.fails.sum(now).failures; {
-	case s.ConsecutiveFailures > 0 && n >= s.ConsecutiveFailures:
+	case s.ConsecutiveFailures > 0 && hr >= s.ConsecutiveFailures:
+		why = fmt.Sprintf("%d consecutive connection failures or first-byte timeouts, no sign of life between them", hr)
+	case s.ConsecutiveFailures > 0 && s.AnyRun && n >= s.ConsecutiveFailures:
 		why = fmt.Sprintf("%d consecutive failures", n)
+	case s.ConsecutiveFailures > 0 && silent && n >= s.ConsecutiveFailures:
+		why = fmt.Sprintf("%d consecutive failures, no success within %s", n, s.RatioWindow)
 	case s.Failures > 0 && fc >= s.Failures:
-		why = fmt.Sprintf("%d failures within %s", fc, s.FailuresWindow)
+		why, ev = fmt.Sprintf("%d failures within %s", fc, s.FailuresWindow), Statistical
 	case s.FailureRatio > 0 && rc.requests >= s.MinRequests &&
 		float64(rc.failures) >= s.FailureRatio*float64(rc.requests):
-		why = fmt.Sprintf("failure ratio %d/%d ≥ %g within %s", rc.failures, rc.requests, s.FailureRatio, s.RatioWindow)
+		why, ev = fmt.Sprintf("failure ratio %d/%d ≥ %g within %s", rc.failures, rc.requests, s.FailureRatio, s.RatioWindow), Statistical
 	case s.SlowRatio > 0 && rc.requests >= s.MinRequests &&
 		float64(rc.slow) >= s.SlowRatio*float64(rc.requests):
-		why = fmt.Sprintf("slow call ratio %d/%d ≥ %g within %s", rc.slow, rc.requests, s.SlowRatio, s.RatioWindow)
+		why, ev = fmt.Sprintf("slow call ratio %d/%d ≥ %g within %s", rc.slow, rc.requests, s.SlowRatio, s.RatioWindow), Statistical
 	}
 	if why != "" {
 		why += "; last: " + reason
 		b.openLocked(now, now.Add(b.cooldownLocked()), true, false, why)
+		b.evidence.Store(uint32(ev))
 		if b.fleet != nil {
 			// The fleet decides from the fleet's counts (Fleet.Failure);
 			// this verdict protects this gateway alone.
@@ -449,7 +502,15 @@ func (b *Breaker) doneFailure(w uint64, slow bool, ttft time.Duration, reason st
 }
 
 // doneProbe records the outcome of a half-open probe.
-func (b *Breaker) doneProbe(w, id uint64, o Outcome, ttft time.Duration, reason string) {
+//
+// Recovery is judged against the pool: a Down outcome or a failed synthetic
+// probe re-opens at once (hard evidence, cooldown grown); a user probe that
+// the upstream answered with an error is tolerated while the failures stay
+// within what an upstream failing like its pool would give before
+// RecoverySuccesses successes (allowedProbeFailures of PeerRatio), so that
+// under uniform failure a half-open upstream closes instead of flapping.
+// In a healthy pool (PeerRatio 0) the first failure re-opens, as before.
+func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.Duration, reason string) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -458,12 +519,31 @@ func (b *Breaker) doneProbe(w, id uint64, o Outcome, ttft time.Duration, reason 
 	}
 	c := b.cfg.Load()
 	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
+	if o == Success {
+		b.hardRun.Store(0)
+		if !slow {
+			b.lastLife.Store(b.mono(now))
+		}
+	}
 	switch {
 	case o == Neutral:
-	case o == Failure || slow:
+	case o == Down || (synthetic && (o == Failure || slow)):
 		reason = failureReason(slow, ttft, c.s.SlowTTFT, reason)
 		b.probeFailedLocked(now, "probe failed: "+reason)
 		return
+	case o == Failure || slow:
+		b.probeFails++
+		if allowed := allowedProbeFailures(b.PeerRatio(), c.s.RecoverySuccesses); b.probeFails > allowed {
+			reason = "probe failed: " + failureReason(slow, ttft, c.s.SlowTTFT, reason)
+			if allowed > 0 {
+				reason = fmt.Sprintf("%d probes failed, more than the %d its pool's failure ratio %.2f explains; last: %s",
+					b.probeFails, allowed, b.PeerRatio(), reason)
+			}
+			ev := b.evidence.Load()
+			b.probeFailedLocked(now, reason)
+			b.evidence.Store(ev) // still what it was: an outlier, or down
+			return
+		}
 	default:
 		b.successes++
 		if b.fleet != nil && !b.local && !b.observed.Load() {
@@ -551,22 +631,31 @@ func (b *Breaker) recoveredLocked(last string) string {
 	return r
 }
 
-// cooldownLocked is min(OpenFor × 2^reopens, MaxOpen), jittered by
-// ±OpenJitter, capped by MaxOpen.
+// cooldownLocked is the jittered cooldown of an open: the base is
+// min(OpenFor × 2^reopens, MaxOpen), raised to MinOpen, and the jitter
+// spreads it upward over [base, base × (1 + 2 × OpenJitter)), so that
+// MinOpen never cancels it (with the default OpenFor = MinOpen = 10s a
+// symmetric jitter clamped at MinOpen put half of all first trips at
+// exactly 10s). Near MaxOpen the range slides down to
+// [MaxOpen × (1 − OpenJitter), MaxOpen), never below MinOpen.
 func (b *Breaker) cooldownLocked() time.Duration {
 	s := b.cfg.Load().s
 	d := s.OpenFor
 	for i := 0; i < b.reopens && d < s.MaxOpen; i++ {
 		d *= 2
 	}
-	d = min(d, s.MaxOpen)
-	// Jitter after the cap too, so that a fleet at the cap stays spread.
+	floor := max(s.MinOpen, 0)
+	lo := max(min(d, s.MaxOpen), floor)
+	hi := time.Duration(float64(lo) * (1 + 2*OpenJitter))
+	if hi > s.MaxOpen {
+		hi = max(s.MaxOpen, lo)
+		lo = max(min(lo, time.Duration(float64(hi)*(1-OpenJitter))), floor)
+	}
 	r := b.rand()
 	if !(r >= 0 && r < 1) {
-		r = 0.5
+		r = 0
 	}
-	d = time.Duration(float64(d) * (1 + OpenJitter*(2*r-1)))
-	return min(d, s.MaxOpen)
+	return lo + time.Duration(r*float64(hi-lo))
 }
 
 // openLocked moves the breaker to Open until `until` (zero: forced open
@@ -584,6 +673,13 @@ func (b *Breaker) openLocked(now, until time.Time, useMinOpen, observed bool, re
 	b.forced, b.forever = forever, forever
 	b.local = false
 	b.observed.Store(observed)
+	// Callers with statistical evidence say so after; an observed trip
+	// has its own mark (Observed).
+	if observed {
+		b.evidence.Store(uint32(EvidenceNone))
+	} else {
+		b.evidence.Store(uint32(Hard))
+	}
 	b.setGateLocked()
 	b.probes = b.probes[:0]
 	b.successes = 0
@@ -630,12 +726,15 @@ func (b *Breaker) setGateLocked() {
 func (b *Breaker) closeLocked(now time.Time, reason string, reset, publish bool) {
 	b.cfg.Store(b.cfg.Load().fresh(now))
 	b.consec.Store(0)
+	b.hardRun.Store(0)
 	b.reopens = 0
 	b.probes = b.probes[:0]
 	b.successes = 0
+	b.probeFails = 0
 	b.forced, b.forever = false, false
 	b.local = false
 	b.observed.Store(false)
+	b.evidence.Store(uint32(EvidenceNone))
 	b.openedAt, b.openUntil, b.minOpenUntil, b.useMinOpen = time.Time{}, time.Time{}, time.Time{}, false
 	b.busyUntil.Store(0)
 	if reset {
@@ -674,6 +773,9 @@ func (b *Breaker) toLocked(st State, now time.Time, reason string) {
 	}
 	if st == Open {
 		t.OpenUntil = b.gateTimeLocked()
+	}
+	if st != Closed {
+		t.Evidence = Evidence(b.evidence.Load())
 	}
 	b.pending = append(b.pending, t)
 }
@@ -876,6 +978,7 @@ func (b *Breaker) ForceOpen(d time.Duration, reason string) {
 	b.forced, b.forever, b.useMinOpen = true, d <= 0, false
 	b.local = false
 	b.observed.Store(false)
+	b.evidence.Store(uint32(Hard))
 	b.openedAt, b.openUntil, b.minOpenUntil = now, until, now
 	b.setGateLocked()
 	b.probes = b.probes[:0]
@@ -951,13 +1054,18 @@ func (b *Breaker) Snapshot() Snapshot {
 		Local:               b.local,
 		ProbesInFlight:      len(b.probes),
 		ProbeSuccesses:      b.successes,
+		ProbeFailures:       b.probeFails,
+		PeerRatio:           b.PeerRatio(),
 		Reopens:             b.reopens,
 		LastFailure:         b.lastFailure,
 		LastFailureAt:       b.lastFailureAt,
 	}
-	if c.ratio != nil {
+	if c.s.FailureRatio > 0 || c.s.SlowRatio > 0 {
 		rc := c.ratio.sum(now)
 		snap.RequestsInWindow, snap.SlowInWindow = rc.requests, rc.slow
+	}
+	if snap.State != Closed {
+		snap.Evidence = Evidence(b.evidence.Load())
 	}
 	if snap.State == Open {
 		snap.OpenUntil = b.gateTimeLocked()

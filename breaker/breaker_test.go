@@ -44,7 +44,9 @@ func TestCooldownGrowsAndIsCapped(t *testing.T) {
 	s := breaker.Settings{OpenFor: 10 * time.Second, MaxOpen: 100 * time.Second, MinOpen: -1}
 	f := newFixture(t, s)
 	f.fail(3)
-	want := []time.Duration{10, 20, 40, 80, 100, 100}
+	// At the cap the jitter range is [80% of MaxOpen, MaxOpen): no jitter
+	// (rand 0) is its low end.
+	want := []time.Duration{10, 20, 40, 80, 80, 80}
 	for i, w := range want {
 		got := f.openFor()
 		if got != w*time.Second {
@@ -69,6 +71,7 @@ func TestCooldownGrowsAndIsCapped(t *testing.T) {
 		p.Done(breaker.Success, 0, "")
 	}
 	f.wantState(breaker.Closed)
+	f.clk.Advance(31 * time.Second) // the probes' successes leave the window
 	f.fail(3)
 	if got := f.openFor(); got != 10*time.Second {
 		t.Fatalf("cooldown after recovery = %s, want 10s", got)
@@ -82,12 +85,12 @@ func TestCooldownJitter(t *testing.T) {
 		reopens int
 		want    time.Duration
 	}{
-		{"low end is -20%", 0, 0, 8 * time.Second},
-		{"middle is exact", 0.5, 0, 10 * time.Second},
-		{"high end is +20%", 0.75, 0, 11 * time.Second},
-		{"jitter applies to grown cooldown", 0, 2, 32 * time.Second},
-		{"jitter above the cap is capped", 0.99, 5, 60 * time.Second},
-		{"jitter below the cap still jitters", 0, 5, 48 * time.Second},
+		{"low end is the base", 0, 0, 10 * time.Second},
+		{"middle is +20%", 0.5, 0, 12 * time.Second},
+		{"high end approaches +40%", 0.75, 0, 13 * time.Second},
+		{"jitter applies to grown cooldown", 0, 2, 40 * time.Second},
+		{"near the cap the range slides down to end at it", 0.99, 5, 59880 * time.Millisecond},
+		{"near the cap the low end is 80% of it", 0, 5, 48 * time.Second},
 		{"out-of-range rand means no jitter", 7, 0, 10 * time.Second},
 	}
 	for _, tt := range tests {
@@ -115,10 +118,10 @@ func TestCooldownJitter(t *testing.T) {
 }
 
 func TestFirstOpenIsJitteredToo(t *testing.T) {
-	f := newFixture(t, breaker.Settings{MinOpen: -1}, breaker.WithRand(func() float64 { return 0 }))
+	f := newFixture(t, breaker.Settings{MinOpen: -1}, breaker.WithRand(func() float64 { return 0.75 }))
 	f.fail(3)
-	if got := f.openFor(); got != 8*time.Second {
-		t.Fatalf("first cooldown = %s, want 8s (10s -20%%)", got)
+	if got := f.openFor(); got != 13*time.Second {
+		t.Fatalf("first cooldown = %s, want 13s (10s +30%%)", got)
 	}
 }
 
@@ -606,7 +609,7 @@ func TestListenerGetsEachTransitionOnce(t *testing.T) {
 		openUntil       time.Duration
 	}
 	want := []tr{
-		{breaker.Closed, breaker.Open, 0, "3 consecutive failures; last: failure", 3, 3, 10 * time.Second},
+		{breaker.Closed, breaker.Open, 0, "3 consecutive failures, no success within 30s; last: failure", 3, 3, 10 * time.Second},
 		{breaker.Open, breaker.HalfOpen, 10 * time.Second, "cooldown over after 10s", 3, 3, -1},
 		{breaker.HalfOpen, breaker.Open, 10 * time.Second, "probe failed: http 502", 4, 4, 30 * time.Second},
 		// The 3 failures at t0 have left the 30s window (3s buckets).

@@ -11,8 +11,20 @@
 //	HalfOpen --RecoverySuccesses probe successes--------->  Closed
 //	HalfOpen --a probe fails, is slow or times out------->  Open (cooldown ×2)
 //
+// Evidence (DESIGN §4). A breaker opens on hard evidence that its upstream
+// is down or hanging (a run of Down outcomes with no sign of life between
+// them, failures with no success in the window, a failed synthetic probe,
+// Retry-After, an operator) or on statistical evidence that it fails more
+// than it should (its own ratio rules, or its pool's outlier rules through
+// Eject). Evidence says which; a pool routes over statistically held
+// upstreams when too few remain (the panic rule, in upstream/). In
+// HalfOpen a probe the upstream answered with an error is tolerated while
+// the failures stay within what its pool's failure ratio (SetPeerRatio)
+// explains, so that under uniform failure recovery does not flap.
+//
 // A breaker trips in one of two ways, into the same state machine (the same
-// cooldown, OpenFor × 2^reopens capped by MaxOpen and jittered, and MinOpen):
+// cooldown, max(OpenFor × 2^reopens capped by MaxOpen, MinOpen), jittered
+// upward):
 //
 //   - On errors, seen in user traffic: the trip rules of Settings, which are
 //     consecutive failures, N failures within a duration, failure ratio over a

@@ -21,7 +21,9 @@ import (
 //     fleet consecutive count may be non-zero (after any gateway's failure;
 //     at the least after this one's) and clears when the count is zero.
 //   - Failure is called for every failure the breaker records while closed
-//     (slow calls too), under the breaker's lock, with the breaker's
+//     that may be hard evidence (a Down outcome, or a failure with no
+//     success or first token within RatioWindow; every failure of an
+//     AnyRun breaker), under the breaker's lock, with the breaker's
 //     effective settings (the fleet applies the ConsecutiveFailures and
 //     Failures/FailuresWindow rules to its counts, and may apply the
 //     ratio rules to the sums of every gateway's RatioCounts), the

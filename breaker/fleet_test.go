@@ -167,6 +167,31 @@ func TestLocalTripIsNotPublished(t *testing.T) {
 	}
 }
 
+// Only what may be hard evidence reaches the fleet: 5xx amid this
+// gateway's successes do not (under uniform partial failure every gateway
+// sees runs of them, and the fleet would open every key); Down outcomes
+// and failures with no success in the window do.
+func TestFleetToldOnlyOfHardEvidence(t *testing.T) {
+	st := new(countingFleet)
+	f := newFixture(t, breaker.Settings{}, breaker.WithStore(st))
+	f.succeed(10)
+	f.fail(2)
+	f.succeed(1)
+	f.fail(2)
+	if n := st.failures.Load(); n != 0 {
+		t.Fatalf("%d failures amid successes reported to the fleet, want 0", n)
+	}
+	f.down(1)
+	if n := st.failures.Load(); n != 1 {
+		t.Fatalf("%d failures reported after a Down outcome, want 1", n)
+	}
+	f.clk.Advance(31 * time.Second) // the last success leaves the window
+	f.fail(1)
+	if n := st.failures.Load(); n != 2 {
+		t.Fatalf("%d failures reported with no success in the window, want 2", n)
+	}
+}
+
 // TestSuccessCallsTheFleetOnlyWhileDirty: the closed-state success path
 // tells the fleet only while its flag says the fleet's run may be non-zero.
 func TestSuccessCallsTheFleetOnlyWhileDirty(t *testing.T) {
@@ -176,7 +201,7 @@ func TestSuccessCallsTheFleetOnlyWhileDirty(t *testing.T) {
 	if n := st.successes.Load(); n != 0 {
 		t.Fatalf("%d Success calls on a clean fleet", n)
 	}
-	f.fail(1) // the fake sets the flag on Failure, clears it on Success
+	f.down(1) // the fake sets the flag on Failure, clears it on Success
 	f.succeed(10)
 	if n := st.successes.Load(); n != 1 {
 		t.Fatalf("%d Success calls, want 1", n)

@@ -22,7 +22,7 @@ func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
 func (c *fakeClock) Since() time.Duration    { return time.Duration(c.ns.Load()) }
 
 // noJitter makes cooldowns exact.
-var noJitter = breaker.WithRand(func() float64 { return 0.5 })
+var noJitter = breaker.WithRand(func() float64 { return 0 })
 
 // recorder collects transitions.
 type recorder struct {
@@ -70,6 +70,17 @@ func (f *fixture) fail(n int) {
 	f.t.Helper()
 	for range n {
 		if !f.call(breaker.Failure, 0) {
+			f.t.Fatalf("Allow refused in %s", f.b.State())
+		}
+	}
+}
+
+// down runs n calls that end Down (connection refused): hard evidence,
+// which a Fleet is told of whatever the successes before.
+func (f *fixture) down(n int) {
+	f.t.Helper()
+	for range n {
+		if !f.call(breaker.Down, 0) {
 			f.t.Fatalf("Allow refused in %s", f.b.State())
 		}
 	}

@@ -21,9 +21,11 @@ const (
 )
 
 // OpenJitter is the relative jitter applied to every open cooldown: the
-// cooldown is multiplied by a factor drawn uniformly from [1-OpenJitter,
-// 1+OpenJitter), so that gateways of a fleet which tripped together do not
-// all probe a recovering server at the same instant.
+// cooldown (at least MinOpen) is multiplied by a factor drawn uniformly from
+// [1, 1+2×OpenJitter), so that breakers and gateways which tripped together
+// do not all probe a recovering server at the same instant. The jitter is
+// applied above the MinOpen floor, never cancelled by it (near MaxOpen the
+// range slides down to end there).
 const OpenJitter = 0.2
 
 // MaxRetryAfter is the largest Retry-After that ExtendOpen accepts. A longer
@@ -40,11 +42,21 @@ const MaxRetryAfter = 24 * time.Hour
 // above SlowTTFT (a slow call). Neutral outcomes are not counted at all, not
 // even as requests.
 type Settings struct {
-	// ConsecutiveFailures opens the breaker after this many failures in a
-	// row, with no success in between (gobreaker's ConsecutiveFailures,
-	// Envoy outlier detection's consecutive_5xx). Default 3; -1 disables
-	// the rule.
+	// ConsecutiveFailures is the hard-evidence rule (see Hard): the
+	// breaker opens after this many Down outcomes in a row with no sign of
+	// life between them (no success, no Live), or after this many failures
+	// of any kind in a row when no success or first token came within
+	// RatioWindow. Runs of failures amid successes never fire it: under
+	// uniform partial failure every upstream has them (gobreaker's
+	// ConsecutiveFailures and Envoy's consecutive_5xx fire on any run, and
+	// turn 50% success into 0%). Default 3; -1 disables the rule.
 	ConsecutiveFailures int
+
+	// AnyRun makes ConsecutiveFailures fire on any run of failures, amid
+	// successes or not, as plain breakers do. For breakers whose failures
+	// are not a sample of a pool of interchangeable servers: the tenant
+	// breakers (admission/) set it. Default false.
+	AnyRun bool
 
 	// Failures opens the breaker when this many failures fall within
 	// FailuresWindow (e.g. 10 within 30s), whatever the successes in
@@ -67,8 +79,10 @@ type Settings struct {
 	// SlowRatio may fire. Default 20.
 	MinRequests int
 
-	// RatioWindow is the rolling window of FailureRatio and SlowRatio,
-	// kept as 10 buckets of RatioWindow/10. Default 30s.
+	// RatioWindow is the rolling window of FailureRatio and SlowRatio, of
+	// the counts a pool's outlier rules read (RatioCounts), and the window
+	// of "no success in the window" (ConsecutiveFailures); kept as 10
+	// buckets of RatioWindow/10. Default 30s.
 	RatioWindow time.Duration
 
 	// SlowTTFT makes a successful call whose time to first token is above
@@ -92,8 +106,8 @@ type Settings struct {
 
 	// OpenFor is the cooldown between opening and half-opening. It doubles
 	// on each consecutive re-open (a probe failed), and every cooldown is
-	// jittered by ±OpenJitter: min(OpenFor × 2^reopens, MaxOpen) × jitter,
-	// capped by MaxOpen. Envoy's outlier detection grows its ejection
+	// jittered upward by up to 2 × OpenJitter above its base
+	// max(min(OpenFor × 2^reopens, MaxOpen), MinOpen), capped by MaxOpen. Envoy's outlier detection grows its ejection
 	// linearly instead (base_ejection_time × times ejected, capped by
 	// max_ejection_time, plus max_ejection_time_jitter); doubling reaches
 	// the cap in fewer failed probes. Default 10s.

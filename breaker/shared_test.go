@@ -53,18 +53,18 @@ func (ff *fleetFixture) fleetOpen() (time.Time, string, bool) {
 
 func TestFleetTripsOnTheFleetsCount(t *testing.T) {
 	ff := newFleet(t, 3, 1, breaker.Settings{})
-	ff.gw[0].fail(1)
-	ff.gw[1].fail(1)
+	ff.gw[0].down(1)
+	ff.gw[1].down(1)
 	ff.wantStates(breaker.Closed, breaker.Closed, breaker.Closed)
 	if c := ff.sm.Counts("up1"); c.Consecutive != 2 || c.Reporters != 2 || c.Joined != 3 {
 		t.Fatalf("counts %+v", c)
 	}
 	ff.clk.Advance(time.Second)
-	ff.gw[2].fail(1) // the fleet's third failure: every gateway opens
+	ff.gw[2].down(1) // the fleet's third failure: every gateway opens
 	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
 	until, reason, ok := ff.fleetOpen()
 	if !ok || !until.Equal(ff.clk.Now().Add(10*time.Second)) ||
-		reason != "fleet: 3 consecutive failures from 3 gateways; last: failure (gw2)" {
+		reason != "fleet: 3 consecutive failures from 3 gateways; last: down (gw2)" {
 		t.Fatalf("fleet entry %v %q %v", until, reason, ok)
 	}
 	for i, f := range ff.gw {
@@ -92,14 +92,14 @@ func TestFleetTripsOnTheFleetsCount(t *testing.T) {
 
 func TestFleetSuccessEndsTheFleetsRun(t *testing.T) {
 	ff := newFleet(t, 3, 1, breaker.Settings{})
-	ff.gw[0].fail(2)
+	ff.gw[0].down(2)
 	ff.gw[1].succeed(1) // another gateway's success resets the fleet's run
 	if c := ff.sm.Counts("up1"); c.Consecutive != 0 || c.Reporters != 0 || c.InWindow != 2 {
 		t.Fatalf("counts after a success %+v", c)
 	}
-	ff.gw[2].fail(2) // 4 failures, but the fleet's run is 2
+	ff.gw[2].down(2) // 4 failures, but the fleet's run is 2
 	ff.wantStates(breaker.Closed, breaker.Closed, breaker.Closed)
-	ff.gw[1].fail(1)
+	ff.gw[1].down(1)
 	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
 	if _, reason, _ := ff.fleetOpen(); !strings.HasPrefix(reason, "fleet: 3 consecutive failures from 2 gateways") {
 		t.Fatalf("reason %q", reason)
@@ -109,16 +109,16 @@ func TestFleetSuccessEndsTheFleetsRun(t *testing.T) {
 func TestFleetFailuresWithinWindow(t *testing.T) {
 	s := breaker.Settings{ConsecutiveFailures: -1, Failures: 4, FailuresWindow: 10 * time.Second}
 	ff := newFleet(t, 2, 1, s)
-	ff.gw[0].fail(1)
+	ff.gw[0].down(1)
 	ff.gw[1].succeed(1)
-	ff.gw[1].fail(1)
+	ff.gw[1].down(1)
 	ff.clk.Advance(11 * time.Second) // both expire
-	ff.gw[0].fail(1)
+	ff.gw[0].down(1)
 	ff.gw[1].succeed(3)
-	ff.gw[1].fail(2)
+	ff.gw[1].down(2)
 	ff.wantStates(breaker.Closed, breaker.Closed)
 	ff.clk.Advance(5 * time.Second)
-	ff.gw[0].fail(1)
+	ff.gw[0].down(1)
 	ff.wantStates(breaker.Open, breaker.Open)
 	if _, reason, _ := ff.fleetOpen(); !strings.HasPrefix(reason, "fleet: 4 failures within 10s from 2 gateways") {
 		t.Fatalf("reason %q", reason)
@@ -131,12 +131,12 @@ func TestFleetFailuresWithinWindow(t *testing.T) {
 // failure then opens the key fleet-wide.
 func TestFleetMinReportersKeepsOneGatewaysPathLocal(t *testing.T) {
 	ff := newFleet(t, 3, 2, breaker.Settings{})
-	ff.gw[0].fail(3)
+	ff.gw[0].down(3)
 	if _, ok := ff.gw[0].b.Allow(); ok {
 		t.Fatal("gateway 0 allowed a call after its own trip")
 	}
 	ff.wantStates(breaker.Open, breaker.Closed, breaker.Closed)
-	if s := ff.gw[0].b.Snapshot(); !s.Local || !strings.Contains(s.LastFailure, "failure") {
+	if s := ff.gw[0].b.Snapshot(); !s.Local || !strings.Contains(s.LastFailure, "down") {
 		t.Fatalf("gateway 0 %+v", s)
 	}
 	if _, _, ok := ff.fleetOpen(); ok {
@@ -167,9 +167,9 @@ func TestFleetMinReportersKeepsOneGatewaysPathLocal(t *testing.T) {
 
 	// Now gateway 0 trips locally again, and gateway 1 reports once: two
 	// reporters, the fleet opens, and every gateway adopts it.
-	ff.gw[0].fail(3)
+	ff.gw[0].down(3)
 	ff.clk.Advance(2 * time.Second)
-	ff.gw[1].fail(1)
+	ff.gw[1].down(1)
 	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
 	until, reason, ok := ff.fleetOpen()
 	if !ok || !strings.HasPrefix(reason, "fleet: 4 consecutive failures from 2 gateways") {
@@ -220,9 +220,9 @@ func TestFleetVerdictsThatApplyFleetWide(t *testing.T) {
 
 func TestFleetProbesOfAFleetVerdict(t *testing.T) {
 	ff := newFleet(t, 3, 1, breaker.Settings{MinOpen: -1})
-	ff.gw[0].fail(1)
-	ff.gw[1].fail(1)
-	ff.gw[2].fail(1)
+	ff.gw[0].down(1)
+	ff.gw[1].down(1)
+	ff.gw[2].down(1)
 	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
 
 	// Gateway 1's probe fails: it re-opens with the grown cooldown and the
@@ -256,7 +256,7 @@ func TestFleetProbesOfAFleetVerdict(t *testing.T) {
 func TestFleetRecoverySuccessesCountedFleetWide(t *testing.T) {
 	ff := newFleet(t, 3, 1, breaker.Settings{MinOpen: -1, RecoverySuccesses: 3})
 	for _, f := range ff.gw {
-		f.fail(1)
+		f.down(1)
 	}
 	ff.wantStates(breaker.Open, breaker.Open, breaker.Open)
 	ff.clk.Advance(10 * time.Second)
@@ -307,7 +307,7 @@ func TestFleetRecoverySuccessesCountedFleetWide(t *testing.T) {
 // the fleet's: they do not count toward a fleet recovery.
 func TestFleetLocalTripRecoversOnItsOwnCount(t *testing.T) {
 	ff := newFleet(t, 2, 2, breaker.Settings{MinOpen: -1, RecoverySuccesses: 2})
-	ff.gw[0].fail(3)
+	ff.gw[0].down(3)
 	ff.wantStates(breaker.Open, breaker.Closed)
 	ff.clk.Advance(10 * time.Second)
 	p := ff.gw[0].probe()
@@ -328,7 +328,7 @@ func TestFleetLocalTripRecoversOnItsOwnCount(t *testing.T) {
 func TestFleetCooldownGrowsWithTheFleetsReopens(t *testing.T) {
 	ff := newFleet(t, 3, 1, breaker.Settings{MinOpen: -1, MaxOpen: time.Hour})
 	for _, f := range ff.gw {
-		f.fail(1)
+		f.down(1)
 	}
 	want := 10 * time.Second
 	for round, i := range []int{0, 1, 2, 0} {
@@ -355,7 +355,7 @@ func TestFleetCooldownGrowsWithTheFleetsReopens(t *testing.T) {
 	}
 	ff.wantStates(breaker.Closed, breaker.Closed, breaker.Closed)
 	for _, f := range ff.gw {
-		f.fail(1)
+		f.down(1)
 	}
 	ff.clk.Advance(10 * time.Second)
 	p := ff.gw[2].probe()
@@ -453,7 +453,7 @@ func TestFleetLocalTripThenAFleetWideVerdict(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			ff := newFleet(t, 2, 2, breaker.Settings{})
-			ff.gw[0].fail(3)
+			ff.gw[0].down(3)
 			ff.wantStates(breaker.Open, breaker.Closed)
 			tc.act(ff.gw[0].b, ff.clk)
 			ff.wantStates(breaker.Open, breaker.Open)

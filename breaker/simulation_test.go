@@ -14,7 +14,8 @@ import (
 // of gateway instances, each with its own breaker for one upstream
 // (ConsecutiveFailures 3), takes requests at a steady rate, each arriving
 // at an instance drawn at random. The upstream goes down: from then on
-// every attempt fails after a fixed latency, so some attempts are in
+// every attempt fails (connection refused: hard evidence, breaker.Down)
+// after a fixed latency, so some attempts are in
 // flight when a breaker opens. The simulation counts the user requests that
 // reach the down upstream before every instance excludes it, with the trip
 // counts shared by the fleet (SharedMemory), with only the verdicts shared
@@ -99,7 +100,7 @@ func simulate(t *testing.T, instances int, mode simMode, seed uint64) simResult 
 			queue = queue[1:]
 			clk.Advance(a.ends - clk.Since())
 			if a.down {
-				a.p.Done(breaker.Failure, 0, "http 502")
+				a.p.Done(breaker.Down, 0, "connection refused")
 			} else {
 				a.p.Done(breaker.Success, 300*time.Millisecond, "")
 			}

@@ -61,11 +61,17 @@ const (
 	// in the gateway). It touches no counter and gives no verdict, but it
 	// releases a probe slot.
 	Neutral
+	// Down: a failure that says the server may be down or hanging rather
+	// than erring: the connection was refused or reset before a response,
+	// the dial timed out, or no first event came within the first-byte
+	// timeout. It counts as a Failure everywhere, and a run of them with no
+	// sign of life for HardQuiet is hard evidence (see Hard).
+	Down
 )
 
-var outcomeNames = [...]string{Success: "success", Failure: "failure", Neutral: "neutral"}
+var outcomeNames = [...]string{Success: "success", Failure: "failure", Neutral: "neutral", Down: "down"}
 
-// String returns "success", "failure" or "neutral".
+// String returns "success", "failure", "neutral" or "down".
 func (o Outcome) String() string {
 	if int(o) < len(outcomeNames) {
 		return outcomeNames[o]
@@ -93,6 +99,8 @@ type Transition struct {
 	// half-open (the later of the cooldown's end and MinOpen); zero when
 	// forced open until closed, and when To is not Open.
 	OpenUntil time.Time
+	// Evidence is what holds it open or half-open (To not Closed).
+	Evidence Evidence
 }
 
 // Snapshot is a breaker's state for the admin API
@@ -118,6 +126,16 @@ type Snapshot struct {
 	// OpenUntil is, in Open, the earliest time it may half-open; zero
 	// otherwise, and zero when forced open until closed.
 	OpenUntil time.Time `json:"open_until,omitzero"`
+	// Evidence is what holds it open or half-open: "hard" (the upstream
+	// is down or hanging, or said so) or "statistical" (it fails more than
+	// its pool); absent when closed.
+	Evidence Evidence `json:"evidence,omitempty"`
+	// ProbeFailures is the number of failed probes tolerated so far in
+	// HalfOpen: an upstream that fails like its pool (PeerRatio) closes.
+	ProbeFailures int `json:"probe_failures,omitempty"`
+	// PeerRatio is the failure ratio of the rest of its pool, as its pool
+	// last reported it (SetPeerRatio).
+	PeerRatio float64 `json:"peer_ratio,omitempty"`
 	// Forced is true when an operator forced it open (ForceOpen).
 	Forced bool `json:"forced,omitempty"`
 	// Observed is true when it is open or half-open because of a signal

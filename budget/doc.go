@@ -12,7 +12,8 @@
 //
 //   - [Ratio], the default: retries may be up to a share of the original
 //     requests seen over a rolling window, plus a small floor per second so
-//     that a quiet service can still retry. Whatever the failure rate, the
+//     that a quiet service can still retry (a bucket of one second of it,
+//     so a burst never spends more than a second's floor at once). Whatever the failure rate, the
 //     load sent upstream stays below (1 + ratio) × the offered load plus the
 //     floor, where unbounded retries would send λ/(1−f) at failure rate f.
 //   - [Bucket], a token bucket refilled with time, for operators who prefer

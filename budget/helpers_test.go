@@ -31,12 +31,15 @@ func newRatio(t testing.TB, c budget.RatioConfig) (*budget.Ratio, *fakeClock) {
 	return r, clk
 }
 
-// ratioBound is the exact bound documented on Ratio: the most retries a
-// Ratio may grant over a run of length elapsed with the given requests.
+// ratioBound is the bound documented on Ratio: the most retries a Ratio may
+// grant over a run of length elapsed with the given requests,
+// Ratio × requests + max(1, MinPerSec) + MinPerSec × elapsed.
 func ratioBound(c budget.RatioConfig, requests int, elapsed time.Duration) int {
-	w := c.Window
-	k := float64(elapsed/w + 1)
-	return int(math.Floor(c.Ratio*float64(requests) + c.MinPerSec*w.Seconds()*k + 1e-9))
+	floor := 0.0
+	if c.MinPerSec > 0 {
+		floor = max(1, c.MinPerSec) + c.MinPerSec*elapsed.Seconds()
+	}
+	return int(math.Floor(c.Ratio*float64(requests) + floor + 1e-9))
 }
 
 // drain asks for retries until refused and returns how many were granted.

@@ -45,9 +45,11 @@ type RatioConfig struct {
 	Window time.Duration
 	// MinPerSec is the floor: retries per second granted whatever the
 	// traffic, so that a service with little traffic can still retry;
-	// default 3. It is granted as a reservoir of MinPerSec × Window
-	// retries per window, which may be spent in a burst. Off (-1) means
-	// no floor.
+	// default 3. It is a token bucket of one second's worth (MinPerSec
+	// tokens, at least 1) refilled at MinPerSec per second, drawn on only
+	// when the ratio part is spent: a burst of failures gets at most one
+	// second of the floor at once, never MinPerSec × Window. Off (-1)
+	// means no floor.
 	MinPerSec float64
 }
 
@@ -80,29 +82,32 @@ func (c RatioConfig) withDefaults() (RatioConfig, error) {
 }
 
 // Ratio is the default retry budget: a retry is granted while the retries
-// charged in the rolling window, this one included, number at most
-//
-//	Ratio × (original requests in the window) + MinPerSec × Window.
+// charged to the ratio in the rolling window, this one included, number at
+// most Ratio × (original requests in the window); past that, while the
+// floor (a token bucket of max(1, MinPerSec) tokens refilled at MinPerSec
+// per second) holds a token.
 //
 // It follows Finagle's RetryBudget (deposits per request that expire after a
-// ttl, a reserve of minRetriesPerSec × ttl; Finagle's defaults are 20% and
-// 10/s over 10s) and the Google SRE book's per-client retry budget (10%).
-// Envoy's retry_budget (budget_percent, min_retry_concurrency) bounds the
-// same ratio over active rather than recent requests. gRPC's retryThrottling
-// and the AWS SDKs' retry quota are token buckets: see Bucket.
+// ttl, plus minRetriesPerSec; Finagle's defaults are 20% and 10/s over 10s)
+// and the Google SRE book's per-client retry budget (10%). Finagle grants
+// its floor as a reserve of minRetriesPerSec × ttl, which a burst spends at
+// once (30 retries for 3/s over 10s); here the floor holds one second, so
+// that the promise "1 + Ratio, plus the floor per elapsed second" holds in
+// bursts too. Envoy's retry_budget (budget_percent, min_retry_concurrency)
+// bounds the same ratio over active rather than recent requests. gRPC's
+// retryThrottling and the AWS SDKs' retry quota are token buckets: see
+// Bucket.
 //
 // Bound. Over any run that starts when the budget is created and lasts T,
-// with W the window (rounded down to a multiple of 10ns), the retries granted
-// are at most
+// the retries granted are at most
 //
-//	Ratio × requests + MinPerSec × W × (⌊T/W⌋ + 1)
+//	Ratio × requests + max(1, MinPerSec) + MinPerSec × T
 //
-// exactly, whatever the interleaving of concurrent calls: a retry's window
-// is the ten buckets ending with the one it is charged to, the last retry of
-// the run saw every retry of its window, and the windows of the last retries
-// at least ten buckets apart do not overlap. For T a multiple of W that is
-// Ratio × requests + MinPerSec × (T + W); the extra MinPerSec × W is the
-// reservoir a quiet budget starts with. Since retries and requests leave the
+// whatever the interleaving of concurrent calls (MinPerSec = 0: no floor
+// term): a ratio retry's window is the ten buckets ending with the one it is
+// charged to, the last retry of the run saw every ratio retry of its
+// window, and every request earns Ratio in one window at most; the floor is
+// a Bucket, whose own bound is exact. Since retries and requests leave the
 // window together, a retry granted late in its window keeps counting after
 // the requests that earned it have left, which only makes the budget
 // stricter.
@@ -110,20 +115,23 @@ func (c RatioConfig) withDefaults() (RatioConfig, error) {
 // The window is ten buckets advanced lazily by the injected clock; there is
 // no goroutine. Request and TryRetry are lock-free and allocate nothing.
 type Ratio struct {
-	cfg     RatioConfig
-	reserve float64 // MinPerSec × Window, in retries
-	ep      clockEpochs
-	_       [64]byte
-	// cur holds the epoch of the newest bucket that was charged a retry
-	// and its retries. Every grant is one compare-and-swap of this word,
-	// so concurrent TryRetry calls cannot over-grant.
+	cfg RatioConfig
+	ep  clockEpochs
+	_   [64]byte
+	// cur holds the epoch of the newest bucket that was charged a ratio
+	// retry and its ratio retries. Every grant is one compare-and-swap of
+	// this word, so concurrent TryRetry calls cannot over-grant.
 	cur atomic.Uint64
-	// past holds the final retry count of older epochs, as (epoch, count)
-	// words; the caller that moves cur to a newer epoch stores the old
-	// epoch's count here first.
+	// past holds the final ratio retry count of older epochs, as (epoch,
+	// count) words; the caller that moves cur to a newer epoch stores the
+	// old epoch's count here first.
 	past [rolling.Buckets]atomic.Uint64
 	_    [64]byte
 	reqs rolling.Ring
+	// floor is the MinPerSec token bucket; nil without a floor. Its
+	// grants are counted in floorRetries for Stats.
+	floor        *Bucket
+	floorRetries rolling.Ring
 }
 
 // NewRatio returns a Ratio budget. Zero fields of c take their defaults
@@ -139,7 +147,11 @@ func NewRatio(c RatioConfig, clock Clock) (*Ratio, error) {
 	}
 	r := &Ratio{cfg: c, ep: newClockEpochs(clock, c.Window)}
 	r.cfg.Window = r.ep.Width() * rolling.Buckets
-	r.reserve = c.MinPerSec * r.cfg.Window.Seconds()
+	if c.MinPerSec > 0 {
+		if r.floor, err = NewBucket(max(1, c.MinPerSec), c.MinPerSec, clock); err != nil {
+			return nil, fmt.Errorf("retry budget: floor: %w", err)
+		}
+	}
 	return r, nil
 }
 
@@ -151,23 +163,26 @@ func (r *Ratio) Config() RatioConfig { return r.cfg }
 // next Window.
 func (r *Ratio) Request() { r.reqs.Add(r.ep.now()) }
 
-// TryRetry grants a retry (or hedge) and charges it at once, or refuses it.
-// See Ratio for the rule.
+// TryRetry grants a retry (or hedge) and charges it at once, or refuses it:
+// from the ratio part while it lasts, else from the floor. See Ratio for the
+// rule.
 func (r *Ratio) TryRetry() bool {
 	now := r.ep.now()
 	for {
 		w := r.cur.Load()
 		ep, n := r.state(w, now)
-		if n >= rolling.CountMax {
-			return false
-		}
-		if !r.fits(ep, n+1+r.pastRetries(ep)) {
-			return false
+		if n >= rolling.CountMax || !r.fits(ep, n+1+r.pastRetries(ep)) {
+			break
 		}
 		if r.cur.CompareAndSwap(w, rolling.Pack(ep, n+1)) {
 			return true
 		}
 	}
+	if r.floor != nil && r.floor.TryRetry() {
+		r.floorRetries.Add(now)
+		return true
+	}
+	return false
 }
 
 // state returns the epoch a retry asked for at epoch now is charged to (the
@@ -214,10 +229,10 @@ func (r *Ratio) pastRetries(ep uint64) uint64 {
 	return s
 }
 
-// fits reports whether retries charged in the window ending with ep are
-// within the budget.
+// fits reports whether ratio retries charged in the window ending with ep
+// are within the ratio part of the budget.
 func (r *Ratio) fits(ep, retries uint64) bool {
-	return float64(retries) <= r.cfg.Ratio*float64(r.reqs.Sum(ep))+r.reserve
+	return float64(retries) <= r.cfg.Ratio*float64(r.reqs.Sum(ep))
 }
 
 // Stats reports the requests and retries in the window and the retries
@@ -226,11 +241,14 @@ func (r *Ratio) Stats() Stats {
 	ep, n := r.state(r.cur.Load(), r.ep.now())
 	retries := n + r.pastRetries(ep)
 	reqs := r.reqs.Sum(ep)
-	avail := math.Floor(r.cfg.Ratio*float64(reqs) + r.reserve - float64(retries))
+	avail := max(0, math.Floor(r.cfg.Ratio*float64(reqs)-float64(retries)))
+	if r.floor != nil {
+		avail += float64(r.floor.Stats().Available)
+	}
 	return Stats{
 		Window:    r.cfg.Window,
 		Requests:  int(reqs),
-		Retries:   int(retries),
-		Available: int(max(0, min(avail, rolling.CountMax))),
+		Retries:   int(retries + r.floorRetries.Sum(ep)),
+		Available: int(min(avail, rolling.CountMax)),
 	}
 }

@@ -97,7 +97,7 @@ func TestRatioBoundsRetriesAtTotalFailure(t *testing.T) {
 }
 
 // The issue's figures: 10,000 requests at 100 req/s over 100s, every one
-// failing: at most 0.1 × 10,000 + 3 × 100 = 1,300 retries.
+// failing: at most 0.1 × 10,000 + 3 + 3 × 100 = 1,303 retries.
 func TestRatioIssueFigures(t *testing.T) {
 	r, clk := newRatio(t, budget.RatioConfig{})
 	retries := 0
@@ -106,8 +106,8 @@ func TestRatioIssueFigures(t *testing.T) {
 		retries += drain(r)
 		clk.Advance(10 * time.Millisecond)
 	}
-	if retries > 1300 || retries < 1170 {
-		t.Fatalf("%d retries, want 1170..1300", retries)
+	if retries > 1303 || retries < 1170 {
+		t.Fatalf("%d retries, want 1170..1303", retries)
 	}
 }
 
@@ -185,10 +185,29 @@ func TestRatioFloorServesLowTraffic(t *testing.T) {
 			t.Fatalf("%d req/s: %.2f retries/s, want about 3 and within the bound", perSec, rate)
 		}
 	}
-	// With no traffic yet, the reservoir (3/s × 10s) is there at once.
+	// With no traffic yet, one second of the floor is there at once, not
+	// a window's worth.
 	r, _ := newRatio(t, budget.RatioConfig{})
-	if n := drain(r); n != 30 {
-		t.Fatalf("a fresh budget grants %d retries, want 30", n)
+	if n := drain(r); n != 3 {
+		t.Fatalf("a fresh budget grants %d retries, want 3 (one second of min_per_sec)", n)
+	}
+}
+
+// The issue's burst: 100 requests arrive at once and every attempt fails.
+// Each asks for retries until refused: at most 1 + ratio per request plus
+// one second of the floor, not the 30 of a window-sized reservoir.
+func TestRatioBurstGetsOneSecondOfFloor(t *testing.T) {
+	r, clk := newRatio(t, budget.RatioConfig{})
+	for range 100 {
+		r.Request()
+	}
+	n := drain(r)
+	if n != 10+3 {
+		t.Fatalf("a burst of 100 failing requests got %d retries, want 0.1 × 100 + 3 = 13", n)
+	}
+	clk.Advance(time.Second/3 + time.Millisecond)
+	if got := drain(r); got != 1 {
+		t.Fatalf("after 1/3 s the floor granted %d more, want 1", got)
 	}
 }
 
@@ -216,20 +235,25 @@ func TestRatioWindowRollover(t *testing.T) {
 		t.Fatal("retry granted after an hour without requests")
 	}
 
-	// The floor's retries expire too: 30 at once at 2.5s, charged to the
-	// bucket [2s, 3s), then none until that bucket leaves the window at 12s.
+	// The floor refills with time, one second's worth at most: 3 at once
+	// at 2.5s, none a moment later, 3 again a second later, and never
+	// more than 3 however long it stayed unused.
 	f, clk := newRatio(t, budget.RatioConfig{Ratio: budget.Off})
 	clk.Set(2500 * time.Millisecond)
-	if n := drain(f); n != 30 {
-		t.Fatalf("floor grants %d, want 30", n)
+	if n := drain(f); n != 3 {
+		t.Fatalf("floor grants %d, want 3", n)
 	}
-	clk.Set(12*time.Second - time.Nanosecond)
+	clk.Set(2800 * time.Millisecond)
 	if f.TryRetry() {
-		t.Fatal("floor refilled before its retries left the window")
+		t.Fatal("floor refilled before a third of a second passed")
 	}
-	clk.Set(12 * time.Second)
-	if n := drain(f); n != 30 {
-		t.Fatalf("after rollover the floor grants %d, want 30", n)
+	clk.Set(3600 * time.Millisecond)
+	if n := drain(f); n != 3 {
+		t.Fatalf("a second later the floor grants %d, want 3", n)
+	}
+	clk.Set(time.Hour)
+	if n := drain(f); n != 3 {
+		t.Fatalf("after an hour idle the floor grants %d, want 3", n)
 	}
 }
 
@@ -246,7 +270,7 @@ func TestRatioClockSteppingBack(t *testing.T) {
 
 func TestRatioStats(t *testing.T) {
 	r, clk := newRatio(t, budget.RatioConfig{Ratio: 0.5, Window: 2 * time.Second, MinPerSec: 1})
-	want := budget.Stats{Window: 2 * time.Second, Available: 2}
+	want := budget.Stats{Window: 2 * time.Second, Available: 1}
 	if s := r.Stats(); s != want {
 		t.Fatalf("fresh: Stats() = %+v, want %+v", s, want)
 	}
@@ -255,7 +279,7 @@ func TestRatioStats(t *testing.T) {
 	}
 	r.TryRetry()
 	clk.Advance(time.Second)
-	want = budget.Stats{Window: 2 * time.Second, Requests: 7, Retries: 1, Available: 4} // ⌊3.5 + 2 − 1⌋
+	want = budget.Stats{Window: 2 * time.Second, Requests: 7, Retries: 1, Available: 3} // ⌊3.5 − 1⌋ + 1 floor token
 	if s := r.Stats(); s != want {
 		t.Fatalf("Stats() = %+v, want %+v", s, want)
 	}

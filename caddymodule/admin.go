@@ -46,6 +46,17 @@ func init() {
 //	                                           and state, the scrape's age and error
 //	GET  /llm_proxy/saturation/<upstream>      one upstream (its dial address)
 //
+// And the pools (issue 19):
+//
+//	GET  /llm_proxy/pools                      every pool of the running config: "key",
+//	                                           "max_ejection", "panic_threshold" (negative:
+//	                                           off), "ejected" and "max_ejected" (upstreams
+//	                                           held open on statistical evidence), "panic",
+//	                                           "panic_requests"
+//
+// Each breaker's "evidence" ("hard" or "statistical"), "probe_failures" and
+// "peer_ratio" are in /llm_proxy/breakers.
+//
 // And the fleet:
 //
 //	GET  /llm_proxy/fleet                      {"mode": "fleet"|"local"|"off", "instance_id",
@@ -74,7 +85,24 @@ func (a adminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/llm_proxy/saturation", Handler: caddy.AdminHandlerFunc(a.saturation)},
 		{Pattern: "/llm_proxy/saturation/", Handler: caddy.AdminHandlerFunc(a.saturation)},
 		{Pattern: "/llm_proxy/fleet", Handler: caddy.AdminHandlerFunc(a.fleet)},
+		{Pattern: "/llm_proxy/pools", Handler: caddy.AdminHandlerFunc(a.pools)},
 	}
+}
+
+// pools serves the running config's pools: their ejection cap and panic
+// rule, how many upstreams are held open on statistical evidence, and
+// whether the pool is in panic mode.
+func (adminAPI) pools(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	views := []upstream.PoolStatus{}
+	if app := newestApp(); app != nil {
+		for _, p := range app.pools {
+			views = append(views, p.Status())
+		}
+	}
+	return writeJSON(w, views)
 }
 
 // fleet serves this instance's fleet mode and the instances seen recently.

@@ -76,6 +76,20 @@ type BreakerConfig struct {
 	// breaker. Default: 2.
 	RecoverySuccesses int `json:"recovery_successes,omitempty"`
 
+	// MaxEjection is the share of the pool's upstreams that may be held
+	// open on statistical evidence (failing more than the rest of the pool,
+	// or nearly always) at once, at least one: max(1, ⌊N × MaxEjection⌋).
+	// Hard evidence (connections refused or reset, first-byte timeouts, no
+	// success in the window) is not capped. Default: 0.3.
+	MaxEjection float64 `json:"max_ejection,omitempty"`
+
+	// PanicThreshold: when fewer than this share of the pool's upstreams
+	// are available and some are held open on statistical evidence, the
+	// pool routes over every upstream not held by hard evidence (Envoy's
+	// panic threshold). -1 turns the rule off ("panic_threshold off").
+	// Default: 0.5.
+	PanicThreshold float64 `json:"panic_threshold,omitempty"`
+
 	// Probe, when set, makes the gateway probe an open upstream itself
 	// once its cooldown is over, instead of risking a user request: users
 	// are routed elsewhere until RecoverySuccesses probes succeed.
@@ -145,7 +159,22 @@ func (c *BreakerConfig) validate() error {
 	if err := c.settings(0).Validate(); err != nil {
 		return fmt.Errorf("breaker: %w", err)
 	}
+	if c.PanicThreshold < 0 && c.PanicThreshold != -1 {
+		return fmt.Errorf("breaker: panic_threshold %v: want a ratio in (0, 1], or -1 (off)", c.PanicThreshold)
+	}
+	if err := c.ejection().Validate(); err != nil {
+		return fmt.Errorf("breaker: %w", err)
+	}
 	return nil
+}
+
+// ejection returns the pool's ejection cap and panic rule (defaults for
+// zero fields, as upstream.Ejection applies them).
+func (c *BreakerConfig) ejection() upstream.Ejection {
+	if c == nil {
+		return upstream.Ejection{}
+	}
+	return upstream.Ejection{MaxEjection: c.MaxEjection, PanicThreshold: c.PanicThreshold}
 }
 
 // prober returns the active prober of the config, nil without one.

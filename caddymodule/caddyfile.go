@@ -67,6 +67,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        max_open <duration>
 //	        half_open_probes <n>
 //	        recovery_successes <n>
+//	        max_ejection <ratio>
+//	        panic_threshold <ratio>|off
 //	        probe {
 //	            uri <path>
 //	            chat <json>

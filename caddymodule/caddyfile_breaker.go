@@ -119,6 +119,28 @@ func parseBreaker(d *caddyfile.Dispenser) (*BreakerConfig, error) {
 			} else {
 				bc.RecoverySuccesses = n
 			}
+		case "max_ejection":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			r, err := parseRatio(d, name, args[0])
+			if err != nil {
+				return nil, err
+			}
+			bc.MaxEjection = r
+		case "panic_threshold":
+			if len(args) != 1 {
+				return nil, d.ArgErr()
+			}
+			if args[0] == "off" {
+				bc.PanicThreshold = -1
+				continue
+			}
+			r, err := parseRatio(d, name, args[0])
+			if err != nil {
+				return nil, err
+			}
+			bc.PanicThreshold = r
 		case "scope":
 			if len(args) != 1 || (args[0] != "upstream" && args[0] != "model") {
 				return nil, d.Errf("want: scope upstream|model")

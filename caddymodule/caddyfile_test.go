@@ -13,6 +13,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden JSON files of the adapt tests")
@@ -158,6 +160,9 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"breaker twice", "llm_proxy 127.0.0.1:9000 {\n\tbreaker off\n\tbreaker off\n}", "at Caddyfile:4|breaker already specified"},
 		{"breaker junk arg", "llm_proxy 127.0.0.1:9000 {\n\tbreaker on\n}", `at Caddyfile:3|unexpected breaker argument "on"`},
 		{"breaker off extra", "llm_proxy 127.0.0.1:9000 {\n\tbreaker off now\n}", "at Caddyfile:3|wrong argument count"},
+		{"breaker max_ejection range", "llm_proxy 127.0.0.1:9000 {\n\tbreaker {\n\t\tmax_ejection 30\n\t}\n}", `at Caddyfile:4|bad max_ejection "30"`},
+		{"breaker panic_threshold junk", "llm_proxy 127.0.0.1:9000 {\n\tbreaker {\n\t\tpanic_threshold never\n\t}\n}", `at Caddyfile:4|bad panic_threshold "never"`},
+		{"breaker panic_threshold missing", "llm_proxy 127.0.0.1:9000 {\n\tbreaker {\n\t\tpanic_threshold\n\t}\n}", "at Caddyfile:4|wrong argument count"},
 		{"breaker unknown option", "llm_proxy 127.0.0.1:9000 {\n\tbreaker {\n\t\ttrip_fast 1\n\t}\n}", `at Caddyfile:4|unrecognized breaker option "trip_fast"`},
 		{"breaker consecutive junk", "llm_proxy 127.0.0.1:9000 {\n\tbreaker {\n\t\tconsecutive_failures many\n\t}\n}", `at Caddyfile:4|bad consecutive_failures "many"`},
 		{"breaker consecutive missing", "llm_proxy 127.0.0.1:9000 {\n\tbreaker {\n\t\tconsecutive_failures\n\t}\n}", "at Caddyfile:4|wrong argument count"},
@@ -252,6 +257,8 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		"llm_proxy 127.0.0.1:9000 127.0.0.1:9001 {\n lb_policy prefix_cache {\n  block_chars 128\n  max_blocks 1000\n  load_factor 1.5\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n fallback small {\n  to 127.0.0.1:9001\n  model llama-8b\n  context_window 8192\n  max_output_tokens 4096\n  when unavailable saturated\n  tiers free batch\n  capacity 4\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n fallback a {\n  dynamic a small.internal 8000\n }\n fallback b {\n  to 127.0.0.1:9002\n }\n}",
+		"llm_proxy 127.0.0.1:9000 127.0.0.1:9001 {\n breaker {\n  max_ejection 0.5\n  panic_threshold off\n }\n}",
+		"llm_proxy 127.0.0.1:9000 {\n breaker {\n  panic_threshold 0.25\n }\n}",
 	}
 	for _, s := range seeds {
 		f.Add(s)
@@ -273,5 +280,37 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 				t.Fatalf("accepted a fallback that Provision refuses: %v", err)
 			}
 		}
+		if err := h.Breaker.validate(); err != nil {
+			t.Fatalf("accepted a breaker block that Validate refuses: %v", err)
+		}
 	})
+}
+
+// The ejection cap and the panic rule parse into the breaker block, "off"
+// as -1, and reach the pool's settings with their defaults otherwise.
+func TestBreakerEjectionOptions(t *testing.T) {
+	for _, tc := range []struct {
+		in       string
+		max, thr float64
+	}{
+		{"breaker {\n\tmax_ejection 0.5\n\tpanic_threshold off\n}", 0.5, -1},
+		{"breaker {\n\tpanic_threshold 0.25\n}", 0, 0.25},
+	} {
+		d := caddyfile.NewTestDispenser(tc.in)
+		d.Next()
+		bc, err := parseBreaker(d)
+		if err != nil {
+			t.Fatalf("%q: %v", tc.in, err)
+		}
+		if bc.MaxEjection != tc.max || bc.PanicThreshold != tc.thr {
+			t.Fatalf("%q: max_ejection %v, panic_threshold %v; want %v, %v", tc.in, bc.MaxEjection, bc.PanicThreshold, tc.max, tc.thr)
+		}
+		e := bc.ejection().WithDefaults()
+		if want := max(tc.max, upstream.DefaultMaxEjection); tc.max == 0 && e.MaxEjection != want {
+			t.Fatalf("%q: effective max_ejection %v, want the default %v", tc.in, e.MaxEjection, want)
+		}
+	}
+	if err := (&BreakerConfig{PanicThreshold: -0.5}).validate(); err == nil {
+		t.Fatal("panic_threshold -0.5 in JSON: no error")
+	}
 }

@@ -217,7 +217,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 		metrics.budgetExhausted, metrics.hedges, metrics.hedgeDelay,
 		metrics.admissions, metrics.queueWait, metrics.queueDepth, metrics.inflight, metrics.tokens, metrics.tenantBreaker,
 		metrics.fleetOps, metrics.fleetErrors, metrics.fleetDegraded, metrics.probeLeases,
-		degradedTotal, tierObjectives} {
+		degradedTotal, tierObjectives, poolPanic, panicRequests} {
 		if err := register(reg, c); err != nil {
 			return err
 		}

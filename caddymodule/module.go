@@ -324,6 +324,7 @@ func (h *Handler) newPool(ctx caddy.Context, app *App, key string, owner any, up
 	if h.Breaker == nil || !h.Breaker.Disabled {
 		s := h.Breaker.settings(h.firstByteTimeout())
 		cfg.Breaker = &s
+		cfg.Ejection = h.Breaker.ejection()
 		cfg.ScopeModel = h.Breaker != nil && h.Breaker.Scope == "model"
 		if p := h.Breaker.prober(h.transport, h.firstByteTimeout()); p != nil {
 			p.Dial = dialFor

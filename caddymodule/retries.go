@@ -27,7 +27,9 @@ type RetryConfig struct {
 	Window caddy.Duration `json:"window,omitempty"`
 
 	// MinPerSec is a floor of retries per second that the ratio budget
-	// always allows, so low-traffic pools can still retry. Default: 3.
+	// always allows, so low-traffic pools can still retry: a token bucket
+	// of one second's worth (MinPerSec tokens, at least 1) refilled at
+	// MinPerSec per second, used once the ratio part is spent. Default: 3.
 	MinPerSec float64 `json:"min_per_sec,omitempty"`
 
 	// Bucket replaces the ratio budget with a token bucket: each retry

@@ -23,7 +23,9 @@ func TestLeastConnReleasesEveryAttempt(t *testing.T) {
 	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
 	site := func(policy string) string {
 		// breaker off: replica 0 fails 15 times in a row on purpose.
-		return "\tllm_proxy " + upstreams(fleet) + " {\n" + policy + "\t\tmax_attempts 3\n\t\tfirst_byte_timeout 300ms\n\t\tbreaker off\n\t}"
+		// min_per_sec 50: so do 15 quick retries, over the default floor
+		// (3 at once, 3 a second).
+		return "\tllm_proxy " + upstreams(fleet) + " {\n" + policy + "\t\tmax_attempts 3\n\t\tfirst_byte_timeout 300ms\n\t\tbreaker off\n\t\tretries {\n\t\t\tmin_per_sec 50\n\t\t}\n\t}"
 	}
 	gw := startGateway(t, site("\t\tlb_policy first\n"))
 	c := newClient(t)

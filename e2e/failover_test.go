@@ -330,7 +330,9 @@ func TestRetryableFailuresBeforeCommitFailOver(t *testing.T) {
 	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2})
 	// breaker off: seven failures in a row on replica 0 would open its
 	// breaker, and this test is about each failure's own classification.
-	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy first\n\t\tmax_attempts 2\n\t\tbreaker off\n\t}")
+	// min_per_sec 50: seven retries within a second are over the default
+	// floor (3 at once, 3 a second), which is not what this test is about.
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy first\n\t\tmax_attempts 2\n\t\tbreaker off\n\t\tretries {\n\t\t\tmin_per_sec 50\n\t\t}\n\t}")
 	c := newClient(t)
 	for _, spec := range []string{"status=500", "status=502", "status=503", "status=504", "status=429", "cut=0", "cut_rst=0"} {
 		t.Run(spec, func(t *testing.T) {

@@ -28,8 +28,9 @@ func TestMetricsCountRequestsAndSurviveReload(t *testing.T) {
 	bad, good := fleet.Replica(0).Addr(), fleet.Replica(1).Addr()
 	site := func(extra string) string {
 		// breaker off: every request fails on the first upstream first, so
-		// that each one counts the same attempts.
-		return fmt.Sprintf("%s\tllm_proxy %s %s {\n\t\tlb_policy first\n\t\tmax_attempts 2\n\t\tbreaker off\n\t}", extra, bad, good)
+		// that each one counts the same attempts; min_per_sec 50: every
+		// one is retried, over the default floor (3 at once, 3 a second).
+		return fmt.Sprintf("%s\tllm_proxy %s %s {\n\t\tlb_policy first\n\t\tmax_attempts 2\n\t\tbreaker off\n\t\tretries {\n\t\t\tmin_per_sec 50\n\t\t}\n\t}", extra, bad, good)
 	}
 	gw := startGateway(t, site(""))
 	c := newClient(t)

@@ -53,8 +53,10 @@ func metricSum(gw *gateway, name string, labels map[string]string) float64 {
 // TestRetryBudgetBoundsAttemptsWhenEveryUpstream503s: 100 concurrent
 // requests to three upstreams that all answer 503. With max_attempts 3 they
 // would ask for 200 retries; the ratio budget (0.1 × requests plus a
-// reservoir of min_per_sec × window) grants at most 40 of them, so the
-// fleet receives at most 140 requests. Every request gets its 503 at once
+// floor holding one second of min_per_sec and earning min_per_sec per
+// second; issue 19: it used to be a reservoir of min_per_sec × window, 30
+// retries at once) grants about 13 of them plus 3 a second, so the fleet
+// receives at most 1.1 × 100 + the floor. Every request gets its 503 at once
 // after its last attempt (a refused retry never sleeps), granted retries
 // wait within their backoff ceilings and go to another upstream, and the
 // refusals are counted.
@@ -132,8 +134,9 @@ func TestRetryBudgetBoundsAttemptsWhenEveryUpstream503s(t *testing.T) {
 	}
 
 	// The bound of budget.Ratio: over a run of length T since the budget
-	// was created, retries ≤ ratio × requests + min_per_sec × W × (⌊T/W⌋+1).
-	maxRetries := ratio*requests + minPerSec*window.Seconds()*float64(int(elapsed/window)+1)
+	// was created, retries ≤ ratio × requests + max(1, min_per_sec) +
+	// min_per_sec × T.
+	maxRetries := ratio*requests + max(1, minPerSec) + minPerSec*elapsed.Seconds()
 	total := fleetRequests(fleet)
 	retries := total - requests
 	t.Logf("%d requests, %d upstream attempts (%d retries; bound %.0f after %v)",
@@ -142,10 +145,10 @@ func TestRetryBudgetBoundsAttemptsWhenEveryUpstream503s(t *testing.T) {
 		t.Errorf("the fleet received %d requests for %d client requests: %d retries, over the budget's bound %.0f",
 			total, requests, retries, maxRetries)
 	}
-	// The reservoir alone (min_per_sec × window = 30) is granted whatever
-	// the traffic, and 100 failing requests ask for far more.
-	if reservoir := minPerSec * window.Seconds(); float64(retries) < reservoir {
-		t.Errorf("only %d retries were granted, want at least the reservoir of %.0f", retries, reservoir)
+	// The ratio's share and one second of the floor are granted at once,
+	// and 100 failing requests ask for far more.
+	if least := ratio*requests + minPerSec; float64(retries) < least {
+		t.Errorf("only %d retries were granted, want at least ratio × requests + one second of the floor, %.0f", retries, least)
 	}
 
 	// Per request: distinct upstreams, granted retries within their

@@ -54,7 +54,7 @@ func (g *gateway) b(key string) *breaker.Breaker {
 	if b, ok := g.bk[key]; ok {
 		return b
 	}
-	b := breaker.New(key, g.s, breaker.WithStore(g.bs), breaker.WithRand(func() float64 { return 0.5 }),
+	b := breaker.New(key, g.s, breaker.WithStore(g.bs), breaker.WithRand(func() float64 { return 0 }),
 		breaker.WithListener(func(tr breaker.Transition) {
 			g.mu.Lock()
 			defer g.mu.Unlock()
@@ -82,7 +82,7 @@ func (g *gateway) call(key string, o breaker.Outcome) {
 func (g *gateway) fail(key string, n int) {
 	g.t.Helper()
 	for range n {
-		g.call(key, breaker.Failure)
+		g.call(key, breaker.Down) // hard evidence: the fleet is told
 	}
 }
 

@@ -19,13 +19,24 @@ import (
 func (x *exchange) attempt() *attempt {
 	pool := x.rung.pool
 	rc := &race{x: x, pool: pool, results: make(chan *attempt, x.p.cfg.MaxAttempts)}
-	x.rc = rc
-	if pool.Retries != nil {
-		pool.Retries.Request()
+	if x.rc != nil {
+		rc.counted = x.rc.counted // the ladder's earlier pools
 	}
-	if pool.Hedging != nil {
-		pool.Hedging.Request()
-		rc.hedgeDelay, rc.hedging = pool.Hedging.Delay(x.res.Info)
+	x.rc = rc
+	// A request earns retry and hedge capacity once per budget and cap: a
+	// request the ladder brings back to the primary (backToPrimary), or
+	// sends to a fallback pool that shares the primary's budget (the same
+	// upstreams), is not a new request there.
+	if r := pool.Retries; r != nil && !rc.counted.has(r) {
+		rc.counted = append(rc.counted, r)
+		r.Request()
+	}
+	if h := pool.Hedging; h != nil {
+		if !rc.counted.has(h) {
+			rc.counted = append(rc.counted, h)
+			h.Request()
+		}
+		rc.hedgeDelay, rc.hedging = h.Delay(x.res.Info)
 	}
 	if rc.hedging {
 		// Armed by each primary when it starts (launch), not here.
@@ -105,6 +116,33 @@ type race struct {
 	// primaryClosed is whether the latest non-hedge attempt's upstream had
 	// a closed breaker; a sick primary is never hedged.
 	primaryClosed bool
+	// counted lists the retry budgets and hedge caps that have counted
+	// this request (Request), carried from race to race of one exchange.
+	counted counted
+}
+
+// counted is a short list of the Retries and Hedging values a request was
+// counted by, compared by identity (implementations are pointers, as
+// upstream's are; a value that is not comparable is never deduplicated).
+type counted []any
+
+func (c counted) has(v any) bool {
+	for _, o := range c {
+		if sameValue(o, v) {
+			return true
+		}
+	}
+	return false
+}
+
+// sameValue is o == v, false where == would panic (non-comparable values).
+func sameValue(o, v any) (same bool) {
+	defer func() {
+		if recover() != nil {
+			same = false
+		}
+	}()
+	return o == v
 }
 
 // launch starts an attempt on up. A primary gets its own hedge delay,
@@ -140,35 +178,32 @@ func (rc *race) disarmHedge() {
 	}
 }
 
-// startNext picks an upstream and starts an attempt on it. It returns the
-// failure to report when no upstream can be had.
-func (rc *race) startNext(hedge bool) *failure {
-	up, err := rc.pick(hedge)
-	if err != nil {
-		return &failure{last: rc.last, pickErr: err}
-	}
-	rc.launch(up, hedge)
-	return nil
-}
-
 // retry decides, after every attempt has failed, whether another one runs:
 // only for a retryable failure, within max_attempts, when the retry budget
 // grants it, after a full-jitter backoff. It starts the attempt, or
 // returns the failure to report at once.
+//
+// The budget is charged only once an upstream has been picked for the
+// retry: a retry that finds no upstream (every breaker open, every slot
+// taken) costs the budget nothing, so a failing pool that refuses requests
+// does not drain the budget its recovery needs. It is charged before the
+// backoff, so that a refused retry never sleeps: the client gets its error
+// at once. The picked upstream is given back during the backoff and picked
+// again after it; if none can be had then, the charge stays (an upstream
+// was there when it was made, as with a request cancelled in its backoff).
+// When every upstream asked for a short pause (Retry-After), the retry
+// waits for the earliest first and is charged once it has an upstream.
 func (rc *race) retry() *failure {
 	x, retries, last := rc.x, rc.pool.Retries, rc.last
 	stop := &failure{last: last}
 	if !last.outcome.Retryable() || rc.attempts >= x.p.cfg.MaxAttempts || x.ctx.Err() != nil {
 		return stop
 	}
-	if retries != nil && !retries.TryRetry() {
+	if !retryAvailable(retries) {
 		x.p.obs.RetryBudgetExhausted()
 		return stop
 	}
-	x.p.obs.Retry(last.up.Addr, last.outcome)
 	n := rc.retries
-	rc.retries++
-	x.res.Retries = rc.retries
 	// With hedging on, a primary that fails before the hedge fires is
 	// replaced at once: the failover is the backup.
 	immediate := rc.hedging && rc.hedges == 0
@@ -192,7 +227,14 @@ func (rc *race) retry() *failure {
 		if up, err = rc.pick(false); err != nil {
 			return stop
 		}
+		if !rc.charge(up) {
+			return stop
+		}
 	} else if retries != nil {
+		// An upstream will be attempted: now the retry is charged.
+		if !rc.charge(up) {
+			return stop
+		}
 		// Going back to the upstream that asked for a pause (the only one,
 		// or breakers off): honour its Retry-After if it fits, else stop.
 		var retryAfter time.Duration
@@ -216,31 +258,73 @@ func (rc *race) retry() *failure {
 			}
 		}
 	}
+	x.p.obs.Retry(last.up.Addr, last.outcome)
+	rc.retries++
+	x.res.Retries = rc.retries
 	rc.launch(up, false)
 	return nil
+}
+
+// charge charges the retry budget for a retry on up, the upstream picked
+// for it; when the budget refuses it gives up back and reports false.
+func (rc *race) charge(up Upstream) bool {
+	if rc.pool.Retries == nil || rc.pool.Retries.TryRetry() {
+		return true
+	}
+	release(up)
+	rc.x.p.obs.RetryBudgetExhausted()
+	return false
+}
+
+// RetryPeeker is implemented by a Retries that can tell, without charging
+// anything, whether a retry would be granted now (upstream's retry gate
+// does). retry asks it before backing off, so that a spent budget answers
+// the client at once instead of after a backoff; the charge itself still
+// happens only when the retry starts.
+type RetryPeeker interface {
+	RetryAvailable() bool
+}
+
+// retryAvailable reports whether r may grant a retry now (true when r is
+// nil, retries at once within max_attempts, or cannot say).
+func retryAvailable(r Retries) bool {
+	if pk, ok := r.(RetryPeeker); ok {
+		return pk.RetryAvailable()
+	}
+	return true
 }
 
 // hedge runs when the hedge delay passes without a first event: it starts
 // a backup on another upstream when the primary's breaker is closed, the
 // hedge-rate cap and the retry budget allow, and attempts remain. It
 // reports whether a backup started.
+//
+// The backup's upstream is picked first: the cap and the budget are
+// charged only when there is one to attempt.
 func (rc *race) hedge() bool {
 	x, h, retries := rc.x, rc.pool.Hedging, rc.pool.Retries
 	if rc.inflight == 0 || rc.hedges >= h.MaxHedges() || rc.attempts >= x.p.cfg.MaxAttempts {
+		return false
+	}
+	if !rc.primaryClosed || !retryAvailable(retries) {
+		x.p.obs.Hedge(HedgeSuppressed)
+		return false
+	}
+	up, err := rc.pick(true)
+	if err != nil {
+		x.p.obs.Hedge(HedgeSuppressed)
 		return false
 	}
 	// The hedge-rate cap is asked before the budget: when the budget then
 	// refuses (a failing pool, where hedging is unwanted anyway) a cap slot
 	// is spent, which only makes hedging more conservative; the other order
 	// would spend retry budget on hedges the cap refuses.
-	if !rc.primaryClosed || !h.TryHedge() || (retries != nil && !retries.TryRetry()) {
+	if !h.TryHedge() || (retries != nil && !retries.TryRetry()) {
+		release(up)
 		x.p.obs.Hedge(HedgeSuppressed)
 		return false
 	}
-	if f := rc.startNext(true); f != nil {
-		x.p.obs.Hedge(HedgeSuppressed)
-		return false
-	}
+	rc.launch(up, true)
 	rc.hedges++
 	x.res.Hedged = true
 	x.p.obs.Hedge(HedgeFired)

@@ -61,8 +61,8 @@ if [ $# -gt 0 ]; then
 		[ -n "$ok" ] || die "unknown scenario $s; known: ${ALL[*]}"
 	done
 fi
-# Always in the canonical order: S6 opens breakers, which must not carry
-# into the streaming scenarios.
+# Always in the canonical order (each scenario gets fresh proxies anyway:
+# start_proxies).
 for a in "${ALL[@]}"; do
 	if [ -n "$full" ]; then
 		want+=("$a")
@@ -245,28 +245,59 @@ fi
 
 xdg=$logdir/xdg
 mkdir -p "$xdg"
-start_bg llm_proxy "$logdir/llm_proxy.log" env XDG_CONFIG_HOME="$xdg/llm" XDG_DATA_HOME="$xdg/llm" \
-	"$caddy_bin" run --config "$logdir/llm_proxy.Caddyfile" --adapter caddyfile
-llm_pid=$!
-start_bg reverse_proxy "$logdir/reverse_proxy.log" env XDG_CONFIG_HOME="$xdg/rp" XDG_DATA_HOME="$xdg/rp" \
-	"$caddy_bin" run --config "$logdir/reverse_proxy.Caddyfile" --adapter caddyfile
-rp_pid=$!
-start_bg nginx "$logdir/nginx.log" "${nginx_cmd[@]}"
-ng_pid=$!
-wait_ports llm_proxy "$llm_pid" "$logdir/llm_proxy.log" 30 "$llm_admin" "$llm_one" "$llm_three"
-wait_ports reverse_proxy "$rp_pid" "$logdir/reverse_proxy.log" 30 "$rp_admin" "$rp_one" "$rp_three"
-wait_ports nginx "$ng_pid" "$ngdir/error.log" 30 "$ng_one" "$ng_three"
+
+# stop_one PID stops one started process group: TERM, up to 5 s, then KILL.
+stop_one() {
+	local pid=$1 deadline=$((SECONDS + 5))
+	kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+	while alive "$pid"; do
+		if [ "$SECONDS" -ge "$deadline" ]; then
+			kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+			break
+		fi
+		sleep 0.1
+	done
+	wait "$pid" 2>/dev/null || true
+}
+
+# start_proxies (re)starts the three proxies, so that every scenario meets a
+# fresh gateway: no breaker, budget or connection pool state carried from
+# the scenario before (S4's ramp once opened the only breaker and refused
+# half of its streams; S6's breakers must not reach the streaming
+# scenarios). It sets the targets of llmload.
+llm_pid="" rp_pid="" ng_pid="" run_no=0
+start_proxies() {
+	local p
+	for p in "$llm_pid" "$rp_pid" "$ng_pid"; do
+		[ -n "$p" ] && stop_one "$p"
+	done
+	run_no=$((run_no + 1))
+	start_bg llm_proxy "$logdir/llm_proxy.$run_no.log" env XDG_CONFIG_HOME="$xdg/llm" XDG_DATA_HOME="$xdg/llm" \
+		"$caddy_bin" run --config "$logdir/llm_proxy.Caddyfile" --adapter caddyfile
+	llm_pid=$!
+	start_bg reverse_proxy "$logdir/reverse_proxy.$run_no.log" env XDG_CONFIG_HOME="$xdg/rp" XDG_DATA_HOME="$xdg/rp" \
+		"$caddy_bin" run --config "$logdir/reverse_proxy.Caddyfile" --adapter caddyfile
+	rp_pid=$!
+	start_bg nginx "$logdir/nginx.$run_no.log" "${nginx_cmd[@]}"
+	ng_pid=$!
+	wait_ports llm_proxy "$llm_pid" "$logdir/llm_proxy.$run_no.log" 30 "$llm_admin" "$llm_one" "$llm_three"
+	wait_ports reverse_proxy "$rp_pid" "$logdir/reverse_proxy.$run_no.log" 30 "$rp_admin" "$rp_one" "$rp_three"
+	wait_ports nginx "$ng_pid" "$ngdir/error.log" 30 "$ng_one" "$ng_three"
+	targets=(--target "direct=http://$m0")
+	want_target llm_proxy && targets+=(--target "llm_proxy=http://127.0.0.1:$llm_one" --storm "llm_proxy=http://127.0.0.1:$llm_three" --pid "llm_proxy=$llm_pid")
+	want_target reverse_proxy && targets+=(--target "reverse_proxy=http://127.0.0.1:$rp_one" --storm "reverse_proxy=http://127.0.0.1:$rp_three" --pid "reverse_proxy=$rp_pid")
+	want_target nginx && targets+=(--target "nginx=http://127.0.0.1:$ng_one" --storm "nginx=http://127.0.0.1:$ng_three" --pid "nginx=$ng_pid")
+	return 0
+}
 
 # --- scenarios -------------------------------------------------------------
 failed=()
 missing=()
-targets=(--target "direct=http://$m0")
+targets=()
 want_target() { [ -z "${TARGETS:-}" ] || [[ " $TARGETS " == *" $1 "* ]]; }
-want_target llm_proxy && targets+=(--target "llm_proxy=http://127.0.0.1:$llm_one" --storm "llm_proxy=http://127.0.0.1:$llm_three" --pid "llm_proxy=$llm_pid")
-want_target reverse_proxy && targets+=(--target "reverse_proxy=http://127.0.0.1:$rp_one" --storm "reverse_proxy=http://127.0.0.1:$rp_three" --pid "reverse_proxy=$rp_pid")
-want_target nginx && targets+=(--target "nginx=http://127.0.0.1:$ng_one" --storm "nginx=http://127.0.0.1:$ng_three" --pid "nginx=$ng_pid")
 for s in S1 S3 S4 S4b S6; do
 	wants "$s" || continue
+	start_proxies
 	log "scenario $s"
 	if ! run_fg "$llmload" suite run --scenario "$s" --out "$OUT" --mock "http://$m0" ${SMOKE:+--smoke} \
 		${LEVELS:+--levels "$LEVELS"} ${WINDOW:+--window "$WINDOW"} "${targets[@]}"; then

@@ -103,12 +103,12 @@ func (p *Pool) newRetryGate() (*retryGate, error) {
 	if rc.BucketMax > 0 {
 		key = fmt.Sprintf("budget|%s|bucket|%g|%g", p.cfg.Key, rc.BucketMax, rc.BucketRefill)
 		build = func() (budget.Budget, error) {
-			return budget.NewBucket(rc.BucketMax, rc.BucketRefill, budget.SystemClock{})
+			return budget.NewBucket(rc.BucketMax, rc.BucketRefill, p.reg.clock)
 		}
 	} else {
 		cfg := budget.RatioConfig{Ratio: rc.Ratio, Window: rc.Window, MinPerSec: rc.MinPerSec}
 		key = fmt.Sprintf("budget|%s|ratio|%g|%v|%g", p.cfg.Key, cfg.Ratio, cfg.Window, cfg.MinPerSec)
-		build = func() (budget.Budget, error) { return budget.NewRatio(cfg, budget.SystemClock{}) }
+		build = func() (budget.Budget, error) { return budget.NewRatio(cfg, p.reg.clock) }
 	}
 	s, err := p.reg.state.Acquire(&p.claims, key, func() (*poolState, error) {
 		b, err := build()
@@ -131,6 +131,10 @@ const (
 
 func (g *retryGate) Request()       { g.budget.Request() }
 func (g *retryGate) TryRetry() bool { return g.budget.TryRetry() }
+
+// RetryAvailable implements proxy.RetryPeeker: whether the budget would
+// grant a retry now, charging nothing.
+func (g *retryGate) RetryAvailable() bool { return g.budget.Stats().Available > 0 }
 
 // Backoff never waits past the backoff cap: a longer Retry-After is the
 // client's to honour, and it gets the 429/503 with it at once.
@@ -220,6 +224,7 @@ func (g *hedger) Observe(info proxy.RequestInfo, ttft time.Duration) {
 }
 
 var (
-	_ proxy.Retries = (*retryGate)(nil)
-	_ proxy.Hedging = (*hedger)(nil)
+	_ proxy.Retries     = (*retryGate)(nil)
+	_ proxy.RetryPeeker = (*retryGate)(nil)
+	_ proxy.Hedging     = (*hedger)(nil)
 )

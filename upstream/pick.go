@@ -22,7 +22,8 @@ type Candidate struct {
 	// LeastQueue, else 0.
 	Score float64
 
-	br *breaker.Breaker // nil when breakers are off
+	br  *breaker.Breaker // nil when breakers are off
+	key string           // br's model key ("" per upstream)
 	// bypass marks an upstream whose breaker the saturation rules opened,
 	// picked because no other upstream could take the request: it goes
 	// without a permit (saturation alone never refuses a request).
@@ -39,6 +40,13 @@ type Candidate struct {
 // upstream was only full (it frees as soon as an attempt ends),
 // CircuitOpen when open breakers alone are the cause, with RetryAfter the
 // earliest time a breaker may let a request in.
+//
+// Upstreams held open on statistical evidence (breaker.Statistical) are
+// skipped only within the pool's ejection cap, and only while at least
+// panic_threshold of the pool remains available: below it (panic mode) the
+// pick routes over every upstream not held by hard evidence, without a
+// permit, since under uniform failure a skipped upstream serves as well as
+// any other (see Ejection).
 func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickRequest) (proxy.Upstream, error) {
 	members, err := p.members(r)
 	if err != nil {
@@ -47,7 +55,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	if len(members) == 0 {
 		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
 	}
-	now := time.Now()
+	now := p.reg.now()
 	var earliest time.Time
 	open, busy := 0, 0
 	noteOpen := func(addr string, b *breaker.Breaker) {
@@ -59,13 +67,13 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	}
 	key := p.breakerKey(req.Info.Model)
 	fresh := make([]Candidate, 0, len(members))
-	var retried, saturated []Candidate
+	var retried, saturated, ejected []Candidate
 	for _, m := range members {
 		if m.e.full(m.t.MaxRequests) {
 			busy++
 			continue
 		}
-		c := Candidate{Target: &m.t, Entry: m.e}
+		c := Candidate{Target: &m.t, Entry: m.e, key: key}
 		if p.cfg.Breaker != nil {
 			c.br = m.e.breakerFor(key)
 		}
@@ -81,6 +89,11 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 				continue
 			}
 			if at := c.br.RetryAt(); !at.IsZero() && at.After(now) {
+				if c.br.Evidence() == breaker.Statistical {
+					c.bypass = true
+					ejected = append(ejected, c)
+					continue
+				}
 				noteOpen(m.t.Addr, c.br)
 				continue
 			}
@@ -89,6 +102,30 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			retried = append(retried, c)
 		} else {
 			fresh = append(fresh, c)
+		}
+	}
+	if p.cfg.Breaker != nil {
+		// The cap and the panic rule, for upstreams open on statistics.
+		n, route := len(members), 0
+		if capN := p.ejection.maxEjected(n); len(ejected) > capN {
+			route = len(ejected) - capN // beyond the cap: not held
+		}
+		thr := p.ejection.PanicThreshold
+		panicking := len(ejected) > 0 && thr > 0 && float64(n-open-len(ejected)+route) < thr*float64(n)
+		if panicking {
+			route = len(ejected)
+			p.panicRequest()
+		}
+		p.setPanic(panicking)
+		for _, c := range ejected[len(ejected)-route:] {
+			if slices.Contains(req.Tried, c.Target.Addr) {
+				retried = append(retried, c)
+			} else {
+				fresh = append(fresh, c)
+			}
+		}
+		for _, c := range ejected[:len(ejected)-route] {
+			noteOpen(c.Target.Addr, c.br)
 		}
 	}
 	if len(fresh) == 0 && !req.Hedge {
@@ -154,6 +191,9 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		// stream longer than the probe timeout must not count as a hung
 		// probe. Later, Done on a settled permit does nothing.
 		Committed: func(ttft time.Duration) {
+			if br != nil {
+				br.Live() // a first token: the server is up
+			}
 			if permit != nil && permit.Probe() {
 				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
 			}
@@ -161,8 +201,8 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
-			if permit != nil {
-				record(br, permit, rep)
+			if permit != nil && record(br, permit, rep) {
+				p.judge(c.key, e, br)
 			}
 		},
 	}

@@ -48,6 +48,9 @@ type Config struct {
 	Selector Selector
 	// Breaker holds the breaker settings; nil turns breakers off.
 	Breaker *breaker.Settings
+	// Ejection is the pool's ejection cap and panic rule (zero fields take
+	// their defaults; see Ejection). Used only with Breaker.
+	Ejection Ejection
 	// ScopeModel keys breakers by upstream and requested model.
 	ScopeModel bool
 	// Prober, when set, probes upstreams whose breaker is not closed.
@@ -96,6 +99,10 @@ type Pool struct {
 	// Candidate.Score (saturation on, or a selector that reads it).
 	sat    *Saturation
 	scored bool
+
+	// ejection is cfg.Ejection with defaults; panic its panic mode.
+	ejection Ejection
+	panic    panicState
 }
 
 // member is one upstream of a pool with its shared entry.
@@ -113,7 +120,10 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if (len(cfg.Static) == 0) == (cfg.Source == nil) {
 		return nil, errors.New("upstream pool: want static upstreams or a source, not both or neither")
 	}
-	p := &Pool{reg: r, cfg: cfg, sel: cfg.Selector}
+	p := &Pool{reg: r, cfg: cfg, sel: cfg.Selector, ejection: cfg.Ejection.WithDefaults()}
+	if err := p.ejection.Validate(); err != nil {
+		return nil, fmt.Errorf("breaker: %w", err)
+	}
 	if p.sel == nil {
 		p.sel = LeastConn{}
 	}

@@ -22,11 +22,20 @@ import (
 //     client's own stream_timeout, a gateway panic, and a pick given back
 //     unused (rep nil) are neutral.
 //
+// Connection errors and first-byte timeouts are breaker.Down: a run of them
+// with no sign of life between is hard evidence of a dead or hanging
+// server; every other fault is a plain failure, which trips the breaker
+// only with no success in the window or as a statistical outlier of its
+// pool (Pool.judge). A mix of first-byte timeouts and successes is
+// therefore statistical: a server that holds some requests and answers
+// others is judged against its pool, not declared down.
+//
 // A 429 or 503 with Retry-After also keeps the breaker open that long.
-func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) {
+// It reports whether the outcome was a failure.
+func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) (failed bool) {
 	if rep == nil {
 		p.Done(breaker.Neutral, 0, "")
-		return
+		return false
 	}
 	switch o := rep.Outcome; {
 	case o == proxy.AttemptSuccess:
@@ -37,12 +46,17 @@ func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) {
 		} else {
 			p.Done(breaker.Neutral, 0, "")
 		}
+	case o == proxy.AttemptConnectError || o == proxy.AttemptFirstByteTimeout:
+		p.Done(breaker.Down, rep.TTFT, o.String())
+		failed = true
 	case o.UpstreamFault():
 		p.Done(breaker.Failure, rep.TTFT, o.String())
+		failed = true
 	default:
 		p.Done(breaker.Neutral, 0, "")
 	}
 	if rep.RetryAfter > 0 {
 		b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
 	}
+	return failed
 }

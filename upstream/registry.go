@@ -77,6 +77,9 @@ type Registry struct {
 	loops, scrapers atomic.Int64
 	// breakerOpts are added to every breaker's options (tests inject a clock).
 	breakerOpts []breaker.Option
+	// clock is the time of picks, retry budgets and, through breakerOpts,
+	// breakers (UseClock); breaker.SystemClock by default.
+	clock breaker.Clock
 	// store is the breaker store of the breakers created now (nil: none);
 	// storeMu serializes SetBreakerStore.
 	store   atomic.Pointer[storeBox]
@@ -120,11 +123,23 @@ func NewRegistry(obs Observer) *Registry {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels)}
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}}
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)
 	return r
 }
+
+// UseClock makes c the clock of picks, of the retry budgets of pools built
+// from now on, and of the breakers created from now on, so that tests and
+// simulations run on a fake clock. Call it before building pools; it is
+// not safe for concurrent use with them.
+func (r *Registry) UseClock(c breaker.Clock) {
+	r.clock = c
+	r.breakerOpts = append(r.breakerOpts, breaker.WithClock(c))
+}
+
+// now is the registry clock's time.
+func (r *Registry) now() time.Time { return r.clock.Now() }
 
 // Entry returns the entry for a dial address without taking a reference.
 func (r *Registry) Entry(addr string) (*Entry, bool) { return r.entries.Peek(addr) }

@@ -486,7 +486,7 @@ func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *
 
 func TestSaturationBreakerReopensWhenStillSaturated(t *testing.T) {
 	// No jitter: the test compares two cooldowns.
-	_, _, f, b := clockedPool(t, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, []breaker.Option{breaker.WithRand(func() float64 { return 0.5 })}, "10.9.7.3:8000")
+	_, _, f, b := clockedPool(t, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, []breaker.Option{breaker.WithRand(func() float64 { return 0 })}, "10.9.7.3:8000")
 	full := Readings{Waiting: Known(0), Running: Known(8), KVUsage: Known(0.97)}
 	for range 3 {
 		f.scrape(time.Second, full)

@@ -291,8 +291,10 @@ func writeSuiteSection(w io.Writer, run *suiteRun, m *SuiteMeta, plots map[strin
 			"(breakers and budgets carry over). Targets: llm_proxy at its defaults; reverse_proxy with `lb_retries 3` and "+
 			"`lb_retry_match` on 502/503/504 (without it Caddy retries no POST after the connection was made); nginx with "+
 			"`proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent` and `proxy_next_upstream_tries 4`; "+
-			"direct talks to one replica. Cells: upstream attempts per client request (the mock's count) · share of "+
-			"requests that succeeded. nginx's servers have `max_fails=0` (with the default `max_fails=1 fail_timeout=10s` one 503 takes a server "+
+			"direct talks to one replica. Every scenario starts with fresh proxies. Cells: upstream attempts per client request (the mock's count) · share of "+
+			"requests that succeeded. Targets (issue 19): llm_proxy serves at least what direct serves less 5 points at every error rate, "+
+			"and sends at most 1 + ratio + floor attempts per request (its default budget: 0.1 of the requests in its 10 s window — this rate's and the "+
+			"previous rate's, which ran a moment before — plus 3 retries per second holding one second: 1 + 0.1 × (n + n_prev) ÷ n + 3 × (1 + seconds) ÷ n). nginx's servers have `max_fails=0` (with the default `max_fails=1 fail_timeout=10s` one 503 takes a server "+
 			"out for 10 s, and at any error rate here nginx soon refuses everything with 502 without an attempt).\n\n", run.S6.Upstream, run.S6.Rate, run.S6.Duration)
 		writeStormTable(w, run.S6)
 		if p := plots["amp"]; p != "" {
@@ -485,9 +487,12 @@ func writeStreamsTable(w io.Writer, r *StreamsReport, withRSS bool) {
 }
 
 func writeStormTable(w io.Writer, r *StormReport) {
-	rows := [][]string{append([]string{"error rate"}, suiteColumns...)}
+	served, attempts, known := stormGoals(r)
+	rows := [][]string{append(append([]string{"error rate"}, suiteColumns...),
+		fmt.Sprintf("target: llm_proxy served ≥ direct − %.0f", stormServedSlack), "target: llm_proxy attempts ≤ 1 + ratio + floor")}
 	for i, rate := range r.Rates {
 		row := []string{fmt.Sprintf("%.0f%%", 100*rate)}
+		var llm *StormPoint
 		for _, name := range suiteColumns {
 			var pt *StormPoint
 			for j := range r.Targets {
@@ -499,12 +504,28 @@ func writeStormTable(w io.Writer, r *StormReport) {
 				row = append(row, "—")
 				continue
 			}
-			row = append(row, fmt.Sprintf("%.2f · %.0f%% ok", pt.PerRequest, pct(pt.OK, pt.Requests)))
+			if name == TargetLLMProxy {
+				llm = pt
+			}
+			row = append(row, fmt.Sprintf("%.2f · %.0f%% ok", pt.PerRequest, pt.Served()))
+		}
+		if !known || i >= len(served) || llm == nil {
+			row = append(row, "—", "—")
+		} else {
+			row = append(row, verdictWord(served[i]), fmt.Sprintf("%s (≤ %.2f)", verdictWord(attempts[i]), llm.Bound))
 		}
 		rows = append(rows, row)
 	}
-	writeMarkdown(w, rows, "lrrrr")
+	writeMarkdown(w, rows, "lrrrrrr")
 	fmt.Fprintln(w)
+}
+
+// verdictWord is "met" or "**not met**".
+func verdictWord(met bool) string {
+	if met {
+		return "met"
+	}
+	return "**not met**"
 }
 
 // plural is "1 stream", "100 streams".

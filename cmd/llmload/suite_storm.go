@@ -23,7 +23,25 @@ type StormReport struct {
 	Duration time.Duration `json:"duration_ns"`
 	Started  time.Time     `json:"started"`
 	Targets  []StormTarget `json:"targets"`
+	// BudgetRatio and BudgetFloor are llm_proxy's default retry budget
+	// (retries ≤ ratio × requests, plus a floor of retries per second
+	// holding one second of it), from which the attempts target of a
+	// point is computed (StormPoint.Bound).
+	BudgetRatio float64 `json:"budget_ratio"`
+	BudgetFloor float64 `json:"budget_floor_per_s"`
 }
+
+// Defaults of llm_proxy's retry budget (budget.DefaultRatio,
+// budget.DefaultMinPerSec), the S6 attempts target.
+const (
+	stormBudgetRatio = 0.1
+	stormBudgetFloor = 3.0
+)
+
+// stormServedSlack is the served target's allowance: llm_proxy serves at
+// least what direct serves, less this many points, at every error rate
+// (issue 19).
+const stormServedSlack = 5.0
 
 // StormTarget is one target's sweep, in the order the rates were run (the
 // target's breakers and budgets carry from one rate to the next, as in an
@@ -44,13 +62,49 @@ type StormPoint struct {
 	// PerRequest is Upstream ÷ Requests, the amplification.
 	Upstream   int64   `json:"upstream_attempts"`
 	PerRequest float64 `json:"attempts_per_request"`
+	// Bound is the attempts per request that llm_proxy's default retry
+	// budget allows at this point: 1 + ratio × (requests + the previous
+	// rate's requests) ÷ requests + floor × (1 + duration in seconds) ÷
+	// requests. The rates follow each other within the budget's 10 s
+	// window, so the previous rate's requests still earn retries here;
+	// the floor holds one second of retries and earns its rate per second.
+	Bound float64 `json:"attempts_bound"`
+}
+
+// Served is the share of requests that succeeded, in percent.
+func (p StormPoint) Served() float64 { return pct(p.OK, p.Requests) }
+
+// stormGoals judges llm_proxy's sweep against direct's, rate by rate: the
+// served target (served ≥ direct − 5 points) and the attempts target
+// (attempts per request ≤ Bound). known is false when either sweep is
+// missing; the verdicts are per rate, in the order of r.Rates.
+func stormGoals(r *StormReport) (served, attempts []bool, known bool) {
+	var direct, llm *StormTarget
+	for i := range r.Targets {
+		switch r.Targets[i].Name {
+		case TargetDirect:
+			direct = &r.Targets[i]
+		case TargetLLMProxy:
+			llm = &r.Targets[i]
+		}
+	}
+	if direct == nil || llm == nil || len(llm.Points) == 0 || len(direct.Points) != len(llm.Points) {
+		return nil, nil, false
+	}
+	for i, pt := range llm.Points {
+		served = append(served, pt.Served() >= direct.Points[i].Served()-stormServedSlack)
+		attempts = append(attempts, pt.Bound > 0 && pt.PerRequest <= pt.Bound)
+	}
+	return served, attempts, true
 }
 
 func runStormScenario(ctx context.Context, cfg *SuiteConfig) (*StormReport, error) {
 	rep := &StormReport{Config: *cfg, Rates: []float64{0, 0.25, 0.5, 0.75, 1}, Rate: 50, Duration: 4 * time.Second,
-		Started: time.Now(), Upstream: "3 mock replicas, TTFT 0, 2 tokens; a failing attempt gets 503 before any byte (X-Mock-Fault: status=503,fraction=F)"}
+		Started: time.Now(), Upstream: "3 mock replicas, TTFT 0, 2 tokens; a failing attempt gets 503 before any byte (X-Mock-Fault: status=503,fraction=F)",
+		BudgetRatio: stormBudgetRatio, BudgetFloor: stormBudgetFloor}
 	if cfg.Smoke {
-		rep.Rates, rep.Duration = []float64{0, 0.5, 1}, time.Second
+		// 100 requests a point: direct's share then varies by ±5 points.
+		rep.Rates, rep.Duration = []float64{0, 0.5, 1}, 2*time.Second
 	}
 	client := newHTTPClient(64)
 	for _, t := range cfg.Targets {
@@ -62,17 +116,19 @@ func runStormScenario(ctx context.Context, cfg *SuiteConfig) (*StormReport, erro
 			url = t.URL // direct: one replica, no one to retry
 		}
 		st := StormTarget{Name: t.Name}
+		var prev int64
 		for _, rate := range rep.Rates {
 			if ctx.Err() != nil {
 				break
 			}
-			pt, err := runStormPoint(ctx, client, cfg, url, rate, rep.Rate, rep.Duration)
+			pt, err := runStormPoint(ctx, client, cfg, url, rate, rep.Rate, rep.Duration, prev)
 			if err != nil {
 				return nil, fmt.Errorf("%s at error rate %g: %w", t.Name, rate, err)
 			}
 			suiteLog("S6 %s: error rate %3.0f%%: %.2f upstream attempts per request, %d/%d ok",
 				t.Name, 100*rate, pt.PerRequest, pt.OK, pt.Requests)
 			st.Points = append(st.Points, pt)
+			prev = pt.Requests
 		}
 		rep.Targets = append(rep.Targets, st)
 	}
@@ -90,7 +146,7 @@ func stormFault(rate float64) string {
 	return "status=503,fraction=" + strconv.FormatFloat(rate, 'g', -1, 64)
 }
 
-func runStormPoint(ctx context.Context, hc *http.Client, cfg *SuiteConfig, url string, rate, perSec float64, d time.Duration) (StormPoint, error) {
+func runStormPoint(ctx context.Context, hc *http.Client, cfg *SuiteConfig, url string, rate, perSec float64, d time.Duration, prev int64) (StormPoint, error) {
 	pt := StormPoint{Rate: rate, Outcomes: map[string]int64{}}
 	// Nothing of the previous point may still be in flight when the counts
 	// are reset.
@@ -121,6 +177,8 @@ func runStormPoint(ctx context.Context, hc *http.Client, cfg *SuiteConfig, url s
 	pt.Upstream = summarizeMock(cfg.Mock, fs).Requests
 	if pt.Requests > 0 {
 		pt.PerRequest = float64(pt.Upstream) / float64(pt.Requests)
+		n := float64(pt.Requests)
+		pt.Bound = 1 + stormBudgetRatio*(n+float64(prev))/n + stormBudgetFloor*(1+d.Seconds())/n
 	}
 	return pt, nil
 }

@@ -122,30 +122,41 @@ func suiteTargets(run *suiteRun) []suiteGoal {
 		}
 	}
 	gs = append(gs, g)
-	// Retry amplification at 100% failure.
-	g = suiteGoal{What: "retry amplification at 100% failure, llm_proxy (S6)", Goal: "≤ 1.10 upstream attempts per request", Measured: "—"}
-	if run.S6 != nil {
-		for _, t := range run.S6.Targets {
-			if t.Name != TargetLLMProxy || len(t.Points) == 0 {
-				continue
-			}
-			pt := t.Points[len(t.Points)-1]
-			if pt.Rate < 1 {
-				break
-			}
-			g.Known, g.Met = true, pt.PerRequest <= 1.1
-			g.Measured = fmt.Sprintf("**%.2f×**", pt.PerRequest)
-			for _, o := range run.S6.Targets {
-				if o.Name == TargetReverseProxy || o.Name == TargetNginx {
-					if n := len(o.Points); n > 0 {
-						g.Measured += fmt.Sprintf(" (%s %.2f×)", o.Name, o.Points[n-1].PerRequest)
-					}
-				}
-			}
+	// S6 (issue 19): served and attempts at every uniform error rate.
+	gs = append(gs, stormSuiteGoals(run.S6)...)
+	return gs
+}
+
+// stormSuiteGoals are S6's two targets over every error rate.
+func stormSuiteGoals(r *StormReport) []suiteGoal {
+	sg := suiteGoal{What: "S6 served by llm_proxy at every uniform error rate", Goal: fmt.Sprintf("≥ direct − %.0f points", stormServedSlack), Measured: "—"}
+	ag := suiteGoal{What: "S6 upstream attempts per request, llm_proxy, at every error rate", Goal: "≤ 1 + ratio + floor (budget bound)", Measured: "—"}
+	if r == nil {
+		return []suiteGoal{sg, ag}
+	}
+	served, attempts, known := stormGoals(r)
+	if !known {
+		return []suiteGoal{sg, ag}
+	}
+	var llm, direct StormTarget
+	for _, t := range r.Targets {
+		switch t.Name {
+		case TargetLLMProxy:
+			llm = t
+		case TargetDirect:
+			direct = t
 		}
 	}
-	gs = append(gs, g)
-	return gs
+	sg.Known, ag.Known, sg.Met, ag.Met = true, true, true, true
+	var sm, am []string
+	for i, pt := range llm.Points {
+		sg.Met = sg.Met && served[i]
+		ag.Met = ag.Met && attempts[i]
+		sm = append(sm, fmt.Sprintf("%.0f%%: %.0f vs %.0f", 100*pt.Rate, pt.Served(), direct.Points[i].Served()))
+		am = append(am, fmt.Sprintf("%.0f%%: %.2f ≤ %.2f", 100*pt.Rate, pt.PerRequest, pt.Bound))
+	}
+	sg.Measured, ag.Measured = strings.Join(sm, "; "), strings.Join(am, "; ")
+	return []suiteGoal{sg, ag}
 }
 
 func val(l *StreamsLevel, ok bool) float64 {

@@ -122,7 +122,8 @@ func TestSuiteReportTablesAndGoals(t *testing.T) {
 		S4: &StreamsReport{Levels: []int{1000}, Window: 12 * time.Second, Targets: []StreamsTarget{
 			lvl(TargetDirect, 0, 0, false), lvl(TargetLLMProxy, 15, 30, true), lvl(TargetReverseProxy, 22, 70, true), lvl(TargetNginx, 11, 14, true)}},
 		S6: &StormReport{Rates: []float64{0, 1}, Targets: []StormTarget{
-			{Name: TargetLLMProxy, Points: []StormPoint{{Rate: 0, Requests: 10, OK: 10, PerRequest: 1}, {Rate: 1, Requests: 10, PerRequest: 1.05}}},
+			{Name: TargetDirect, Points: []StormPoint{{Rate: 0, Requests: 10, OK: 10, PerRequest: 1}, {Rate: 1, Requests: 10, PerRequest: 1}}},
+			{Name: TargetLLMProxy, Points: []StormPoint{{Rate: 0, Requests: 10, OK: 10, PerRequest: 1, Bound: 1.5}, {Rate: 1, Requests: 10, PerRequest: 1.05, Bound: 1.5}}},
 			{Name: TargetReverseProxy, Points: []StormPoint{{Rate: 0, Requests: 10, OK: 10, PerRequest: 1}, {Rate: 1, Requests: 10, PerRequest: 4}}}}},
 	}
 	goals := map[string]suiteGoal{}
@@ -136,11 +137,12 @@ func TestSuiteReportTablesAndGoals(t *testing.T) {
 			t.Errorf("%s: %+v (present %v), want known and met=%v", what, g, ok, met)
 		}
 	}
-	check("CPU per event, S4 1,000 streams, llm_proxy ÷ reverse_proxy", true) // 15/22 = 0.68
-	check("CPU per event, S4 1,000 streams, llm_proxy ÷ nginx", true)         // 15/11 = 1.36
-	check("RSS per stream, 1,000 streams, llm_proxy ÷ reverse_proxy", true)   // 30/70 = 0.43
-	check("retry amplification at 100% failure, llm_proxy (S6)", true)        // 1.05
-	check("streams held by llm_proxy with no event later than 50 ms", false)  // 1,000 < 5,000
+	check("CPU per event, S4 1,000 streams, llm_proxy ÷ reverse_proxy", true)       // 15/22 = 0.68
+	check("CPU per event, S4 1,000 streams, llm_proxy ÷ nginx", true)               // 15/11 = 1.36
+	check("RSS per stream, 1,000 streams, llm_proxy ÷ reverse_proxy", true)         // 30/70 = 0.43
+	check("S6 served by llm_proxy at every uniform error rate", true)               // 100 vs 100, 0 vs 0
+	check("S6 upstream attempts per request, llm_proxy, at every error rate", true) // 1.05 ≤ 1.5
+	check("streams held by llm_proxy with no event later than 50 ms", false)        // 1,000 < 5,000
 	if g := goals["added TTFT p50, S3 100 streams, llm_proxy ÷ reverse_proxy"]; g.Known {
 		t.Errorf("added TTFT known without S3: %+v", g)
 	}
@@ -151,9 +153,26 @@ func TestSuiteReportTablesAndGoals(t *testing.T) {
 	if !strings.HasPrefix(md, suiteBegin) || !strings.HasSuffix(strings.TrimSpace(md), suiteEnd) {
 		t.Error("section is not between the markers")
 	}
-	for _, want := range []string{" direct |", " llm_proxy |", " reverse_proxy |", " nginx |", "15.0 µs", "30.0 KB", "4.00 · 0% ok"} {
+	for _, want := range []string{" direct |", " llm_proxy |", " reverse_proxy |", " nginx |", "15.0 µs", "30.0 KB", "4.00 · 0% ok", "met (≤ 1.50)"} {
 		if !strings.Contains(md, want) {
 			t.Errorf("report lacks %q:\n%s", want, md)
+		}
+	}
+}
+
+// The S6 targets fail where llm_proxy serves less than direct − 5 points
+// or sends more attempts than the budget allows.
+func TestStormGoalsNotMet(t *testing.T) {
+	r := &StormReport{Rates: []float64{0.5, 1}, Targets: []StormTarget{
+		{Name: TargetDirect, Points: []StormPoint{{Rate: 0.5, Requests: 100, OK: 50}, {Rate: 1, Requests: 100}}},
+		{Name: TargetLLMProxy, Points: []StormPoint{{Rate: 0.5, Requests: 100, OK: 44, PerRequest: 1.1, Bound: 1.2}, {Rate: 1, Requests: 100, PerRequest: 1.3, Bound: 1.2}}}}}
+	served, attempts, known := stormGoals(r)
+	if !known || served[0] || !served[1] || !attempts[0] || attempts[1] {
+		t.Fatalf("served %v, attempts %v, known %v; want [false true], [true false], true", served, attempts, known)
+	}
+	for _, g := range stormSuiteGoals(r) {
+		if !g.Known || g.Met {
+			t.Errorf("%+v: want known and not met", g)
 		}
 	}
 }

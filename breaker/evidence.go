@@ -1,0 +1,166 @@
+package breaker
+
+import (
+	"fmt"
+	"math"
+	"time"
+)
+
+// Evidence is what holds a breaker open (DESIGN §4, hard and statistical
+// evidence). A pool routes around an upstream held by hard evidence
+// whatever happens to the rest of the pool; one held by statistical
+// evidence only while enough of the pool remains (the panic rule, see
+// upstream.Pool).
+type Evidence uint8
+
+const (
+	// EvidenceNone: the breaker is closed.
+	EvidenceNone Evidence = iota
+	// Hard evidence says the upstream is down or hanging: a run of
+	// ConsecutiveFailures refused, reset or timed-out connections and
+	// first-byte timeouts (Down outcomes) with no sign of life (a success,
+	// or a first token on any attempt: Live) and no answer between them; a
+	// run of ConsecutiveFailures failures of any kind with no success or
+	// first token within RatioWindow; a failed synthetic probe;
+	// and what the upstream or an operator said (Retry-After, ForceOpen),
+	// the fleet's verdicts and the saturation trips.
+	Hard
+	// Statistical evidence says the upstream fails more often than it
+	// should: the pool's outlier and near-total rules (Eject) and the
+	// breaker's own Failures, FailureRatio and SlowRatio rules.
+	Statistical
+)
+
+var evidenceNames = [...]string{EvidenceNone: "", Hard: "hard", Statistical: "statistical"}
+
+// String returns "hard", "statistical", or "" for none.
+func (e Evidence) String() string {
+	if int(e) < len(evidenceNames) {
+		return evidenceNames[e]
+	}
+	return fmt.Sprintf("evidence(%d)", e)
+}
+
+// MarshalText encodes the evidence as its String, for the admin API.
+func (e Evidence) MarshalText() ([]byte, error) { return []byte(e.String()), nil }
+
+// UnmarshalText parses evidence written by MarshalText.
+func (e *Evidence) UnmarshalText(b []byte) error {
+	for i, n := range evidenceNames {
+		if string(b) == n {
+			*e = Evidence(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("breaker evidence %q: want hard or statistical", b)
+}
+
+// ProbeFailureQuantile is the confidence with which a half-open breaker
+// held by statistical evidence tells "fails like its pool" from "still an
+// outlier": it re-opens only after more failed probes than an upstream
+// failing at the pool's rate would give, before RecoverySuccesses
+// successes, with probability 1 − ProbeFailureQuantile.
+const ProbeFailureQuantile = 0.99
+
+// maxProbeFailures bounds the failed probes a half-open breaker tolerates,
+// even in a pool that fails (nearly) everything.
+const maxProbeFailures = 50
+
+// allowedProbeFailures is the number of failed probes an upstream failing
+// with probability p may give before its r-th success, at the
+// ProbeFailureQuantile: the quantile of the negative binomial distribution
+// NB(r, 1−p), capped by maxProbeFailures. p ≤ 0 (a healthy pool) allows
+// none, as a plain breaker does.
+func allowedProbeFailures(p float64, r int) int {
+	if !(p > 0) {
+		return 0
+	}
+	if p >= 1 {
+		return maxProbeFailures
+	}
+	// P(F = k) = C(k+r−1, k) p^k (1−p)^r, summed until the quantile.
+	pk := math.Pow(1-p, float64(r)) // k = 0
+	cum := pk
+	for k := 0; k < maxProbeFailures; k++ {
+		if cum >= ProbeFailureQuantile {
+			return k
+		}
+		pk *= p * float64(k+r) / float64(k+1)
+		cum += pk
+	}
+	return maxProbeFailures
+}
+
+// Evidence returns what holds the breaker open or half-open, without a
+// lock; EvidenceNone when closed.
+func (b *Breaker) Evidence() Evidence {
+	if stateOf(b.word.Load()) == Closed {
+		return EvidenceNone
+	}
+	return Evidence(b.evidence.Load())
+}
+
+// Live records a sign of life of the upstream: a first token (or complete
+// body) arrived on one of its attempts. The gateway calls it at commit, for
+// every attempt; a success (Done) is one too. It breaks a run of Down
+// outcomes (see Hard): a burst of refused connections while other
+// connections to the same server stream tokens is no dead server. It also
+// dates the last success that the "no success in the window" rule looks
+// at. Lock-free; allocates nothing.
+func (b *Breaker) Live() {
+	b.lastLife.Store(b.mono(b.clock.Now()))
+	if b.hardRun.Load() != 0 {
+		b.hardRun.Store(0)
+	}
+}
+
+// SetPeerRatio tells the breaker the failure ratio of the rest of its pool
+// (0 to 1), by which a half-open breaker held by statistical evidence, or
+// one whose probe an upstream answered with an error, judges its probes:
+// an upstream that fails like its pool closes (see allowedProbeFailures).
+// A value outside [0, 1] is ignored. Lock-free.
+func (b *Breaker) SetPeerRatio(r float64) {
+	if r >= 0 && r <= 1 {
+		b.peer.Store(math.Float64bits(r))
+	}
+}
+
+// PeerRatio returns the last SetPeerRatio (0 before any).
+func (b *Breaker) PeerRatio() float64 { return math.Float64frombits(b.peer.Load()) }
+
+// Eject opens a closed breaker on statistical evidence found by its pool
+// (an outlier against the pool, or failing nearly always): reason says
+// which, peer is the failure ratio of the rest of the pool (SetPeerRatio),
+// by which its recovery is judged. It reports whether the breaker opened;
+// a breaker that is not closed is left alone. The cooldown is the usual one
+// (OpenFor, jittered, MinOpen). With a Fleet the ejection is local, as an
+// own trip rule's is: a pool's statistics are this gateway's.
+func (b *Breaker) Eject(reason string, peer float64) bool {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	if stateOf(b.word.Load()) != Closed {
+		return false
+	}
+	b.SetPeerRatio(peer)
+	reason = "ejected: " + reason
+	b.lastFailure, b.lastFailureAt = reason, now
+	b.openLocked(now, now.Add(b.cooldownLocked()), true, false, reason)
+	b.evidence.Store(uint32(Statistical))
+	if b.fleet != nil {
+		b.local = true
+		return true
+	}
+	b.publishOpenLocked(reason)
+	return true
+}
+
+// lifeWithin reports whether the upstream showed a sign of life (Live, or
+// a success) within d before now.
+func (b *Breaker) lifeWithin(now time.Time, d time.Duration) bool {
+	last := b.lastLife.Load()
+	return last != noLife && b.mono(now)-last < int64(d)
+}
+
+// noLife is lastLife before any sign of life.
+const noLife = math.MinInt64

@@ -1,0 +1,245 @@
+package breaker_test
+
+import (
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
+// calls runs one call per outcome, in order, failing the test on a refusal.
+func (f *fixture) calls(os ...breaker.Outcome) {
+	f.t.Helper()
+	for _, o := range os {
+		if !f.call(o, 0) {
+			f.t.Fatalf("Allow refused in %s before %s", f.b.State(), o)
+		}
+	}
+}
+
+const (
+	ok   = breaker.Success
+	bad  = breaker.Failure
+	down = breaker.Down
+)
+
+// Runs of failures amid successes are no outage: under uniform partial
+// failure every upstream has them, and the consecutive rule used to open
+// on them (issue 19: 50% success became 0%).
+func TestFailuresAmidSuccessesNeverTripTheConsecutiveRule(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	rng := rand.New(rand.NewPCG(19, 1))
+	f.succeed(1)
+	for range 2000 {
+		o := ok
+		if rng.Float64() < 0.75 {
+			o = bad
+		}
+		f.calls(o)
+		f.clk.Advance(50 * time.Millisecond)
+	}
+	f.wantState(breaker.Closed)
+}
+
+// Hard evidence keeps the fast trip: three refused connections in a row,
+// with no sign of life between them, open a breaker whose upstream served
+// a moment ago.
+func TestDownRunTripsAtOnceAsHardEvidence(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.succeed(100)
+	f.calls(down, down)
+	f.wantState(breaker.Closed)
+	f.calls(down)
+	f.wantState(breaker.Open)
+	if e := f.b.Evidence(); e != breaker.Hard {
+		t.Fatalf("evidence %q, want hard", e)
+	}
+}
+
+// A first token on another connection (Live), a success, or any answer
+// from the server breaks a run of Down outcomes: a burst of refused
+// connections while other streams of the same server run is no dead server.
+func TestSignOfLifeBreaksADownRun(t *testing.T) {
+	for name, between := range map[string]func(f *fixture){
+		"first token": func(f *fixture) { f.b.Live() },
+		"success":     func(f *fixture) { f.calls(ok) },
+		"http 503":    func(f *fixture) { f.calls(bad) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t, breaker.Settings{})
+			f.succeed(1)
+			f.calls(down, down)
+			between(f)
+			f.calls(down, down)
+			f.wantState(breaker.Closed)
+			f.calls(down)
+			f.wantState(breaker.Open)
+		})
+	}
+}
+
+// Failures of any kind with no success in the window are hard: a server
+// that answers 503 to everything is down.
+func TestFailuresWithNoSuccessInTheWindowAreHard(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.succeed(5)
+	f.calls(bad, bad, bad, bad, bad)
+	f.wantState(breaker.Closed) // the successes are 0s old
+	f.clk.Advance(29 * time.Second)
+	f.calls(bad)
+	f.wantState(breaker.Closed)
+	f.clk.Advance(2 * time.Second) // the last success leaves the window
+	f.calls(bad)
+	f.wantState(breaker.Open)
+	if e := f.b.Evidence(); e != breaker.Hard {
+		t.Fatalf("evidence %q, want hard", e)
+	}
+}
+
+// The breaker's own ratio rules are statistical evidence.
+func TestRatioRuleIsStatisticalEvidence(t *testing.T) {
+	f := newFixture(t, breaker.Settings{FailureRatio: 0.5, MinRequests: 10})
+	f.succeed(5)
+	f.calls(bad, bad, bad, bad, bad)
+	f.wantState(breaker.Open)
+	if e := f.b.Evidence(); e != breaker.Statistical {
+		t.Fatalf("evidence %q, want statistical", e)
+	}
+}
+
+// Eject opens a closed breaker on the pool's statistical evidence, and
+// nothing else.
+func TestEject(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	if !f.b.Eject("outlier", 0.1) {
+		t.Fatal("Eject refused on a closed breaker")
+	}
+	s := f.b.Snapshot()
+	if s.State != breaker.Open || s.Evidence != breaker.Statistical || s.PeerRatio != 0.1 || s.LastFailure != "ejected: outlier" {
+		t.Fatalf("after Eject: %+v", s)
+	}
+	if got := f.openFor(); got != 10*time.Second {
+		t.Fatalf("ejected for %s, want the 10s cooldown", got)
+	}
+	if f.b.Eject("again", 0.1) {
+		t.Fatal("Eject on an open breaker")
+	}
+}
+
+// Recovery judged fairly: a half-open upstream whose probes fail at the
+// pool's rate closes; one that fails more re-opens, with a grown cooldown.
+func TestHalfOpenJudgedAgainstThePool(t *testing.T) {
+	t.Run("fails like its pool: closes", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.5)
+		f.clk.Advance(f.openFor())
+		for _, o := range []breaker.Outcome{bad, ok, bad, bad, ok} {
+			p := f.probe()
+			p.Done(o, 0, o.String())
+		}
+		f.wantState(breaker.Closed)
+	})
+	t.Run("fails more than its pool: re-opens, grown", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.5)
+		f.clk.Advance(f.openFor())
+		// NB(2, 0.5) at 99%: 9 failures before the second success.
+		for i := range 10 {
+			if i > 0 {
+				f.wantState(breaker.HalfOpen)
+			}
+			p := f.probe()
+			p.Done(bad, 0, "http 503")
+		}
+		f.wantState(breaker.Open)
+		if got, e := f.openFor(), f.b.Evidence(); got != 20*time.Second || e != breaker.Statistical {
+			t.Fatalf("re-opened for %s with %q evidence, want 20s, statistical", got, e)
+		}
+	})
+	t.Run("healthy pool: the first failure re-opens", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0)
+		f.clk.Advance(f.openFor())
+		p := f.probe()
+		p.Done(bad, 0, "http 503")
+		f.wantState(breaker.Open)
+	})
+	t.Run("a Down probe is hard evidence at once", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.9)
+		f.clk.Advance(f.openFor())
+		p := f.probe()
+		p.Done(down, 0, "connection refused")
+		f.wantState(breaker.Open)
+		if e := f.b.Evidence(); e != breaker.Hard {
+			t.Fatalf("evidence %q, want hard", e)
+		}
+	})
+	t.Run("a failed synthetic probe is hard evidence", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.9)
+		f.clk.Advance(f.openFor())
+		p, ok := f.b.AllowProbe()
+		if !ok {
+			t.Fatal("no synthetic probe")
+		}
+		p.Done(bad, 0, "probe: http 503")
+		f.wantState(breaker.Open)
+		if e := f.b.Evidence(); e != breaker.Hard {
+			t.Fatalf("evidence %q, want hard", e)
+		}
+	})
+}
+
+// Issue 19, item 5: with the defaults (OpenFor = MinOpen = 10s) the first
+// trips of many breakers spread over the whole jitter range, [10s, 14s),
+// instead of half of them landing on exactly 10s.
+func TestFirstTripsSpreadOverTheJitterRange(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 19))
+	clk := newClock()
+	const n = 2000
+	var buckets [4]int
+	atFloor := 0
+	for range n {
+		b := breaker.New("up", breaker.Settings{}, breaker.WithClock(clk), breaker.WithRand(rng.Float64))
+		for range 3 {
+			p, _ := b.Allow()
+			p.Done(breaker.Down, 0, "connection refused")
+		}
+		d := b.Snapshot().OpenUntil.Sub(clk.Now())
+		if d < breaker.DefaultMinOpen || d >= 14*time.Second {
+			t.Fatalf("first cooldown %s outside [10s, 14s)", d)
+		}
+		if d == breaker.DefaultMinOpen {
+			atFloor++
+		}
+		buckets[int((d-breaker.DefaultMinOpen)/time.Second)]++
+	}
+	if atFloor > n/100 {
+		t.Fatalf("%d of %d first trips at exactly min_open: the floor cancels the jitter", atFloor, n)
+	}
+	for i, c := range buckets {
+		if c < n/4*8/10 || c > n/4*12/10 {
+			t.Fatalf("second %d of the range holds %d of %d first trips, want about a quarter (%v)", 10+i, c, n, buckets)
+		}
+	}
+}
+
+// A breaker that recovered starts a new run of Down outcomes from zero: the
+// run that opened it does not carry over into the closed state.
+func TestRecoveryResetsTheDownRun(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.calls(down, down, down)
+	f.wantState(breaker.Open)
+	f.clk.Advance(f.openFor())
+	for range 2 {
+		p := f.probe()
+		p.Done(ok, 0, "")
+	}
+	f.wantState(breaker.Closed)
+	f.calls(down, down)
+	f.wantState(breaker.Closed)
+	f.calls(down)
+	f.wantState(breaker.Open)
+}

@@ -1,0 +1,215 @@
+package upstream
+
+import (
+	"fmt"
+	"math"
+	"sync/atomic"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+)
+
+// Defaults and constants of a pool's statistical ejection (DESIGN §4, hard
+// and statistical evidence).
+const (
+	// DefaultMaxEjection is the share of a pool's upstreams that may be
+	// held open on statistical evidence at once: 0.3, at least one
+	// (max(1, ⌊N × 0.3⌋): 1 of 3, 3 of 10). Envoy's max_ejection_percent
+	// defaults to 10%; ours is higher because only outliers against the
+	// pool are ejected here (a uniformly failing pool ejects nobody), and a
+	// bad rack of three in ten should go; with the panic threshold at 50%
+	// statistics alone never take a pool below half its upstreams.
+	DefaultMaxEjection = 0.3
+	// DefaultPanicThreshold: when fewer than half of a pool's upstreams
+	// are available and some are held open on statistical evidence, the
+	// pool routes over every upstream not held by hard evidence (Envoy's
+	// healthy_panic_threshold, also 50%).
+	DefaultPanicThreshold = 0.5
+	// NearTotalRatio is the failure ratio at which an upstream is ejected
+	// on its own statistics, peers or not (over at least MinRequests
+	// requests of the breaker's RatioWindow): it fails nearly everything.
+	NearTotalRatio = 0.95
+	// OutlierMargin is the least distance between an upstream's failure
+	// ratio and the rest of its pool's for it to be an outlier; with few
+	// requests the distance must also be three standard deviations of the
+	// pool's ratio at the upstream's volume (in the spirit of Envoy's
+	// success-rate ejection, stdev factor 1.9, over a fixed interval).
+	OutlierMargin = 0.2
+)
+
+// Ejection holds a pool's ejection cap and panic rule, the `max_ejection`
+// and `panic_threshold` of the breaker block.
+type Ejection struct {
+	// MaxEjection is the share of the pool's upstreams that may be held
+	// open on statistical evidence at once, at least one; 0 takes
+	// DefaultMaxEjection.
+	MaxEjection float64
+	// PanicThreshold is the share of available upstreams below which the
+	// pool routes over every upstream not held by hard evidence; 0 takes
+	// DefaultPanicThreshold, a negative value turns the rule off.
+	PanicThreshold float64
+}
+
+// WithDefaults returns e with its zero fields set to their defaults.
+func (e Ejection) WithDefaults() Ejection {
+	if e.MaxEjection == 0 {
+		e.MaxEjection = DefaultMaxEjection
+	}
+	if e.PanicThreshold == 0 {
+		e.PanicThreshold = DefaultPanicThreshold
+	}
+	return e
+}
+
+// Validate reports a ratio out of range (after defaults).
+func (e Ejection) Validate() error {
+	e = e.WithDefaults()
+	if !(e.MaxEjection > 0 && e.MaxEjection <= 1) {
+		return fmt.Errorf("max_ejection %v: want a ratio in (0, 1]", e.MaxEjection)
+	}
+	if !(e.PanicThreshold < 0 || e.PanicThreshold <= 1) || math.IsNaN(e.PanicThreshold) {
+		return fmt.Errorf("panic_threshold %v: want a ratio in (0, 1], or off", e.PanicThreshold)
+	}
+	return nil
+}
+
+// maxEjected is the most upstreams of n held open on statistical evidence.
+func (e Ejection) maxEjected(n int) int {
+	return max(1, int(math.Floor(float64(n)*e.MaxEjection+1e-9)))
+}
+
+// panicState is a pool's panic mode, for the gauge and the admin API.
+type panicState struct {
+	on       atomic.Bool
+	requests atomic.Int64
+}
+
+// PanicObserver is implemented by an Observer that counts the panic rule:
+// PoolPanic when a pool enters (on) or leaves panic mode, PanicRequest for
+// each pick that routed over upstreams held open on statistical evidence.
+// pool is the pool's Config.Key.
+type PanicObserver interface {
+	PoolPanic(pool string, on bool)
+	PanicRequest(pool string)
+}
+
+// setPanic records the pool's panic mode after a pick.
+func (p *Pool) setPanic(on bool) {
+	if p.panic.on.Load() == on || p.panic.on.Swap(on) == on {
+		return
+	}
+	if o, ok := p.reg.obs.(PanicObserver); ok {
+		o.PoolPanic(p.cfg.Key, on)
+	}
+}
+
+// panicRequest counts one pick made in panic mode.
+func (p *Pool) panicRequest() {
+	p.panic.requests.Add(1)
+	if o, ok := p.reg.obs.(PanicObserver); ok {
+		o.PanicRequest(p.cfg.Key)
+	}
+}
+
+// PoolStatus is a pool's ejection state for the admin API.
+type PoolStatus struct {
+	// Key identifies the pool (its upstreams, or its dynamic source).
+	Key string `json:"key"`
+	// MaxEjection and PanicThreshold are the effective settings
+	// (PanicThreshold negative: off).
+	MaxEjection    float64 `json:"max_ejection"`
+	PanicThreshold float64 `json:"panic_threshold"`
+	// Ejected is the number of upstreams held open on statistical
+	// evidence now; MaxEjected the most allowed at once.
+	Ejected    int `json:"ejected"`
+	MaxEjected int `json:"max_ejected"`
+	// Panic is true while the pool routes over upstreams held open on
+	// statistical evidence; PanicRequests counts the picks made so.
+	Panic         bool  `json:"panic"`
+	PanicRequests int64 `json:"panic_requests"`
+}
+
+// Status returns the pool's ejection state (breakers of the per-upstream
+// key; under scope model, of no model).
+func (p *Pool) Status() PoolStatus {
+	e := p.ejection
+	st := PoolStatus{Key: p.cfg.Key, MaxEjection: e.MaxEjection, PanicThreshold: e.PanicThreshold,
+		Panic: p.panic.on.Load(), PanicRequests: p.panic.requests.Load()}
+	n := 0
+	p.eachMember(func(m *member) {
+		n++
+		if b := m.e.lookupBreaker(""); b != nil && b.Evidence() == breaker.Statistical {
+			st.Ejected++
+		}
+	})
+	st.MaxEjected = e.maxEjected(n)
+	return st
+}
+
+// eachMember calls f for the pool's static upstreams and the dynamic ones
+// it knows now.
+func (p *Pool) eachMember(f func(*member)) {
+	for _, m := range p.static {
+		f(m)
+	}
+	p.dynamic.Range(func(_, v any) bool {
+		f(v.(*member))
+		return true
+	})
+}
+
+// judge applies the pool's statistical rules after b, the breaker of self
+// for model key, recorded a failure: it tells b the failure ratio of the
+// rest of the pool (for a fair recovery), and ejects b, within the cap,
+// when b is failing nearly everything or is an outlier against its pool.
+// Failures amid a pool that fails as much are never an ejection: under
+// uniform failure no upstream is worse than another, and ejecting them
+// would only turn partial success into none.
+func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
+	s := b.Settings()
+	own := b.RatioCounts()
+	var peerReq, peerFail, held, n int
+	p.eachMember(func(m *member) {
+		n++
+		if m.e == self {
+			return
+		}
+		pb := m.e.lookupBreaker(key)
+		if pb == nil {
+			return
+		}
+		switch pb.Evidence() {
+		case breaker.EvidenceNone:
+			rc := pb.RatioCounts()
+			peerReq += rc.Requests
+			peerFail += rc.Failures
+		case breaker.Statistical:
+			held++
+		}
+	})
+	if own.Requests == 0 {
+		return
+	}
+	fi := float64(own.Failures) / float64(own.Requests)
+	peer := fi // no peers to compare with: the upstream is its own pool
+	havePeers := peerReq >= s.MinRequests
+	if havePeers {
+		peer = float64(peerFail) / float64(peerReq)
+	}
+	b.SetPeerRatio(peer)
+	if b.State() != breaker.Closed || own.Requests < s.MinRequests {
+		return
+	}
+	var reason string
+	switch {
+	case fi >= NearTotalRatio:
+		reason = fmt.Sprintf("failure ratio %d/%d ≥ %g", own.Failures, own.Requests, NearTotalRatio)
+	case havePeers && fi-peer >= max(OutlierMargin, 3*math.Sqrt(peer*(1-peer)/float64(own.Requests))):
+		reason = fmt.Sprintf("outlier: failure ratio %d/%d against %.2f for the rest of the pool", own.Failures, own.Requests, peer)
+	default:
+		return
+	}
+	if held >= p.ejection.maxEjected(n) {
+		return // the cap: enough of the pool is out on statistics
+	}
+	b.Eject(reason+fmt.Sprintf(" within %s", s.RatioWindow), peer)
+}

@@ -1,0 +1,133 @@
+package upstream
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// ejectionPool is a pool of n upstreams at the default breaker settings on
+// a fake clock.
+func ejectionPool(t *testing.T, n int, ej Ejection) (*Registry, *Pool, []string, *simClock) {
+	t.Helper()
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	addrs := make([]string, n)
+	for i := range addrs {
+		addrs[i] = fmt.Sprintf("10.19.9.%d:8000", i+1)
+	}
+	p := startPool(t, reg, Config{Key: "ejection", Static: targets(addrs...), Breaker: &breaker.Settings{}, Ejection: ej})
+	return reg, p, addrs, clk
+}
+
+// serveOn sends k attempts to addr (picked with every other upstream
+// tried), each failing when fail(i) says so.
+func serveOn(t *testing.T, p *Pool, addrs []string, addr string, k int, fail func(i int) bool) {
+	t.Helper()
+	var others []string
+	for _, a := range addrs {
+		if a != addr {
+			others = append(others, a)
+		}
+	}
+	for i := range k {
+		up, err := pickModel(p, "", others...)
+		if err != nil || up.Addr != addr {
+			return // no longer picked
+		}
+		if fail(i) {
+			up.Done(&proxy.AttemptReport{Upstream: addr, Outcome: proxy.AttemptHTTP5xx, Status: 503})
+		} else {
+			up.Committed(0)
+			up.Done(&proxy.AttemptReport{Upstream: addr, Outcome: proxy.AttemptSuccess})
+		}
+	}
+}
+
+func every(n int) func(int) bool { return func(i int) bool { return i%n == 0 } }
+func never(int) bool            { return false }
+
+// An upstream failing half its requests in a pool that fails none is an
+// outlier: ejected, on statistical evidence. The same rate across the whole
+// pool ejects nobody.
+func TestOutlierEjectedUniformFailureNot(t *testing.T) {
+	reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+	serveOn(t, p, addrs, addrs[1], 40, never)
+	serveOn(t, p, addrs, addrs[2], 40, never)
+	serveOn(t, p, addrs, addrs[0], 40, every(2))
+	b := breakerOf(t, reg, addrs[0], "")
+	if b.State() != breaker.Open || b.Evidence() != breaker.Statistical {
+		t.Fatalf("the outlier: %+v, want open on statistical evidence", b.Snapshot())
+	}
+
+	reg, p, addrs, _ = ejectionPool(t, 3, Ejection{})
+	for _, a := range addrs {
+		serveOn(t, p, addrs, a, 200, every(2))
+	}
+	for _, a := range addrs {
+		if b := breakerOf(t, reg, a, ""); b.State() != breaker.Closed {
+			t.Fatalf("%s at the pool's own 50%%: %+v, want closed", a, b.Snapshot())
+		}
+	}
+}
+
+// At most max(1, ⌊N × max_ejection⌋) upstreams are held open on
+// statistical evidence at once.
+func TestEjectionCap(t *testing.T) {
+	for _, tc := range []struct {
+		ratio         float64
+		want, wantMax int
+	}{{0, 3, 3}, {0.1, 1, 1}, {0.5, 4, 5}} {
+		reg, p, addrs, _ := ejectionPool(t, 10, Ejection{MaxEjection: tc.ratio})
+		for _, a := range addrs[4:] {
+			serveOn(t, p, addrs, a, 60, never)
+		}
+		for _, a := range addrs[:4] {
+			serveOn(t, p, addrs, a, 60, every(2)) // four outliers
+		}
+		n := 0
+		for _, a := range addrs {
+			if breakerOf(t, reg, a, "").Evidence() == breaker.Statistical {
+				n++
+			}
+		}
+		if n != tc.want {
+			t.Errorf("max_ejection %v: %d ejected, want %d", tc.ratio, n, tc.want)
+		}
+		if st := p.Status(); st.Ejected != n || st.MaxEjected != tc.wantMax {
+			t.Errorf("max_ejection %v: status %+v", tc.ratio, st)
+		}
+	}
+}
+
+// Below panic_threshold of available upstreams, the pool routes over every
+// upstream not held by hard evidence; with the rule off it does not.
+func TestPanicRoutesOverStatisticalNotHard(t *testing.T) {
+	for _, thr := range []float64{0, -1} {
+		reg, p, addrs, _ := ejectionPool(t, 3, Ejection{PanicThreshold: thr})
+		breakerOf(t, reg, addrs[0], "").ForceOpen(0, "hard: maintenance")
+		breakerOf(t, reg, addrs[1], "").Eject("outlier", 0.5)
+		picked := map[string]int{}
+		for range 300 {
+			up, err := pickModel(p, "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			picked[up.Addr]++
+			up.Done(nil)
+		}
+		st := p.Status()
+		if picked[addrs[0]] != 0 {
+			t.Fatalf("threshold %v: the hard-held upstream got %d picks", thr, picked[addrs[0]])
+		}
+		if thr == 0 && (picked[addrs[1]] < 50 || !st.Panic || st.PanicRequests != 300) {
+			t.Fatalf("panic: the ejected upstream got %d of 300 picks, status %+v; want about half, panic on", picked[addrs[1]], st)
+		}
+		if thr < 0 && (picked[addrs[1]] != 0 || st.Panic) {
+			t.Fatalf("panic off: the ejected upstream got %d picks, status %+v", picked[addrs[1]], st)
+		}
+	}
+}
