@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -25,13 +26,19 @@ import (
 // (every breaker open: 503 circuit_open), a dead pool with a fallback
 // (degraded answers), tenants of three tiers at an admission capacity (a
 // queue, rpm refusals, shedding, a tenant breaker tripped by an objective),
-// saturation scraping, and the fleet's Redis blackholed for 2s (local mode
-// and back). Then every query of deploy/grafana/llm-proxy.json (variables as
-// "All", $__rate_interval 5s) and every recording rule is evaluated through
+// saturation scraping, the fleet's Redis blackholed for 2s (local mode
+// and back), and a pool with lb_policy prefix_cache in front of replicas
+// that model vLLM's prefix cache, sent multi-turn chat conversations and
+// completions sharing a long document (two APIs; hits, misses, and the
+// servers' own hit ratios through saturation scraping). Then every query
+// of deploy/grafana/llm-proxy.json (variables as "All", $__rate_interval
+// 5s) and every recording rule is evaluated through
 // Prometheus' HTTP API over the run: each must be valid and return data,
 // every rule must evaluate without error, each template variable must list
-// values, the panels that show the outage must show it (non-zero), and the
-// alerts whose condition it meets must be pending.
+// values, the panels that show the outage (and the prefix cache's hits)
+// must show it (non-zero), the API and prefix-routing breakdowns must have a
+// series for each API and result the load produced, and the alerts whose
+// condition it meets must be pending.
 func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 	t.Parallel()
 	const loadFor = 14 * time.Second
@@ -48,6 +55,11 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 		Behavior:    mockllm.Behavior{TTFT: mockllm.LogNormal(60*time.Millisecond, 0.9), Tokens: 6, TokenInterval: 10 * time.Millisecond},
 		IdleTimeout: 300 * time.Millisecond, IdleCloseRace: 200 * time.Millisecond})
 	spare := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{Model: "mock-small", TTFT: mockllm.Fixed(20 * time.Millisecond), Tokens: 4, TokenInterval: 5 * time.Millisecond}})
+	// Replicas with vLLM's prefix cache (1ms of prefill per missed 64-byte
+	// block) behind lb_policy prefix_cache.
+	fleetE := startFleet(t, mockllm.FleetConfig{Replicas: 3,
+		Behavior:    mockllm.Behavior{TTFT: mockllm.Fixed(20 * time.Millisecond), Tokens: 4, TokenInterval: 5 * time.Millisecond},
+		PrefixCache: mockllm.PrefixCacheConfig{Blocks: 4000, PrefillPerBlock: time.Millisecond}})
 	deadC, deadD := freePort(t), freePort(t)
 	for deadD == deadC {
 		deadD = freePort(t)
@@ -139,7 +151,15 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 				max_output_tokens 64
 			}
 		}
-	}`, upstreams(fleetA), upstreams(fleetB), deadC, deadD, upstreams(spare))
+	}
+	handle_path /e/* {
+		llm_proxy %s {
+			lb_policy prefix_cache
+			saturation {
+				interval 250ms
+			}
+		}
+	}`, upstreams(fleetA), upstreams(fleetB), deadC, deadD, upstreams(spare), upstreams(fleetE))
 	gw := startGatewayWith(t, gatewayOptions{Globals: globals, Site: site})
 	if !waitFor(10*time.Second, func() bool { return gw.fleet().Mode == "fleet" }) {
 		t.Fatalf("the gateway is not in fleet mode after 10s: %+v", gw.fleet())
@@ -165,18 +185,26 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 		v, _ := statuses.LoadOrStore(fmt.Sprintf("%s %d", path, status), new(atomic.Int64))
 		v.(*atomic.Int64).Add(1)
 	}
-	worker := func(path, key string, pause func() time.Duration) {
+	// loop sends next()'s requests (a path under the gateway and a body)
+	// until the load ends, pause() apart; the statuses are counted by name.
+	loop := func(name, key string, pause func() time.Duration, next func() (path, body string)) {
 		wg.Go(func() {
 			for time.Since(start) < loadFor && ctx.Err() == nil {
 				sent.Add(1)
-				s, err := doStream(ctx, c, gw.URL+path+"/v1/chat/completions", chatOf("Tell me about dashboards.", true, nil), bearer(key))
+				path, body := next()
+				s, err := doStream(ctx, c, gw.URL+path, body, bearer(key))
 				if err != nil {
 					transportErrs.Add(1)
 				} else {
-					count(path, s.Status)
+					count(name, s.Status)
 				}
 				time.Sleep(pause())
 			}
+		})
+	}
+	worker := func(path, key string, pause func() time.Duration) {
+		loop(path, key, pause, func() (string, string) {
+			return path + "/v1/chat/completions", chatOf("Tell me about dashboards.", true, nil)
 		})
 	}
 	fixed := func(d time.Duration) func() time.Duration { return func() time.Duration { return d } }
@@ -200,6 +228,30 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 	}
 	worker("/c", gold, fixed(100*time.Millisecond))
 	worker("/d", gold, fixed(150*time.Millisecond))
+	// The prefix cache: conversations of three turns, one after another
+	// (a miss, then hits on the replica holding the conversation), and
+	// completions of questions about one shared 3,000-character document
+	// (hits after the first).
+	var conv *conversation
+	turn := 0
+	loop("/e chat", gold, fixed(20*time.Millisecond), func() (string, string) {
+		k := turn % 3
+		if k == 0 {
+			conv = newConversation("prom", turn/3)
+		} else {
+			conv.answered(k - 1)
+		}
+		turn++
+		return "/e/v1/chat/completions", conv.ask(k)
+	})
+	doc := "Document: " + strings.Repeat("Dashboards draw what Prometheus scraped. ", 3000/41+1)
+	question := 0
+	loop("/e completions", gold, fixed(40*time.Millisecond), func() (string, string) {
+		question++
+		b, _ := json.Marshal(map[string]any{"model": "mock-llama", "stream": true, "max_tokens": 8,
+			"prompt": fmt.Sprintf("%s\nQuestion %d: what does panel %d show?", doc[:3000], question, question)})
+		return "/e/v1/completions", string(b)
+	})
 	wg.Go(func() {
 		at := func(d time.Duration) bool {
 			select {
@@ -292,7 +344,9 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 	// Every dashboard query: valid at an instant (/api/v1/query) and with
 	// data over the run (/api/v1/query_range, as the panel draws it).
 	queries, vars := readDashboard(t, deployDir+"/grafana/llm-proxy.json")
-	maxOf := map[string]float64{} // panel title -> largest value of any of its queries
+	maxOf := map[string]float64{}         // panel title -> largest value of any of its queries
+	maxOfQuery := map[string]float64{}    // panel title and refId -> largest value of the query
+	labelsOf := map[string][]promSeries{} // panel title and refId -> the query's series
 	for _, q := range queries {
 		expr := grafanaExpr(q.Expr, 5*time.Second)
 		if _, err := prom.query(ctx, expr); err != nil {
@@ -308,10 +362,14 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 			t.Errorf("row %q, panel %q, query %s returned no data over the run:\n\t%s", q.Row, q.Panel, q.RefID, expr)
 			continue
 		}
+		labelsOf[q.Panel+" "+q.RefID] = series
 		for _, s := range series {
 			if v, ok := s.maxValue(); ok {
 				if old, seen := maxOf[q.Panel]; !seen || v > old {
 					maxOf[q.Panel] = v
+				}
+				if old, seen := maxOfQuery[q.Panel+" "+q.RefID]; !seen || v > old {
+					maxOfQuery[q.Panel+" "+q.RefID] = v
 				}
 			}
 		}
@@ -342,6 +400,8 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 		"Probe leases",
 		"Degraded answers/s by fallback",
 		"Degraded share of traffic",
+		"Requests by API",
+		"Prefix routing by result",
 	} {
 		v, ok := maxOf[panel]
 		switch {
@@ -352,9 +412,39 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 		}
 	}
 
+	// The prefix cache's panel draws the servers' own hit ratios (query A)
+	// and the gateway's guess (query B), each above 0: later turns and the
+	// shared document hit.
+	for _, ref := range []string{"A", "B"} {
+		const panel = "Prefix-cache hit ratio: each server vs the gateway's guess"
+		if v, ok := maxOfQuery[panel+" "+ref]; !ok || v <= 0 || v > 1 {
+			t.Errorf("panel %q, query %s: largest value %v (found %v), want a hit ratio in (0, 1] over a run with prefix-cache hits", panel, ref, v, ok)
+		}
+	}
+	// The breakdowns have a series for each API and result the load made.
+	for _, w := range []struct {
+		panel, ref, label string
+		values            []string
+	}{
+		{"Requests by API", "A", "api", []string{"chat", "completions"}},
+		{"Requests by API", "B", "api", []string{"chat"}}, // /a's 429s, /c's 503s
+		{"Prefix routing by result", "A", "result", []string{"hit", "miss"}},
+		{"Prefix-cache hit ratio: each server vs the gateway's guess", "A", "upstream", fleetE.Addrs()},
+	} {
+		var got []string
+		for _, s := range labelsOf[w.panel+" "+w.ref] {
+			got = append(got, s.Metric[w.label])
+		}
+		for _, v := range w.values {
+			if !slices.Contains(got, v) {
+				t.Errorf("panel %q, query %s: series by %s %q, want %q among them", w.panel, w.ref, w.label, got, v)
+			}
+		}
+	}
+
 	// Every template variable lists values, as Grafana asks for them.
 	want := map[string][]string{
-		"upstream": append(append(fleetA.Addrs(), fleetB.Addrs()...), fmt.Sprintf("127.0.0.1:%d", deadC)),
+		"upstream": slices.Concat(fleetA.Addrs(), fleetB.Addrs(), fleetE.Addrs(), []string{fmt.Sprintf("127.0.0.1:%d", deadC)}),
 		"model":    {"mock-llama"},
 		"tier":     {"gold", "free", "batch"},
 	}
@@ -371,7 +461,7 @@ func TestPrometheusEvaluatesTheDashboardAndRules(t *testing.T) {
 		}
 	}
 	if t.Failed() {
-		for _, name := range []string{"/a 200", "/b 200", "/c 503", "/d 200"} {
+		for _, name := range []string{"/a 200", "/b 200", "/c 503", "/d 200", "/e chat 200", "/e completions 200"} {
 			if _, ok := statuses.Load(name); !ok {
 				t.Logf("no request got %q: the scenario did not run as planned", name)
 			}
