@@ -13,8 +13,9 @@ import (
 //
 //	lifecycle  SSE comments; response.created, response.queued,
 //	           response.in_progress; response.output_item.added of a
-//	           message or reasoning item; response.content_part.added and
-//	           response.reasoning_summary_part.added (empty parts)
+//	           message or reasoning item; response.content_part.added,
+//	           response.reasoning_summary_part.added and vLLM's
+//	           response.reasoning_part.added (empty parts)
 //	generated  every other event: output_text, refusal, reasoning and
 //	           function_call_arguments deltas, an output item of a
 //	           function call or tool, ...
@@ -48,7 +49,7 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		"response.refusal.delta":
 		// The hot path: one delta per token.
 	case "response.created", "response.queued", "response.in_progress", "response.content_part.added",
-		"response.reasoning_summary_part.added":
+		"response.reasoning_summary_part.added", "response.reasoning_part.added":
 		if !st.Generated {
 			return Lifecycle
 		}

@@ -1,0 +1,44 @@
+package api_test
+
+import (
+	"testing"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
+)
+
+// Transcripts written from the servers' own code, as a reviewer read it:
+// vLLM's vllm/entrypoints/openai/responses/streaming_events.py
+// (emit_reasoning_delta_events) and the Anthropic SDK's message
+// accumulator (src/anthropic/lib/streaming/_messages.py), which updates
+// each usage field of a message_delta only when it is not null.
+
+// vllmReasoning is how vLLM streams a reasoning model's answer on
+// /v1/responses: the reasoning item and its empty reasoning_text part are
+// announced (response.reasoning_part.added, vLLM's own event) before the
+// first reasoning delta.
+const vllmReasoning = `event: response.created
+data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_r","status":"in_progress","output":[]}}
+
+event: response.in_progress
+data: {"type":"response.in_progress","sequence_number":1,"response":{"id":"resp_r","status":"in_progress","output":[]}}
+
+event: response.output_item.added
+data: {"type":"response.output_item.added","sequence_number":2,"output_index":0,"item":{"id":"msg_1","type":"reasoning","summary":[],"status":"in_progress"}}
+
+event: response.reasoning_part.added
+data: {"type":"response.reasoning_part.added","sequence_number":3,"output_index":0,"item_id":"msg_1","content_index":0,"part":{"text":"","type":"reasoning_text"}}
+
+event: response.reasoning_text.delta
+data: {"type":"response.reasoning_text.delta","sequence_number":4,"item_id":"msg_1","output_index":0,"content_index":0,"delta":"Let"}
+
+`
+
+// TestVLLMReasoningPartIsLifecycle: vLLM's response.reasoning_part.added
+// carries an empty part, nothing generated: it is held like
+// response.content_part.added, and the first reasoning delta commits.
+func TestVLLMReasoningPartIsLifecycle(t *testing.T) {
+	classes, _ := replay(t, api.Responses, vllmReasoning)
+	if want := []api.Class{L, L, L, L, G}; !equalClasses(classes, want) {
+		t.Fatalf("classes = %v, want %v", classes, want)
+	}
+}
