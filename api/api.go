@@ -163,6 +163,10 @@ type Stream struct {
 	seqSeen bool
 	// stopReason: a Messages message_delta carried a stop_reason.
 	stopReason bool
+	// msgInput is the last Messages input_tokens,
+	// cache_creation_input_tokens and cache_read_input_tokens, each
+	// updated on its own (Usage.PromptTokens is their sum).
+	msgInput [3]int
 }
 
 // InbandError describes an in-band error event, in any API's shape.

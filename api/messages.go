@@ -89,21 +89,22 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 }
 
 // messagesUsage records the usage object at path of data. A message_delta
-// (delta) keeps the input counts message_start gave unless it repeats
-// them; its output_tokens replaces the last (cumulative).
+// (delta) updates only the counts it carries as numbers (absent or null
+// keeps the last one, as the Anthropic SDK's accumulator does): the input,
+// cache creation and cache read counts of message_start stay unless it
+// repeats them, and its output_tokens replaces the last (cumulative).
 func messagesUsage(st *Stream, data []byte, path string, delta bool) {
 	u := get(data, path)
 	if !u.IsObject() {
 		return
 	}
-	in, okIn := countOf(u, "input_tokens")
-	cc, okCC := countOf(u, "cache_creation_input_tokens")
-	cr, okCR := countOf(u, "cache_read_input_tokens")
-	out, okOut := countOf(u, "output_tokens")
-	if !delta || okIn || okCC || okCR {
-		st.Usage.PromptTokens = in + cc + cr
+	for i, key := range [...]string{"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"} {
+		if n, ok := countOf(u, key); ok || !delta {
+			st.msgInput[i] = n
+		}
 	}
-	if okOut || !delta {
+	st.Usage.PromptTokens = st.msgInput[0] + st.msgInput[1] + st.msgInput[2]
+	if out, ok := countOf(u, "output_tokens"); ok || !delta {
 		st.Usage.CompletionTokens = out
 	}
 	st.Usage.Reported = true

@@ -42,3 +42,28 @@ func TestVLLMReasoningPartIsLifecycle(t *testing.T) {
 		t.Fatalf("classes = %v, want %v", classes, want)
 	}
 }
+
+// TestMessageDeltaUsageUpdatesOnlyTheFieldsItCarries: a message_delta
+// that repeats input_tokens but not the cache counts keeps message_start's
+// cache tokens, as the Anthropic SDK's accumulator does (each field of
+// MessageDeltaUsage is updated only when present and not null).
+func TestMessageDeltaUsageUpdatesOnlyTheFieldsItCarries(t *testing.T) {
+	tr := `event: message_start
+data: {"type":"message_start","message":{"usage":{"input_tokens":100,"cache_creation_input_tokens":30,"cache_read_input_tokens":20,"output_tokens":1}}}
+
+event: content_block_delta
+data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"a"}}
+
+event: message_delta
+data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input_tokens":100,"cache_read_input_tokens":null,"output_tokens":12}}
+
+event: message_stop
+data: {"type":"message_stop"}
+
+`
+	_, st := replay(t, api.Messages, tr)
+	want := api.Usage{PromptTokens: 150, CompletionTokens: 12, Reported: true}
+	if st.Usage != want {
+		t.Fatalf("usage %+v, want %+v", st.Usage, want)
+	}
+}
