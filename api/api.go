@@ -134,7 +134,10 @@ type Usage struct {
 	// output_tokens (Messages: the last message_delta's, which is
 	// cumulative).
 	CompletionTokens int
-	// Reported is true when the upstream sent usage.
+	// Reported is true when the upstream sent the response's usage.
+	// Messages: only once a message_delta (or the JSON body) carried it;
+	// before that PromptTokens may hold message_start's prompt count
+	// while Reported is false.
 	Reported bool
 }
 

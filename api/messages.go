@@ -25,7 +25,11 @@ import (
 //	           rate_limit_error 429
 //	usage      message_start's message.usage (input_tokens plus the cache
 //	           tokens), then every message_delta's usage: output_tokens
-//	           is cumulative, so the last one counts, never the sum
+//	           is cumulative, so the last one counts, never the sum. The
+//	           usage is Reported only once a message_delta carried it:
+//	           message_start's output_tokens (0 or 1) is not the answer's,
+//	           so a stream cut before its message_delta is settled with
+//	           an estimate (Usage keeps message_start's prompt count)
 type messagesAPI struct{}
 
 func (messagesAPI) Name() string { return "messages" }
@@ -69,6 +73,9 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		}
 	case "message_delta":
 		messagesUsage(st, ev.Data, "usage", true)
+		// message_start counted the prompt, not the answer: usage is
+		// reported once a message_delta carries it.
+		st.Usage.Reported = st.Usage.Reported || get(ev.Data, "usage").IsObject()
 		if r := get(ev.Data, "delta.stop_reason"); r.Exists() && r.Type != gjson.Null {
 			st.stopReason = true
 		}
@@ -107,7 +114,6 @@ func messagesUsage(st *Stream, data []byte, path string, delta bool) {
 	if out, ok := countOf(u, "output_tokens"); ok || !delta {
 		st.Usage.CompletionTokens = out
 	}
-	st.Usage.Reported = true
 }
 
 // messagesError parses an Anthropic error event's data.
@@ -172,6 +178,7 @@ func AnthropicErrorType(status int) string {
 func (messagesAPI) InspectBody(body []byte) Usage {
 	var st Stream
 	messagesUsage(&st, body, "usage", false)
+	st.Usage.Reported = get(body, "usage").IsObject()
 	return st.Usage
 }
 
