@@ -35,3 +35,29 @@ func TestMessagesCutBeforeMessageDeltaSettlesAnEstimate(t *testing.T) {
 		t.Fatalf("settled %q, want %q", got, want)
 	}
 }
+
+// TestLifecycleThenStopWithoutStopReasonFailsOver: an upstream whose
+// Messages stream ends (message_stop) after only message_start and ping,
+// with no message_delta and so no stop_reason, generated nothing and did
+// not finish: nothing generated, nothing committed. The request fails
+// over to the next upstream, the client sees its stream alone, and the
+// first attempt is a cut (an upstream failure).
+func TestLifecycleThenStopWithoutStopReasonFailsOver(t *testing.T) {
+	bad := newUpstream(t, sseUpstream(
+		"event: message_start\n"+`data: {"type":"message_start","message":{"id":"msg_bad","usage":{"input_tokens":4,"output_tokens":1}}}`+"\n\n",
+		"event: ping\n"+`data: {"type":"ping"}`+"\n\n",
+		"event: message_stop\n"+`data: {"type":"message_stop"}`+"\n\n",
+	))
+	good := transcript(t, "messages_complete.sse")
+	second := newUpstream(t, sseUpstream(events(good)...))
+	p, _, obs := newTestProxy(t, Config{}, bad, second)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
+	if w.Body.String() != good || res.Outcome != OutcomeSuccess || res.Upstream != second.addr() {
+		t.Fatalf("outcome %s upstream %s body\n%s", res.Outcome, res.Upstream, w.Body)
+	}
+	obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
+	if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"=truncated "+second.addr()+"=success" {
+		t.Fatalf("attempts: %s", got)
+	}
+}
