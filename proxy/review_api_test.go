@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -59,5 +60,38 @@ func TestLifecycleThenStopWithoutStopReasonFailsOver(t *testing.T) {
 	obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
 	if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"=truncated "+second.addr()+"=success" {
 		t.Fatalf("attempts: %s", got)
+	}
+}
+
+// TestUpstreamAnthropicRateLimitHeadersNeverReachATenant: with tenants,
+// the upstream's own rate-limit headers are the shared account's figures
+// and never reach a tenant (as for x-ratelimit-*): an Anthropic-compatible
+// upstream's anthropic-ratelimit-* headers (requests, tokens, and the
+// input-tokens and output-tokens forms) are dropped; a tenant with limits
+// gets its own, one without none.
+func TestUpstreamAnthropicRateLimitHeadersNeverReachATenant(t *testing.T) {
+	tn := newTenancy(t, 0)
+	tr := transcript(t, "messages_complete.sse")
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		for _, k := range []string{"requests", "tokens", "input-tokens", "output-tokens"} {
+			w.Header().Set("anthropic-ratelimit-"+k+"-limit", "999999")
+			w.Header().Set("anthropic-ratelimit-"+k+"-remaining", "999998")
+			w.Header().Set("anthropic-ratelimit-"+k+"-reset", "2030-01-01T00:00:00Z")
+		}
+		sseUpstream(events(tr)...)(w, r)
+	})
+	p, _ := tn.proxy(t, Config{}, up)
+	for _, key := range []string{"sk-a", "sk-c"} { // gold (limits), free (none)
+		w := httptest.NewRecorder()
+		r := apiPost("/v1/messages", messagesBody)
+		r.Header.Set("X-Api-Key", key)
+		if res := p.ServeHTTP(w, r); res.Outcome != OutcomeSuccess {
+			t.Fatalf("%s: outcome %s", key, res.Outcome)
+		}
+		for k, v := range w.Header() {
+			if strings.HasPrefix(k, "Anthropic-Ratelimit-") && (strings.Contains(v[0], "99999") || strings.HasPrefix(v[0], "2030")) {
+				t.Errorf("%s: the upstream's %s: %s reached the tenant", key, k, v[0])
+			}
+		}
 	}
 }
