@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -93,5 +95,108 @@ func TestUpstreamAnthropicRateLimitHeadersNeverReachATenant(t *testing.T) {
 				t.Errorf("%s: the upstream's %s: %s reached the tenant", key, k, v[0])
 			}
 		}
+	}
+}
+
+// anthropicOverloaded answers 529 with Anthropic's overloaded_error body.
+const anthropicOverloaded = `{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}`
+
+// TestAnthropic529FailsOverThenPassesThrough: Anthropic's 529 (overloaded)
+// is a 5xx: the request fails over to the next upstream; when every
+// attempt gets it, the last 529 reaches the client unchanged (status,
+// Anthropic body, Retry-After), which the Anthropic SDKs raise as their
+// overloaded error.
+func TestAnthropic529FailsOverThenPassesThrough(t *testing.T) {
+	overloaded := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Retry-After", "3")
+		w.WriteHeader(529)
+		_, _ = io.WriteString(w, anthropicOverloaded)
+	}
+	t.Run("fails over", func(t *testing.T) {
+		bad := newUpstream(t, overloaded)
+		good := transcript(t, "messages_complete.sse")
+		second := newUpstream(t, sseUpstream(events(good)...))
+		p, _, obs := newTestProxy(t, Config{MaxAttempts: 2}, bad, second)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
+		if w.Code != 200 || w.Body.String() != good || res.Outcome != OutcomeSuccess {
+			t.Fatalf("code %d outcome %s body %s", w.Code, res.Outcome, w.Body)
+		}
+		obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
+		if a := obs.attempts[0]; a.Outcome != AttemptHTTP5xx || !a.Outcome.UpstreamFault() || a.Status != 529 {
+			t.Fatalf("first attempt %s status %d", a.Outcome, a.Status)
+		}
+	})
+	t.Run("passes through", func(t *testing.T) {
+		a, b := newUpstream(t, overloaded), newUpstream(t, overloaded)
+		p, _, _ := newTestProxy(t, Config{MaxAttempts: 2}, a, b)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
+		if typ, _ := anthropicError(t, w.Body.String()); w.Code != 529 || typ != "overloaded_error" ||
+			w.Header().Get("Retry-After") != "3" || res.Outcome != OutcomeUpstreamError {
+			t.Fatalf("code %d headers %v outcome %s body %s", w.Code, w.Header(), res.Outcome, w.Body)
+		}
+	})
+}
+
+// TestAnthropicRateLimitBodyPassesThrough: an upstream's 429 with
+// Anthropic's rate_limit_error body and a Retry-After too long for the
+// request reaches a Messages client unchanged.
+func TestAnthropicRateLimitBodyPassesThrough(t *testing.T) {
+	body := `{"type":"error","error":{"type":"rate_limit_error","message":"Number of request tokens has exceeded your per-minute rate limit"}}`
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Retry-After", "3600")
+		w.WriteHeader(429)
+		_, _ = io.WriteString(w, body)
+	})
+	p, _, _ := newTestProxy(t, Config{MaxAttempts: 2}, up)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
+	if w.Code != 429 || w.Body.String() != body || w.Header().Get("Retry-After") != "3600" || res.Outcome != OutcomeRateLimited {
+		t.Fatalf("code %d headers %v outcome %s body %s", w.Code, w.Header(), res.Outcome, w.Body)
+	}
+}
+
+// TestCountTokensIsProxiedWithoutStreamSemantics: /v1/messages/count_tokens
+// is none of the streaming APIs: its JSON answer passes through, reports
+// no usage and is a success.
+func TestCountTokensIsProxiedWithoutStreamSemantics(t *testing.T) {
+	const answer = `{"input_tokens":123}`
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, answer)
+	})
+	p, _, _ := newTestProxy(t, Config{}, up)
+	w := httptest.NewRecorder()
+	body := `{"model":"m","system":[{"type":"text","text":"be brief","cache_control":{"type":"ephemeral"}}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}`
+	res := p.ServeHTTP(w, apiPost("/v1/messages/count_tokens", body))
+	if w.Code != 200 || w.Body.String() != answer || res.API != "none" || res.Usage.Reported || res.Outcome != OutcomeSuccess {
+		t.Fatalf("code %d api %s usage %+v outcome %s body %s", w.Code, res.API, res.Usage, res.Outcome, w.Body)
+	}
+}
+
+// TestMessagesClientGoneSettlesAnEstimate: a client that leaves a
+// Messages stream mid-answer (Claude Code's Escape) is not charged
+// message_start's output_tokens as if they were the answer's: the tenant
+// is settled with an estimate of what was relayed.
+func TestMessagesClientGoneSettlesAnEstimate(t *testing.T) {
+	tn := newTenancy(t, 0)
+	head := events(transcript(t, "messages_complete.sse"))[:5] // through the second text delta
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		sseUpstream(head...)(w, r)
+		<-r.Context().Done()
+	})
+	p, _ := tn.proxy(t, Config{}, up)
+	ctx, cancel := context.WithCancel(context.Background())
+	r := apiPost("/v1/messages", messagesBody).WithContext(ctx)
+	r.Header.Set("X-Api-Key", "sk-a")
+	res := p.ServeHTTP(&cancelOnWrite{ResponseRecorder: httptest.NewRecorder(), cancel: cancel}, r)
+	if res.Outcome != OutcomeClientGone || res.Usage.Reported {
+		t.Fatalf("outcome %s usage %+v", res.Outcome, res.Usage)
+	}
+	if got, want := tn.obs.settled(), "a prompt estimate 30, a completion estimate 2"; got != want {
+		t.Fatalf("settled %q, want %q", got, want)
 	}
 }
