@@ -16,7 +16,7 @@ import (
 //	           any other kind, or with text); content_block_stop;
 //	           message_delta; anything unknown
 //	end        message_stop; finished only after a message_delta with a
-//	           stop_reason
+//	           stop_reason. A [DONE] ends the stream without finishing it
 //	error      event error {"type":"error","error":{"type","message"}}:
 //	           overloaded_error and api_error (and unknown types, such as
 //	           vLLM's internal_error) are 5xx-like; invalid_request_error
@@ -86,9 +86,14 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		st.Err = messagesError(ev.Data)
 		return ErrorEvent
 	default:
-		if ev.Kind() == sse.KindError {
+		switch ev.Kind() {
+		case sse.KindError:
 			st.Err = chatError(ev.Data)
 			return ErrorEvent
+		case sse.KindDone:
+			// A server that ends every stream with [DONE]: it ends this
+			// one without finishing it (message_stop is the end).
+			return End
 		}
 	}
 	st.Generated = true

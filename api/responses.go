@@ -20,7 +20,8 @@ import (
 //	           function_call_arguments deltas, an output item of a
 //	           function call or tool, ...
 //	end        response.completed; response.incomplete (a length or
-//	           content limit: a normal end, like finish_reason "length")
+//	           content limit: a normal end, like finish_reason "length");
+//	           a [DONE] ends the stream without finishing it
 //	error      event error {"type":"error","code","message"}; and
 //	           response.failed, its response.error.code classed
 //	usage      response.usage (input_tokens, output_tokens) of the
@@ -80,10 +81,15 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		st.Err = responsesError(d.Get("code").String(), d.Get("message").String(), d.Get("type").String())
 		return ErrorEvent
 	default:
-		if ev.Kind() == sse.KindError {
+		switch ev.Kind() {
+		case sse.KindError:
 			// A chat-shaped error from a server that mixes its shapes.
 			st.Err = chatError(ev.Data)
 			return ErrorEvent
+		case sse.KindDone:
+			// Servers that end every stream with [DONE]: it ends this
+			// one, finished only if response.completed came first.
+			return End
 		}
 	}
 	st.Generated = true

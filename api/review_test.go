@@ -93,3 +93,33 @@ data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text
 		t.Fatalf("usage %+v finished %v: want the prompt count of message_start, not Reported", st.Usage, st.Finished)
 	}
 }
+
+// TestDoneInResponsesAndMessagesStreamsEndsThem: a [DONE] in a Responses
+// or Messages stream (servers that end every stream with it) carries
+// nothing generated: it ends the stream, and finishes it only when the
+// API's own end came first (a [DONE] before response.completed, or
+// instead of message_stop, is a cut). Responses events without event:
+// lines and without sequence_number (data-only servers) are read by their
+// type, and the terminal error event is numbered by the events counted.
+func TestDoneInResponsesAndMessagesStreamsEndsThem(t *testing.T) {
+	created := `data: {"type":"response.created","response":{"id":"resp_d","status":"in_progress"}}` + "\n\n"
+	delta := `data: {"type":"response.output_text.delta","delta":"Hi"}` + "\n\n"
+	done := "data: [DONE]\n\n"
+	classes, st := replay(t, api.Responses, created+done)
+	if want := []api.Class{L, E}; !equalClasses(classes, want) || st.Finished {
+		t.Fatalf("responses lifecycle then [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
+	}
+	classes, st = replay(t, api.Responses, created+delta+done)
+	if want := []api.Class{L, G, E}; !equalClasses(classes, want) || st.Finished {
+		t.Fatalf("responses cut by [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
+	}
+	if got, want := string(api.Responses.AppendStreamError(nil, &st, api.Error{Status: 502, Code: "c", Message: "m"})),
+		"event: error\n"+`data: {"type":"error","code":"c","message":"m","param":null,"sequence_number":3}`+"\n\n"; got != want {
+		t.Fatalf("terminal event %q, want %q", got, want)
+	}
+	start := `data: {"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}` + "\n\n"
+	classes, st = replay(t, api.Messages, start+done)
+	if want := []api.Class{L, E}; !equalClasses(classes, want) || st.Finished {
+		t.Fatalf("messages lifecycle then [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
+	}
+}

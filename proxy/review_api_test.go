@@ -200,3 +200,39 @@ func TestMessagesClientGoneSettlesAnEstimate(t *testing.T) {
 		t.Fatalf("settled %q, want %q", got, want)
 	}
 }
+
+// TestResponsesDoneBeforeCompletedIsACut: a Responses upstream that ends
+// with [DONE] and no response.completed did not finish. Before anything
+// was generated that fails over; after commit the client gets the
+// terminal error event, and not the [DONE] (OpenAI's SDKs stop reading at
+// [DONE], so an error event after it would never be raised).
+func TestResponsesDoneBeforeCompletedIsACut(t *testing.T) {
+	created := "event: response.created\n" + `data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_d","status":"in_progress"}}` + "\n\n"
+	delta := "event: response.output_text.delta\n" + `data: {"type":"response.output_text.delta","sequence_number":1,"delta":"Hi"}` + "\n\n"
+	doneEv := "data: [DONE]\n\n"
+	t.Run("before commit", func(t *testing.T) {
+		bad := newUpstream(t, sseUpstream(created, doneEv))
+		good := transcript(t, "responses_complete.sse")
+		second := newUpstream(t, sseUpstream(events(good)...))
+		p, _, obs := newTestProxy(t, Config{}, bad, second)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, apiPost("/v1/responses", responsesBody))
+		if w.Body.String() != good || res.Upstream != second.addr() || res.Outcome != OutcomeSuccess {
+			t.Fatalf("outcome %s upstream %s body\n%s", res.Outcome, res.Upstream, w.Body)
+		}
+		obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
+		if a := obs.attempts[0]; a.Outcome != AttemptTruncated {
+			t.Fatalf("first attempt %s", a.Outcome)
+		}
+	})
+	t.Run("after commit", func(t *testing.T) {
+		up := newUpstream(t, sseUpstream(created, delta, doneEv))
+		p, _, _ := newTestProxy(t, Config{}, up)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, apiPost("/v1/responses", responsesBody))
+		tail := "event: error\n" + `data: {"type":"error","code":"upstream_stream_truncated","message":"upstream stream ended before completion","param":null,"sequence_number":2}` + "\n\n"
+		if w.Body.String() != created+delta+tail || res.Outcome != OutcomeTruncated {
+			t.Fatalf("outcome %s body\n%s", res.Outcome, w.Body)
+		}
+	})
+}
