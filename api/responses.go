@@ -108,15 +108,21 @@ func responsesUsage(st *Stream, data []byte, path string) {
 }
 
 // responsesError classes a Responses error by its code (and type): a
-// numeric code in 400..599 as it is, rate limits 429, invalid requests
-// and prompts, context length and not-found errors 400, the rest
-// (server_error, vLLM's internal errors) 500.
+// numeric code in 400..599 as it is, rate limits 429; invalid requests
+// and prompts, context length, not-found errors, and the codes OpenAI
+// documents for a request's images and policies (image_*, *_image_*,
+// bio_policy, data_residency_mismatch; openai-node's ResponseError.code)
+// 400; the rest (server_error, vector_store_timeout, vLLM's internal
+// errors) 500.
 func responsesError(code, message, typ string) InbandError {
 	status := sse.ErrorStatus(typ, code)
 	if status == 500 {
 		s := strings.ToLower(code + " " + typ)
-		if strings.Contains(s, "invalid") || strings.Contains(s, "not_found") || strings.Contains(s, "too_large") {
-			status = 400
+		for _, w := range [...]string{"invalid", "not_found", "too_large", "image", "policy", "residency"} {
+			if strings.Contains(s, w) {
+				status = 400
+				break
+			}
 		}
 	}
 	return InbandError{Message: copyStr(message), Type: copyStr(typ), Code: copyStr(code), Status: status}

@@ -123,3 +123,28 @@ func TestDoneInResponsesAndMessagesStreamsEndsThem(t *testing.T) {
 		t.Fatalf("messages lifecycle then [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
 	}
 }
+
+// TestResponseFailedCodesAreClassed: every code OpenAI documents for a
+// Responses error (openai-node's ResponseError.code) gets the class of
+// what it means: server_error and vector_store_timeout are the server's
+// (5xx-like: failed over, an upstream failure), rate_limit_exceeded is a
+// 429, and the rest describe the request (its prompt, its images, a
+// policy): 4xx-like, the tenant's fault, never retried on another
+// upstream nor counted against a healthy one.
+func TestResponseFailedCodesAreClassed(t *testing.T) {
+	for code, want := range map[string]int{
+		"server_error": 500, "vector_store_timeout": 500, "rate_limit_exceeded": 429,
+		"invalid_prompt": 400, "data_residency_mismatch": 400, "bio_policy": 400,
+		"invalid_image": 400, "invalid_image_format": 400, "invalid_base64_image": 400,
+		"invalid_image_url": 400, "image_too_large": 400, "image_too_small": 400,
+		"image_parse_error": 400, "image_content_policy_violation": 400, "invalid_image_mode": 400,
+		"image_file_too_large": 400, "unsupported_image_media_type": 400, "empty_image_file": 400,
+		"failed_to_download_image": 400, "image_file_not_found": 400,
+	} {
+		tr := "event: response.failed\n" + `data: {"type":"response.failed","sequence_number":1,"response":{"status":"failed","error":{"code":"` + code + `","message":"m"}}}` + "\n\n"
+		classes, st := replay(t, api.Responses, tr)
+		if len(classes) != 1 || classes[0] != X || st.Err.Status != want {
+			t.Errorf("%s: classes %v status %d, want %d", code, classes, st.Err.Status, want)
+		}
+	}
+}
