@@ -256,7 +256,9 @@ type Result struct {
 	// token per chunk, so it estimates completion tokens when Usage is
 	// not Reported.
 	ContentEvents int
-	// Usage is the token usage the upstream reported, if it did.
+	// Usage is the token usage the upstream reported, if it did
+	// (Usage.Reported). A Messages stream that ended before its
+	// message_delta holds message_start's prompt count, not Reported.
 	Usage Usage
 	// Identity is who sent the request, as the Identifier found out
 	// ({http.llm_proxy.tenant}, {http.llm_proxy.tier}).

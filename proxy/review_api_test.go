@@ -261,3 +261,56 @@ func TestLadderClampKeepsAMessagesThinkingBudgetBelowMaxTokens(t *testing.T) {
 		t.Fatalf("budget_tokens %d with max_tokens 4096: %s", b.Int(), out)
 	}
 }
+
+// TestDataOnlyStreamsOfEveryAPI: servers that send data lines only (no
+// event: lines) and end a Responses stream with [DONE] after
+// response.completed: the stream is a success, the client gets it up to
+// its API's end, and a thinking block that starts before an in-band
+// overloaded_error has generated nothing, so the request fails over.
+func TestDataOnlyStreamsOfEveryAPI(t *testing.T) {
+	dataOnly := func(tr string) []string {
+		var out []string
+		for _, ev := range events(tr) {
+			var b strings.Builder
+			for _, line := range strings.SplitAfter(ev, "\n") {
+				if !strings.HasPrefix(line, "event:") {
+					b.WriteString(line)
+				}
+			}
+			out = append(out, b.String())
+		}
+		return out
+	}
+	t.Run("responses then [DONE]", func(t *testing.T) {
+		evs := dataOnly(transcript(t, "responses_complete.sse"))
+		up := newUpstream(t, sseUpstream(append(evs, "data: [DONE]\n\n")...))
+		p, _, obs := newTestProxy(t, Config{}, up)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, apiPost("/v1/responses", responsesBody))
+		if w.Body.String() != strings.Join(evs, "") || res.Outcome != OutcomeSuccess || res.Usage.CompletionTokens != 11 {
+			t.Fatalf("outcome %s usage %+v body\n%s", res.Outcome, res.Usage, w.Body)
+		}
+		obs.waitFor(t, func() bool { return len(obs.attempts) == 1 })
+		if a := obs.attempts[0]; a.Outcome != AttemptSuccess {
+			t.Fatalf("attempt %s", a.Outcome)
+		}
+	})
+	t.Run("thinking then overloaded fails over", func(t *testing.T) {
+		bad := newUpstream(t, sseUpstream(dataOnly(
+			`data: {"type":"message_start","message":{"usage":{"input_tokens":4,"output_tokens":0}}}`+"\n\n"+
+				`data: {"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"","signature":""}}`+"\n\n"+
+				`data: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}`+"\n\n")...))
+		good := transcript(t, "messages_thinking_max_tokens.sse")
+		second := newUpstream(t, sseUpstream(events(good)...))
+		p, _, obs := newTestProxy(t, Config{}, bad, second)
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
+		if w.Body.String() != good || res.Outcome != OutcomeSuccess || res.Upstream != second.addr() {
+			t.Fatalf("outcome %s upstream %s body\n%s", res.Outcome, res.Upstream, w.Body)
+		}
+		obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
+		if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"=inband_error_5xx "+second.addr()+"=success" {
+			t.Fatalf("attempts: %s", got)
+		}
+	})
+}
