@@ -190,8 +190,11 @@ type InbandError struct {
 // ForPath returns the API that a request path speaks, by its suffix (so
 // that a route keeping a prefix, /openai/v1/responses, works):
 // /chat/completions, /completions, /responses, /messages. Every other path
-// is None (/v1/messages/count_tokens and /v1/embeddings included). A
-// trailing slash is ignored.
+// is None (/v1/messages/count_tokens and /v1/embeddings included); the
+// paths under a Messages route (/v1/messages/count_tokens,
+// /v1/messages/batches) get None's rules with Anthropic's error shapes
+// (see AnthropicShaped), as Anthropic and vLLM answer them. A trailing
+// slash is ignored.
 func ForPath(path string) API {
 	path = strings.TrimSuffix(path, "/")
 	switch {
@@ -203,9 +206,17 @@ func ForPath(path string) API {
 		return Responses
 	case strings.HasSuffix(path, "/messages"):
 		return Messages
+	case strings.Contains(path, "/v1/messages/"):
+		return messagesOther
 	}
 	return None
 }
+
+// AnthropicShaped reports whether the gateway's own errors on a request of
+// API a are Anthropic's ({"type":"error","error":{…}}, with the
+// anthropic-ratelimit-* headers): Messages, and the other paths of a
+// Messages route that ForPath finds (count_tokens).
+func AnthropicShaped(a API) bool { return a == Messages || a == messagesOther }
 
 // ByName returns the API named name ("chat", "completions", "responses",
 // "messages", "none"); ok is false for any other name ("auto" included:
@@ -239,6 +250,9 @@ var (
 	// None is every other path: status-code rules only; a stream commits
 	// at its first event and ends at the end of its body.
 	None API = noneAPI{}
+	// messagesOther is None on the other paths of a Messages route, with
+	// Anthropic's error shapes.
+	messagesOther API = noneAPI{anthropic: true}
 )
 
 // parseCount returns the value of a JSON number written as 1 to 18 decimal

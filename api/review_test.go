@@ -148,3 +148,25 @@ func TestResponseFailedCodesAreClassed(t *testing.T) {
 		}
 	}
 }
+
+// TestOtherMessagesPathsAreAnthropicShaped: /v1/messages/count_tokens is
+// "none" (no stream semantics) but its gateway errors are Anthropic's;
+// other paths, OpenAI's Assistants messages included, are not.
+func TestOtherMessagesPathsAreAnthropicShaped(t *testing.T) {
+	for path, want := range map[string]bool{
+		"/v1/messages": true, "/anthropic/v1/messages/count_tokens": true, "/v1/messages/batches/b_1": true,
+		"/v1/threads/t_1/messages/m_1": false, "/v1/embeddings": false, "/v1/responses": false,
+	} {
+		a := api.ForPath(path)
+		if got := api.AnthropicShaped(a); got != want {
+			t.Errorf("%s (%s): AnthropicShaped %v, want %v", path, a.Name(), got, want)
+		}
+		body := string(a.AppendErrorBody(nil, api.Error{Status: 503, Message: "m"}))
+		if anthropic := body == `{"type":"error","error":{"type":"overloaded_error","message":"m"}}`; anthropic != want {
+			t.Errorf("%s: error body %s", path, body)
+		}
+	}
+	if api.ForPath("/v1/messages/count_tokens").Name() != "none" {
+		t.Error("count_tokens has stream semantics")
+	}
+}

@@ -131,7 +131,7 @@ func (x *exchange) setAdmissionHeader(h http.Header) {
 	}
 	if x.admHeader != nil {
 		x.admHeader.SetHeader(h)
-		if x.api == api.Messages {
+		if api.AnthropicShaped(x.api) {
 			setAnthropicRateLimitHeaders(h, time.Now())
 		}
 	}

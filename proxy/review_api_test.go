@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -313,4 +314,24 @@ func TestDataOnlyStreamsOfEveryAPI(t *testing.T) {
 			t.Fatalf("attempts: %s", got)
 		}
 	})
+}
+
+// TestGatewayErrorsOnCountTokensAreAnthropicShaped: the other paths of a
+// Messages route (/v1/messages/count_tokens, which Anthropic's SDKs and
+// vLLM answer in Anthropic's error shape) get the gateway's own errors in
+// Anthropic's shape too, while keeping no stream semantics ("none").
+func TestGatewayErrorsOnCountTokensAreAnthropicShaped(t *testing.T) {
+	p, _, _ := newTestProxy(t, Config{})
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, apiPost("/v1/messages/count_tokens", `{"model":"m","messages":[]}`))
+	if typ, _ := anthropicError(t, w.Body.String()); w.Code != 503 || typ != "overloaded_error" || res.API != "none" {
+		t.Fatalf("code %d api %s body %s", w.Code, res.API, w.Body)
+	}
+	// Other paths keep OpenAI's shape.
+	w = httptest.NewRecorder()
+	p.ServeHTTP(w, apiPost("/v1/embeddings", `{"model":"m"}`))
+	var e errorBody
+	if json.Unmarshal(w.Body.Bytes(), &e) != nil || e.Error.Code != "no_upstream" {
+		t.Fatalf("embeddings body %s", w.Body)
+	}
 }
