@@ -157,7 +157,8 @@ type Stream struct {
 	Usage Usage
 	// Err is the last in-band error event's description.
 	Err InbandError
-	// Events counts the data events inspected.
+	// Events counts the data events inspected (a [DONE] in a Responses
+	// stream excluded: it takes no sequence number).
 	Events int
 
 	// seq is the highest Responses sequence_number seen, -1 before any.

@@ -88,7 +88,9 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 			return ErrorEvent
 		case sse.KindDone:
 			// Servers that end every stream with [DONE]: it ends this
-			// one, finished only if response.completed came first.
+			// one, finished only if response.completed came first. It
+			// is no Responses event, so it takes no sequence number.
+			st.Events--
 			return End
 		}
 	}

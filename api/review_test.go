@@ -114,7 +114,7 @@ func TestDoneInResponsesAndMessagesStreamsEndsThem(t *testing.T) {
 		t.Fatalf("responses cut by [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
 	}
 	if got, want := string(api.Responses.AppendStreamError(nil, &st, api.Error{Status: 502, Code: "c", Message: "m"})),
-		"event: error\n"+`data: {"type":"error","code":"c","message":"m","param":null,"sequence_number":3}`+"\n\n"; got != want {
+		"event: error\n"+`data: {"type":"error","code":"c","message":"m","param":null,"sequence_number":2}`+"\n\n"; got != want {
 		t.Fatalf("terminal event %q, want %q", got, want)
 	}
 	start := `data: {"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}` + "\n\n"
