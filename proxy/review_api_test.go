@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/tidwall/gjson"
 
@@ -334,4 +335,36 @@ func TestGatewayErrorsOnCountTokensAreAnthropicShaped(t *testing.T) {
 	if json.Unmarshal(w.Body.Bytes(), &e) != nil || e.Error.Code != "no_upstream" {
 		t.Fatalf("embeddings body %s", w.Body)
 	}
+}
+
+// TestEndBeforeAnythingGeneratedEndsTheResponse: a Responses stream whose
+// response.completed comes before any generated event (an empty answer)
+// is whole at that event: the client's response ends there, even when
+// the upstream keeps its connection open afterwards, as it does after a
+// generated one.
+func TestEndBeforeAnythingGeneratedEndsTheResponse(t *testing.T) {
+	created := "event: response.created\n" + `data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_e","status":"in_progress"}}` + "\n\n"
+	completed := "event: response.completed\n" + `data: {"type":"response.completed","sequence_number":1,"response":{"id":"resp_e","status":"completed","output":[],"usage":{"input_tokens":3,"output_tokens":0}}}` + "\n\n"
+	release := make(chan struct{})
+	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		sseUpstream(created, completed)(w, r)
+		select { // holds the connection open
+		case <-r.Context().Done():
+		case <-release:
+		}
+	})
+	t.Cleanup(func() { close(release) }) // before the upstream closes
+	p, _, obs := newTestProxy(t, Config{Clock: newFakeClock()}, up)
+	w := httptest.NewRecorder()
+	done := make(chan *Result, 1)
+	go func() { done <- p.ServeHTTP(w, apiPost("/v1/responses", responsesBody)) }()
+	select {
+	case res := <-done:
+		if w.Body.String() != created+completed || res.Outcome != OutcomeSuccess || res.Usage.PromptTokens != 3 {
+			t.Fatalf("outcome %s usage %+v body\n%s", res.Outcome, res.Usage, w.Body)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the response did not end at response.completed")
+	}
+	obs.waitFor(t, func() bool { return len(obs.attempts) == 1 })
 }

@@ -333,6 +333,9 @@ func (a *attempt) readFirstEvent() {
 				a.failAt(failRead, fmt.Errorf("upstream %s: stream ended before the first generated event: %w", a.up.Addr, errNoNormalEnd))
 				return
 			}
+			// Whole at this event: commit ends the client's response
+			// with it, as the relay does after a generated event.
+			a.sawDone, a.drain = true, true
 		case api.UsageOnly:
 			if a.x.stripUsage {
 				continue // asked for on the client's behalf: not theirs to see
