@@ -189,7 +189,7 @@ func TestCountTokensIsProxiedWithoutStreamSemantics(t *testing.T) {
 // is settled with an estimate of what was relayed.
 func TestMessagesClientGoneSettlesAnEstimate(t *testing.T) {
 	tn := newTenancy(t, 0)
-	head := events(transcript(t, "messages_complete.sse"))[:5] // through the second text delta
+	head := events(transcript(t, "messages_complete.sse"))[:4] // through the first text delta
 	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		sseUpstream(head...)(w, r)
 		<-r.Context().Done()
@@ -202,7 +202,7 @@ func TestMessagesClientGoneSettlesAnEstimate(t *testing.T) {
 	if res.Outcome != OutcomeClientGone || res.Usage.Reported {
 		t.Fatalf("outcome %s usage %+v", res.Outcome, res.Usage)
 	}
-	if got, want := tn.obs.settled(), "a prompt estimate 30, a completion estimate 2"; got != want {
+	if got, want := tn.obs.settled(), "a prompt estimate 30, a completion estimate 1"; got != want {
 		t.Fatalf("settled %q, want %q", got, want)
 	}
 }
