@@ -191,11 +191,11 @@ type InbandError struct {
 // ForPath returns the API that a request path speaks, by its suffix (so
 // that a route keeping a prefix, /openai/v1/responses, works):
 // /chat/completions, /completions, /responses, /messages. Every other path
-// is None (/v1/messages/count_tokens and /v1/embeddings included); the
-// paths under a Messages route (/v1/messages/count_tokens,
-// /v1/messages/batches) get None's rules with Anthropic's error shapes
-// (see AnthropicShaped), as Anthropic and vLLM answer them. A trailing
-// slash is ignored.
+// has no stream semantics: None (/v1/embeddings, audio, files), or, under
+// a Messages route (/v1/messages/count_tokens, /v1/messages/batches),
+// None's rules with Anthropic's error shapes (named "none" too; see
+// AnthropicShaped), as Anthropic and vLLM answer them. A trailing slash
+// is ignored.
 func ForPath(path string) API {
 	path = strings.TrimSuffix(path, "/")
 	switch {
