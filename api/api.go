@@ -134,7 +134,10 @@ type Usage struct {
 	// output_tokens (Messages: the last message_delta's, which is
 	// cumulative).
 	CompletionTokens int
-	// Reported is true when the upstream sent usage.
+	// Reported is true when the upstream sent the response's usage.
+	// Messages: only once a message_delta (or the JSON body) carried it;
+	// before that PromptTokens may hold message_start's prompt count
+	// while Reported is false.
 	Reported bool
 }
 
@@ -154,7 +157,8 @@ type Stream struct {
 	Usage Usage
 	// Err is the last in-band error event's description.
 	Err InbandError
-	// Events counts the data events inspected.
+	// Events counts the data events inspected (a [DONE] in a Responses
+	// stream excluded: it takes no sequence number).
 	Events int
 
 	// seq is the highest Responses sequence_number seen, -1 before any.
@@ -163,6 +167,10 @@ type Stream struct {
 	seqSeen bool
 	// stopReason: a Messages message_delta carried a stop_reason.
 	stopReason bool
+	// msgInput is the last Messages input_tokens,
+	// cache_creation_input_tokens and cache_read_input_tokens, each
+	// updated on its own (Usage.PromptTokens is their sum).
+	msgInput [3]int
 }
 
 // InbandError describes an in-band error event, in any API's shape.
@@ -183,8 +191,11 @@ type InbandError struct {
 // ForPath returns the API that a request path speaks, by its suffix (so
 // that a route keeping a prefix, /openai/v1/responses, works):
 // /chat/completions, /completions, /responses, /messages. Every other path
-// is None (/v1/messages/count_tokens and /v1/embeddings included). A
-// trailing slash is ignored.
+// has no stream semantics: None (/v1/embeddings, audio, files), or, under
+// a Messages route (/v1/messages/count_tokens, /v1/messages/batches),
+// None's rules with Anthropic's error shapes (named "none" too; see
+// AnthropicShaped), as Anthropic and vLLM answer them. A trailing slash
+// is ignored.
 func ForPath(path string) API {
 	path = strings.TrimSuffix(path, "/")
 	switch {
@@ -196,9 +207,17 @@ func ForPath(path string) API {
 		return Responses
 	case strings.HasSuffix(path, "/messages"):
 		return Messages
+	case strings.Contains(path, "/v1/messages/"):
+		return messagesOther
 	}
 	return None
 }
+
+// AnthropicShaped reports whether the gateway's own errors on a request of
+// API a are Anthropic's ({"type":"error","error":{…}}, with the
+// anthropic-ratelimit-* headers): Messages, and the other paths of a
+// Messages route that ForPath finds (count_tokens).
+func AnthropicShaped(a API) bool { return a == Messages || a == messagesOther }
 
 // ByName returns the API named name ("chat", "completions", "responses",
 // "messages", "none"); ok is false for any other name ("auto" included:
@@ -232,6 +251,9 @@ var (
 	// None is every other path: status-code rules only; a stream commits
 	// at its first event and ends at the end of its body.
 	None API = noneAPI{}
+	// messagesOther is None on the other paths of a Messages route, with
+	// Anthropic's error shapes.
+	messagesOther API = noneAPI{anthropic: true}
 )
 
 // parseCount returns the value of a JSON number written as 1 to 18 decimal

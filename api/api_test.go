@@ -85,11 +85,11 @@ func TestTranscripts(t *testing.T) {
 		{"messages_thinking_max_tokens.sse", api.Messages, []api.Class{L, L, G, G, G, G, E}, true,
 			api.Usage{PromptTokens: 10, CompletionTokens: 32, Reported: true}, 0},
 		{"messages_lifecycle_overloaded.sse", api.Messages, []api.Class{L, L, X}, false,
-			api.Usage{PromptTokens: 10, CompletionTokens: 1, Reported: true}, 529},
+			api.Usage{PromptTokens: 10, CompletionTokens: 1}, 529},
 		{"messages_invalid_request.sse", api.Messages, []api.Class{L, X}, false,
-			api.Usage{PromptTokens: 10, CompletionTokens: 1, Reported: true}, 400},
+			api.Usage{PromptTokens: 10, CompletionTokens: 1}, 400},
 		{"messages_stop_without_stop_reason.sse", api.Messages, []api.Class{L, L, G, E}, false,
-			api.Usage{PromptTokens: 4, CompletionTokens: 1, Reported: true}, 0},
+			api.Usage{PromptTokens: 4, CompletionTokens: 1}, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.file, func(t *testing.T) {

@@ -90,7 +90,11 @@ func (chatAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendOpenAI
 // before; a JSON body's OpenAI "usage" (embeddings report prompt_tokens)
 // is read, so that a tenant is charged what the server counted rather
 // than an estimate from the body's size.
-type noneAPI struct{}
+type noneAPI struct {
+	// anthropic: the gateway's errors are in Anthropic's shape (the
+	// other paths of a Messages route).
+	anthropic bool
+}
 
 func (noneAPI) Name() string                              { return "none" }
 func (noneAPI) ParseRequest(body []byte) (Request, error) { return parseChat(body) }
@@ -108,8 +112,16 @@ func (noneAPI) Inspect(st *Stream, ev sse.Event) Class {
 	return Generated
 }
 
-func (noneAPI) AppendStreamError(dst []byte, _ *Stream, e Error) []byte {
+func (n noneAPI) AppendStreamError(dst []byte, st *Stream, e Error) []byte {
+	if n.anthropic {
+		return Messages.AppendStreamError(dst, st, e)
+	}
 	return sse.AppendErrorEvent(dst, e.Message, e.Type, e.Code)
 }
 
-func (noneAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendOpenAIError(dst, e) }
+func (n noneAPI) AppendErrorBody(dst []byte, e Error) []byte {
+	if n.anthropic {
+		return appendAnthropicError(dst, e)
+	}
+	return appendOpenAIError(dst, e)
+}

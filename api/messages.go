@@ -16,7 +16,7 @@ import (
 //	           any other kind, or with text); content_block_stop;
 //	           message_delta; anything unknown
 //	end        message_stop; finished only after a message_delta with a
-//	           stop_reason
+//	           stop_reason. A [DONE] ends the stream without finishing it
 //	error      event error {"type":"error","error":{"type","message"}}:
 //	           overloaded_error and api_error (and unknown types, such as
 //	           vLLM's internal_error) are 5xx-like; invalid_request_error
@@ -25,7 +25,11 @@ import (
 //	           rate_limit_error 429
 //	usage      message_start's message.usage (input_tokens plus the cache
 //	           tokens), then every message_delta's usage: output_tokens
-//	           is cumulative, so the last one counts, never the sum
+//	           is cumulative, so the last one counts, never the sum. The
+//	           usage is Reported only once a message_delta carried it:
+//	           message_start's output_tokens (0 or 1) is not the answer's,
+//	           so a stream cut before its message_delta is settled with
+//	           an estimate (Usage keeps message_start's prompt count)
 type messagesAPI struct{}
 
 func (messagesAPI) Name() string { return "messages" }
@@ -69,6 +73,9 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		}
 	case "message_delta":
 		messagesUsage(st, ev.Data, "usage", true)
+		// message_start counted the prompt, not the answer: usage is
+		// reported once a message_delta carries it.
+		st.Usage.Reported = st.Usage.Reported || get(ev.Data, "usage").IsObject()
 		if r := get(ev.Data, "delta.stop_reason"); r.Exists() && r.Type != gjson.Null {
 			st.stopReason = true
 		}
@@ -79,9 +86,14 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		st.Err = messagesError(ev.Data)
 		return ErrorEvent
 	default:
-		if ev.Kind() == sse.KindError {
+		switch ev.Kind() {
+		case sse.KindError:
 			st.Err = chatError(ev.Data)
 			return ErrorEvent
+		case sse.KindDone:
+			// A server that ends every stream with [DONE]: it ends this
+			// one without finishing it (message_stop is the end).
+			return End
 		}
 	}
 	st.Generated = true
@@ -89,24 +101,24 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 }
 
 // messagesUsage records the usage object at path of data. A message_delta
-// (delta) keeps the input counts message_start gave unless it repeats
-// them; its output_tokens replaces the last (cumulative).
+// (delta) updates only the counts it carries as numbers (absent or null
+// keeps the last one, as the Anthropic SDK's accumulator does): the input,
+// cache creation and cache read counts of message_start stay unless it
+// repeats them, and its output_tokens replaces the last (cumulative).
 func messagesUsage(st *Stream, data []byte, path string, delta bool) {
 	u := get(data, path)
 	if !u.IsObject() {
 		return
 	}
-	in, okIn := countOf(u, "input_tokens")
-	cc, okCC := countOf(u, "cache_creation_input_tokens")
-	cr, okCR := countOf(u, "cache_read_input_tokens")
-	out, okOut := countOf(u, "output_tokens")
-	if !delta || okIn || okCC || okCR {
-		st.Usage.PromptTokens = in + cc + cr
+	for i, key := range [...]string{"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"} {
+		if n, ok := countOf(u, key); ok || !delta {
+			st.msgInput[i] = n
+		}
 	}
-	if okOut || !delta {
+	st.Usage.PromptTokens = st.msgInput[0] + st.msgInput[1] + st.msgInput[2]
+	if out, ok := countOf(u, "output_tokens"); ok || !delta {
 		st.Usage.CompletionTokens = out
 	}
-	st.Usage.Reported = true
 }
 
 // messagesError parses an Anthropic error event's data.
@@ -171,6 +183,7 @@ func AnthropicErrorType(status int) string {
 func (messagesAPI) InspectBody(body []byte) Usage {
 	var st Stream
 	messagesUsage(&st, body, "usage", false)
+	st.Usage.Reported = get(body, "usage").IsObject()
 	return st.Usage
 }
 

@@ -13,13 +13,15 @@ import (
 //
 //	lifecycle  SSE comments; response.created, response.queued,
 //	           response.in_progress; response.output_item.added of a
-//	           message or reasoning item; response.content_part.added and
-//	           response.reasoning_summary_part.added (empty parts)
+//	           message or reasoning item; response.content_part.added,
+//	           response.reasoning_summary_part.added and vLLM's
+//	           response.reasoning_part.added (empty parts)
 //	generated  every other event: output_text, refusal, reasoning and
 //	           function_call_arguments deltas, an output item of a
 //	           function call or tool, ...
 //	end        response.completed; response.incomplete (a length or
-//	           content limit: a normal end, like finish_reason "length")
+//	           content limit: a normal end, like finish_reason "length");
+//	           a [DONE] ends the stream without finishing it
 //	error      event error {"type":"error","code","message"}; and
 //	           response.failed, its response.error.code classed
 //	usage      response.usage (input_tokens, output_tokens) of the
@@ -48,7 +50,7 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		"response.refusal.delta":
 		// The hot path: one delta per token.
 	case "response.created", "response.queued", "response.in_progress", "response.content_part.added",
-		"response.reasoning_summary_part.added":
+		"response.reasoning_summary_part.added", "response.reasoning_part.added":
 		if !st.Generated {
 			return Lifecycle
 		}
@@ -79,10 +81,17 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		st.Err = responsesError(d.Get("code").String(), d.Get("message").String(), d.Get("type").String())
 		return ErrorEvent
 	default:
-		if ev.Kind() == sse.KindError {
+		switch ev.Kind() {
+		case sse.KindError:
 			// A chat-shaped error from a server that mixes its shapes.
 			st.Err = chatError(ev.Data)
 			return ErrorEvent
+		case sse.KindDone:
+			// Servers that end every stream with [DONE]: it ends this
+			// one, finished only if response.completed came first. It
+			// is no Responses event, so it takes no sequence number.
+			st.Events--
+			return End
 		}
 	}
 	st.Generated = true
@@ -101,15 +110,21 @@ func responsesUsage(st *Stream, data []byte, path string) {
 }
 
 // responsesError classes a Responses error by its code (and type): a
-// numeric code in 400..599 as it is, rate limits 429, invalid requests
-// and prompts, context length and not-found errors 400, the rest
-// (server_error, vLLM's internal errors) 500.
+// numeric code in 400..599 as it is, rate limits 429; invalid requests
+// and prompts, context length, not-found errors, and the codes OpenAI
+// documents for a request's images and policies (image_*, *_image_*,
+// bio_policy, data_residency_mismatch; openai-node's ResponseError.code)
+// 400; the rest (server_error, vector_store_timeout, vLLM's internal
+// errors) 500.
 func responsesError(code, message, typ string) InbandError {
 	status := sse.ErrorStatus(typ, code)
 	if status == 500 {
 		s := strings.ToLower(code + " " + typ)
-		if strings.Contains(s, "invalid") || strings.Contains(s, "not_found") || strings.Contains(s, "too_large") {
-			status = 400
+		for _, w := range [...]string{"invalid", "not_found", "too_large", "image", "policy", "residency"} {
+			if strings.Contains(s, w) {
+				status = 400
+				break
+			}
 		}
 	}
 	return InbandError{Message: copyStr(message), Type: copyStr(typ), Code: copyStr(code), Status: status}

@@ -117,20 +117,21 @@ func (x *exchange) refuse(err error) bool {
 // setAdmissionHeader sets the admission's own response headers on h (the
 // client's response header, before its status is written).
 //
-// With tenants, the upstream's own x-ratelimit-* headers (the shared
-// account's figures) never reach a tenant: only the tenant's own, and none
-// for a limit it does not have.
+// With tenants, the upstream's own x-ratelimit-* and
+// anthropic-ratelimit-* headers (the shared account's figures) never reach
+// a tenant: only the tenant's own, and none for a limit it does not have.
 func (x *exchange) setAdmissionHeader(h http.Header) {
 	if _, nop := x.p.cfg.Admitter.(nopAdmitter); !nop {
 		for k := range h {
-			if len(k) > 12 && strings.EqualFold(k[:12], "X-Ratelimit-") {
+			if len(k) > 12 && strings.EqualFold(k[:12], "X-Ratelimit-") ||
+				len(k) > 20 && strings.EqualFold(k[:20], "Anthropic-Ratelimit-") {
 				delete(h, k)
 			}
 		}
 	}
 	if x.admHeader != nil {
 		x.admHeader.SetHeader(h)
-		if x.api == api.Messages {
+		if api.AnthropicShaped(x.api) {
 			setAnthropicRateLimitHeaders(h, time.Now())
 		}
 	}

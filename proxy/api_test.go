@@ -142,9 +142,12 @@ func TestInbandClientErrorBeforeCommitIsAnswered(t *testing.T) {
 
 // TestCutAfterContentEndsWithTheAPIsErrorEvent: a committed stream that
 // is cut gets its own API's terminal error event, which the official SDKs
-// raise (not a chat-shaped one they ignore), and counts as a cut.
+// raise (not a chat-shaped one they ignore), and counts as a cut. A last
+// event without the API's normal end (message_stop without a stop_reason)
+// is not relayed: the error event takes its place.
 func TestCutAfterContentEndsWithTheAPIsErrorEvent(t *testing.T) {
 	msgCut := strings.Join(events(transcript(t, "messages_complete.sse"))[:4], "")
+	stopEvents := events(transcript(t, "messages_stop_without_stop_reason.sse"))
 	for _, tc := range []struct {
 		path, body, stream, tail string
 	}{
@@ -152,7 +155,7 @@ func TestCutAfterContentEndsWithTheAPIsErrorEvent(t *testing.T) {
 			"event: error\n" + `data: {"type":"error","code":"upstream_stream_truncated","message":"upstream stream ended before completion","param":null,"sequence_number":3}` + "\n\n"},
 		{"/v1/messages", messagesBody, msgCut,
 			"event: error\n" + `data: {"type":"error","error":{"type":"api_error","message":"upstream stream ended before completion"}}` + "\n\n"},
-		{"/v1/messages", messagesBody, transcript(t, "messages_stop_without_stop_reason.sse"),
+		{"/v1/messages", messagesBody, strings.Join(stopEvents, ""),
 			"event: error\n" + `data: {"type":"error","error":{"type":"api_error","message":"upstream stream ended before completion"}}` + "\n\n"},
 		{"/v1/chat/completions", `{"stream":true}`, chunkA,
 			`data: {"error":{"message":"upstream stream ended before completion","type":"server_error","code":"upstream_stream_truncated"}}` + "\n\n"},
@@ -162,8 +165,12 @@ func TestCutAfterContentEndsWithTheAPIsErrorEvent(t *testing.T) {
 			p, _, obs := newTestProxy(t, Config{}, up)
 			w := httptest.NewRecorder()
 			res := p.ServeHTTP(w, apiPost(tc.path, tc.body))
-			if got := w.Body.String(); got != tc.stream+tc.tail {
-				t.Fatalf("body\n%s\nwant\n%s", got, tc.stream+tc.tail)
+			want := tc.stream + tc.tail
+			if tc.stream == strings.Join(stopEvents, "") {
+				want = strings.Join(stopEvents[:len(stopEvents)-1], "") + tc.tail
+			}
+			if got := w.Body.String(); got != want {
+				t.Fatalf("body\n%s\nwant\n%s", got, want)
 			}
 			if res.Outcome != OutcomeTruncated {
 				t.Fatalf("outcome %s", res.Outcome)

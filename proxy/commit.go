@@ -9,7 +9,8 @@ import (
 // the request's answer. Every other attempt is cancelled at once through its
 // own context (neutral for its breaker), the hedge statistics learn, and the
 // status, headers and head (the first event, or the whole body) go to the
-// client, flushed. It reports whether there is a stream left to relay.
+// client, flushed. It reports whether there is a stream left to relay
+// (none once the head carried the API's end).
 func (x *exchange) commit(a *attempt) bool {
 	// Held from here, so that finish ends a even if an observer panics.
 	x.won = a
@@ -64,5 +65,10 @@ func (x *exchange) commit(a *attempt) bool {
 		return false
 	}
 	res.ContentEvents += a.headContent
+	if a.sawDone {
+		// The head ended with the API's end: finish drains the rest.
+		a.sc.Release()
+		return false
+	}
 	return true
 }

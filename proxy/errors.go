@@ -39,9 +39,10 @@ func (e *GatewayError) Error() string {
 func (e *GatewayError) Write(w http.ResponseWriter) { e.WriteFor(w, api.Chat) }
 
 // WriteFor sends e as an application/json response in the error shape of
-// the request's API a (Anthropic's on Messages, OpenAI's otherwise, see
-// api.API.AppendErrorBody), with its headers; on Messages the
-// x-ratelimit-* headers get their anthropic-ratelimit-* forms beside them.
+// the request's API a (Anthropic's on Messages and the other paths of its
+// route, OpenAI's otherwise, see api.AnthropicShaped), with its headers;
+// in Anthropic's shape the x-ratelimit-* headers get their
+// anthropic-ratelimit-* forms beside them.
 func (e *GatewayError) WriteFor(w http.ResponseWriter, a api.API) {
 	h := w.Header()
 	for k, v := range e.Header {
@@ -52,7 +53,7 @@ func (e *GatewayError) WriteFor(w http.ResponseWriter, a api.API) {
 	if e.RetryAfter > 0 {
 		h.Set("Retry-After", strconv.Itoa(e.RetryAfter))
 	}
-	if a == api.Messages {
+	if api.AnthropicShaped(a) {
 		setAnthropicRateLimitHeaders(h, time.Now())
 	}
 	body := a.AppendErrorBody(nil, api.Error{Status: e.Status, Type: e.Type, Code: e.Code, Message: e.Message})

@@ -259,7 +259,9 @@ type Result struct {
 	// token per chunk, so it estimates completion tokens when Usage is
 	// not Reported.
 	ContentEvents int
-	// Usage is the token usage the upstream reported, if it did.
+	// Usage is the token usage the upstream reported, if it did
+	// (Usage.Reported). A Messages stream that ended before its
+	// message_delta holds message_start's prompt count, not Reported.
 	Usage Usage
 	// Identity is who sent the request, as the Identifier found out
 	// ({http.llm_proxy.tenant}, {http.llm_proxy.tier}).
@@ -280,20 +282,26 @@ type Result struct {
 
 // Settlement returns what the request used, as its tenant is charged: the
 // upstream's reported usage; else, for a committed response, the prompt
-// estimate (Info.PromptTokens) plus one completion token per content event
-// relayed (estimated is true; a non-streamed body without usage counts no
-// completion tokens); else, for a request that failed before any upstream
-// produced a token, nothing.
+// estimate (Info.PromptTokens, or the upstream's own prompt count when a
+// stream gave one without its final usage, as a Messages message_start
+// does) plus one completion token per content event relayed (estimated is
+// true; a non-streamed body without usage counts a token per four bytes
+// of it); else, for a request that failed before any upstream produced a
+// token, nothing.
 func (r *Result) Settlement() (prompt, completion int, estimated bool) {
+	prompt = r.Info.PromptTokens
+	if r.Usage.PromptTokens > 0 {
+		prompt = r.Usage.PromptTokens
+	}
 	switch {
 	case r.Usage.Reported:
 		return r.Usage.PromptTokens, r.Usage.CompletionTokens, false
 	case r.Committed && !r.Streamed:
 		// A whole body without usage: a token per four bytes of it (JSON
 		// overhead included, so never under the text it holds).
-		return r.Info.PromptTokens, (r.ResponseBytes + 3) / 4, true
+		return prompt, (r.ResponseBytes + 3) / 4, true
 	case r.Committed:
-		return r.Info.PromptTokens, r.ContentEvents, true
+		return prompt, r.ContentEvents, true
 	}
 	return 0, 0, false
 }

@@ -83,6 +83,11 @@ func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
 			// let end() read the upstream's closing bytes in the
 			// background so its connection goes back to the pool.
 			done = true
+			// An end without the API's normal end (a [DONE] before
+			// response.completed, a message_stop without a stop_reason)
+			// is not relayed: the terminal error event takes its place,
+			// where the client reads it (OpenAI's SDKs stop at [DONE]).
+			relayed = a.st.Finished
 		case api.ErrorEvent:
 			// The upstream's own error event is the terminal event.
 			ie := a.st.Err

@@ -326,8 +326,16 @@ func (a *attempt) readFirstEvent() {
 			return
 		case api.End:
 			// The stream ended with nothing generated: a whole (empty)
-			// answer when the API says it finished, else a cut that
-			// finish reports after commit.
+			// answer when the API says it finished; else (a Messages
+			// message_stop without a stop_reason) a cut before the
+			// commit point, which fails over like any other.
+			if !a.st.Finished {
+				a.failAt(failRead, fmt.Errorf("upstream %s: stream ended before the first generated event: %w", a.up.Addr, errNoNormalEnd))
+				return
+			}
+			// Whole at this event: commit ends the client's response
+			// with it, as the relay does after a generated event.
+			a.sawDone, a.drain = true, true
 		case api.UsageOnly:
 			if a.x.stripUsage {
 				continue // asked for on the client's behalf: not theirs to see
