@@ -30,8 +30,8 @@ if (!modes.includes(mode) || !baseURL) {
   console.error(`usage: node sdk.mjs <${modes.join('|')}> <baseURL> [headersJSON] [optionsJSON]`);
   process.exit(2);
 }
-const headers = JSON.parse(headersJSON);
-const opts = JSON.parse(optionsJSON);
+const headers = JSON.parse(headersJSON) ?? {};
+const opts = JSON.parse(optionsJSON) ?? {};
 const apiKey = opts.apiKey ?? 'sk-e2e-not-a-secret';
 const maxTokens = opts.maxTokens ?? 256;
 const prompt = opts.prompt ?? 'Say hello from the SDK.';

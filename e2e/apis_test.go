@@ -1,0 +1,465 @@
+package e2e
+
+// End-to-end tests of issue 18: the gateway in front of servers that speak
+// OpenAI Responses and Anthropic Messages beside Chat Completions, with
+// the official SDKs (@anthropic-ai/sdk, openai, the Vercel AI SDK) as
+// clients.
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
+)
+
+// TestSDKsStreamEveryAPIThroughTheGateway: each official SDK streams
+// through the gateway exactly what it gets from the server directly — the
+// whole text, the stop reason, one beginning — and the usage it reports
+// is the upstream's: @anthropic-ai/sdk messages.stream (usage.output_tokens
+// from the last message_delta), openai responses.create({stream:true})
+// (response.completed usage) and responses.stream(), openai chat, and the
+// Vercel AI SDK's streamText over Responses and over Chat.
+func TestSDKsStreamEveryAPIThroughTheGateway(t *testing.T) {
+	t.Parallel()
+	requireNode(t)
+	const tokens = 9
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{
+		TTFT: mockllm.Fixed(20 * time.Millisecond), Tokens: tokens, TokenInterval: 15 * time.Millisecond}})
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+	direct := fleet.Replica(0).URL()
+
+	for _, c := range []struct {
+		mode, stop, idPrefix string
+		starts               int // beginnings the SDK reports; -1 when it has no such notion
+	}{
+		{"anthropic-stream", "end_turn", "msg_", 1},
+		{"openai-responses", "response.completed", "resp_", 1},
+		{"openai-responses-helper", "completed", "resp_", 1},
+		{"openai-chat", "stop", "chatcmpl-", -1},
+		{"ai-responses", "stop", "resp_", 1},
+		{"ai-chat", "stop", "chatcmpl-", 1},
+	} {
+		t.Run(c.mode, func(t *testing.T) {
+			want := runSDK(t, c.mode, direct, nil, nil)
+			if !want.OK || want.Text == "" || want.stop() != c.stop {
+				t.Fatalf("straight at the mock, the SDK got %+v; want ok with text and stop %s (a mockllm defect)", want, c.stop)
+			}
+			id := "sdk-" + c.mode
+			got := runSDK(t, c.mode, gw.URL, map[string]string{"X-Request-Id": id}, nil)
+			if !got.OK {
+				t.Fatalf("through the gateway the SDK threw %s", got.thrown())
+			}
+			if got.Text != want.Text {
+				t.Errorf("text %q, want the server's %q", got.Text, want.Text)
+			}
+			if got.stop() != c.stop {
+				t.Errorf("stop reason %q, want %q", got.stop(), c.stop)
+			}
+			if c.starts >= 0 && got.Starts != c.starts {
+				t.Errorf("the SDK saw %d beginnings, want %d", got.Starts, c.starts)
+			}
+			rec, ok := fleetRecord(fleet, c.idPrefix+id)
+			if !ok || rec.Usage == nil {
+				t.Fatalf("the mock has no record with usage of request %s%s", c.idPrefix, id)
+			}
+			out := got.usageInt("output_tokens")
+			switch {
+			case strings.HasPrefix(c.mode, "ai-"):
+				out = got.usageInt("outputTokens")
+			case c.mode == "openai-chat":
+				out = got.usageInt("completion_tokens")
+			}
+			if out != rec.Usage.CompletionTokens || out != tokens {
+				t.Errorf("the SDK reports %d output tokens, want the upstream's %d (%d generated)", out, rec.Usage.CompletionTokens, tokens)
+			}
+		})
+	}
+}
+
+// fleetRecord returns the mock's record of the response id.
+func fleetRecord(f *mockllm.Fleet, id string) (mockllm.RequestRecord, bool) {
+	for _, r := range f.Stats().Replicas {
+		for _, rec := range r.Recent {
+			if rec.ID == id {
+				return rec, true
+			}
+		}
+	}
+	return mockllm.RequestRecord{}, false
+}
+
+// TestCompleteStreamsOfEachAPILeaveTheBreakerClean: ten complete
+// Responses streams (ending with response.completed) and ten complete
+// Messages streams (ending with message_stop) reach the client whole,
+// without an error event appended, and leave the upstream's breaker with
+// zero failures (admin API) and every request and attempt counted a
+// success (metrics, which must exist); an eleventh request is served, not
+// refused by an open breaker.
+func TestCompleteStreamsOfEachAPILeaveTheBreakerClean(t *testing.T) {
+	t.Parallel()
+	for _, c := range streamingAPIs {
+		t.Run(string(c.api), func(t *testing.T) {
+			t.Parallel()
+			fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{
+				TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 6, TokenInterval: 2 * time.Millisecond}})
+			gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+			cl := newClient(t)
+			ctx := testContext(t, 60*time.Second)
+			url := gw.URL + c.api.Path()
+			for i := range 10 {
+				s := streamRequest(ctx, t, cl, url, c.body(fmt.Sprintf("complete stream %d", i), 0, true))
+				checkCompleteAPIStream(t, fmt.Sprintf("stream %d", i+1), c, s)
+			}
+			addr := fleet.Replica(0).Addr()
+			b := gw.breaker(addr)
+			if b.State != "closed" || b.ConsecutiveFailures != 0 || b.FailuresInWindow != 0 || b.LastFailure != "" {
+				t.Errorf("after 10 complete streams the breaker is %s with %d consecutive failures, %d in the window, last failure %q; want closed and no failure",
+					b.State, b.ConsecutiveFailures, b.FailuresInWindow, b.LastFailure)
+			}
+			samples := gw.scrapeMetrics()
+			if mustMetricFamily(t, samples, "caddy_llm_proxy_requests_total") {
+				if v, found := metricValue(samples, "caddy_llm_proxy_requests_total", map[string]string{"outcome": "success"}); !found || v != 10 {
+					t.Errorf("requests_total{outcome=success} = %v (found %v), want 10", v, found)
+				}
+				all, _ := metricValue(samples, "caddy_llm_proxy_requests_total", nil)
+				if all != 10 {
+					t.Errorf("requests_total over every outcome = %v, want 10 (all successes)", all)
+				}
+				if v, found := metricValue(samples, "caddy_llm_proxy_requests_total", map[string]string{"outcome": "success", "api": string(c.api)}); !found || v != 10 {
+					t.Errorf("requests_total{outcome=success,api=%s} = %v (found %v), want 10 (issue 18: an api label)", c.api, v, found)
+				}
+			}
+			if mustMetricFamily(t, samples, "caddy_llm_proxy_upstream_attempts_total") {
+				ok, _ := metricValue(samples, "caddy_llm_proxy_upstream_attempts_total", map[string]string{"upstream": addr, "outcome": "success"})
+				all, _ := metricValue(samples, "caddy_llm_proxy_upstream_attempts_total", map[string]string{"upstream": addr})
+				if ok != 10 || all != 10 {
+					t.Errorf("upstream_attempts_total{upstream=%s}: %v successes of %v attempts, want 10 of 10", addr, ok, all)
+				}
+			}
+			if v, found := metricValue(samples, "caddy_llm_proxy_breaker_state", map[string]string{"upstream": addr}); !found || v != 0 {
+				t.Errorf("breaker_state{upstream=%s} = %v (found %v), want 0 (closed)", addr, v, found)
+			}
+			s := streamRequest(ctx, t, cl, url, c.body("the eleventh", 0, true))
+			checkCompleteAPIStream(t, "stream 11", c, s)
+		})
+	}
+}
+
+// TestLifecycleThenErrorFailsOverWithOneBeginning: the first upstream
+// (lb_policy first) sends only its beginning (response.created +
+// response.in_progress, message_start + ping) and then an in-band
+// overloaded error; nothing was generated, so the gateway fails over to
+// the second, and the client — raw HTTP and the API's SDK alike — sees
+// one beginning (the winner's), the whole text and no error; the first
+// upstream's breaker records the failure.
+func TestLifecycleThenErrorFailsOverWithOneBeginning(t *testing.T) {
+	t.Parallel()
+	requireNode(t)
+	for _, c := range streamingAPIs {
+		t.Run(string(c.api), func(t *testing.T) {
+			t.Parallel()
+			fault := mockllm.Fault{Kind: mockllm.FaultErrorEvent, ErrorCode: 529}
+			if c.api == mockllm.APIResponses {
+				fault.ErrorCode = 503
+			}
+			fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
+				Behavior:   mockllm.Behavior{TTFT: mockllm.Fixed(20 * time.Millisecond), Tokens: 6, TokenInterval: 5 * time.Millisecond},
+				PerReplica: map[int]mockllm.Behavior{0: {TTFT: mockllm.Fixed(20 * time.Millisecond), Fault: fault}}})
+			gw := startGateway(t, fmt.Sprintf("\tllm_proxy %s {\n\t\tlb_policy first\n\t}", upstreams(fleet)))
+			cl := newClient(t)
+			ctx := testContext(t, 60*time.Second)
+
+			s := streamRequest(ctx, t, cl, gw.URL+c.api.Path(), c.body("fail me over", 0, true))
+			checkCompleteAPIStream(t, "lifecycle-then-error on the first upstream", c, s)
+			if got := s.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(1).Addr() {
+				t.Errorf("served by %q, want the second upstream %s", got, fleet.Replica(1).Addr())
+			}
+			st := fleet.Stats().Replicas
+			if st[0].Requests != 1 || st[0].Faults["error_event"] != 1 || st[1].Requests != 1 {
+				t.Errorf("upstream requests %d (%d error events) and %d; want 1 (1) and 1", st[0].Requests, st[0].Faults["error_event"], st[1].Requests)
+			}
+			// The winner's beginning, not the loser's.
+			if first := s.dataEvents(); len(first) > 0 {
+				m := first[0].object()
+				id := ""
+				inner, _ := m["response"].(map[string]any)
+				if c.api == mockllm.APIMessages {
+					inner, _ = m["message"].(map[string]any)
+				}
+				id, _ = inner["id"].(string)
+				if rec, ok := fleetRecord(fleet, id); !ok || rec.Fault != "" {
+					t.Errorf("the client's %s (id %q) is not the second upstream's (record found %v, fault %q)", c.begin, id, ok, rec.Fault)
+				}
+			}
+			if b := gw.breaker(fleet.Replica(0).Addr()); b.LastFailure == "" || b.ConsecutiveFailures == 0 {
+				t.Errorf("the first upstream's breaker recorded no failure (%+v): an in-band 5xx-like error before commit is an upstream failure", b)
+			}
+
+			r := runSDK(t, c.sdkStream, gw.URL, nil, nil)
+			if !r.OK || r.Starts != 1 || r.Text == "" {
+				t.Errorf("the SDK through the failover: ok %v, %d beginnings, text %q (threw %s); want ok, 1, the text", r.OK, r.Starts, r.Text, r.thrown())
+			}
+			if st := fleet.Stats().Replicas; st[0].Requests != 2 || st[1].Requests != 2 {
+				t.Errorf("after the SDK's request: upstream requests %d and %d, want 2 and 2", st[0].Requests, st[1].Requests)
+			}
+		})
+	}
+}
+
+// TestCutAfterContentMakesEachSDKRaise: an upstream that closes the
+// connection after three tokens leaves the client a stream that ends with
+// the API's own terminal error event (Responses event: error with the
+// next sequence_number; Messages event: error with an Anthropic error
+// object), never the API's normal end; every SDK raises on it
+// (@anthropic-ai/sdk messages.stream, openai responses.stream(), the
+// Vercel AI SDK; openai's raw responses.create iterator yields the error
+// event); the upstream's breaker records the cut.
+func TestCutAfterContentMakesEachSDKRaise(t *testing.T) {
+	t.Parallel()
+	requireNode(t)
+	for _, c := range streamingAPIs {
+		t.Run(string(c.api), func(t *testing.T) {
+			t.Parallel()
+			fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{
+				TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 8, TokenInterval: 10 * time.Millisecond,
+				Fault: mockllm.Fault{Kind: mockllm.FaultCut, After: 3}}})
+			gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+			cl := newClient(t)
+			ctx := testContext(t, 60*time.Second)
+
+			s := streamRequest(ctx, t, cl, gw.URL+c.api.Path(), c.body("cut me", 0, true))
+			if s.Status != 200 {
+				t.Fatalf("status %d: %s", s.Status, raw(s.Events))
+			}
+			if n := s.count(c.delta); n != 3 {
+				t.Errorf("%d %s events before the cut, want 3: %v", n, c.delta, s.names())
+			}
+			if n := s.count(c.end); n != 0 {
+				t.Errorf("the cut stream carries %s: %v", c.end, s.names())
+			}
+			last := s.lastData()
+			m := last.object()
+			if last.name() != "error" || m == nil || m["type"] != "error" {
+				t.Fatalf("last event %q, want the API's terminal event: error", last.Raw)
+			}
+			switch c.api {
+			case mockllm.APIResponses:
+				code, _ := m["code"].(string)
+				msg, _ := m["message"].(string)
+				if code == "" || msg == "" {
+					t.Errorf("the terminal error event has no code or message: %s", last.Data())
+				}
+				d := s.dataEvents()
+				if len(d) >= 2 {
+					prev, _ := d[len(d)-2].object()["sequence_number"].(float64)
+					if seq, ok := m["sequence_number"].(float64); !ok || seq != prev+1 {
+						t.Errorf("the terminal error's sequence_number %v, want %v (the next)", m["sequence_number"], prev+1)
+					}
+				}
+			case mockllm.APIMessages:
+				e, _ := m["error"].(map[string]any)
+				if typ, _ := e["type"].(string); typ != "api_error" && typ != "overloaded_error" {
+					t.Errorf("the terminal error's error.type %v, want api_error or overloaded_error: %s", e["type"], last.Data())
+				}
+			}
+			if b := gw.breaker(fleet.Replica(0).Addr()); b.LastFailure == "" {
+				t.Errorf("the upstream's breaker recorded no failure for a stream cut after commit: %+v", b)
+			}
+
+			for _, mode := range c.sdkRaise {
+				r := runSDK(t, mode, gw.URL, nil, nil)
+				if r.OK {
+					t.Errorf("%s did not raise on the cut stream: %+v", mode, r)
+					continue
+				}
+				if r.Text == "" && mode != "openai-responses-helper" {
+					t.Errorf("%s raised %s before any text reached it; want the three tokens first", mode, r.ErrorClass)
+				}
+				if mode == "anthropic-stream" && (!r.APIError || r.Type == nil) {
+					t.Errorf("%s raised %s (APIError %v, type %v); want an APIError with the error event's type", mode, r.ErrorClass, r.APIError, r.Type)
+				}
+			}
+			if c.api == mockllm.APIResponses {
+				r := runSDK(t, "openai-responses", gw.URL, nil, nil)
+				if r.ErrorEvents != 1 || r.stop() == "response.completed" {
+					t.Errorf("openai responses.create stream: %d error events, last event %q; want the error event and no response.completed", r.ErrorEvents, r.stop())
+				}
+			}
+		})
+	}
+}
+
+// TestGatewayErrorsOnMessagesAreAnthropicTyped: on /v1/messages the
+// gateway's own refusals have Anthropic's error body, so the Anthropic SDK
+// raises its typed errors: a tenant over its rpm gets 429 RateLimitError
+// with error.type rate_limit_error, Retry-After, the x-ratelimit-* and
+// anthropic-ratelimit-requests-* headers (reset an RFC 3339 time); with
+// the only upstream's breaker open, 503 ServiceUnavailableError with
+// error.type overloaded_error, Retry-After and X-Circuit-Breaker: open.
+func TestGatewayErrorsOnMessagesAreAnthropicTyped(t *testing.T) {
+	t.Parallel()
+	requireNode(t)
+	limited, free := newKey("limited"), newKey("free")
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 4, TokenInterval: mockllm.NoDelay}})
+	gw := startTenantGateway(t, gatewayOptions{
+		Globals: fmt.Sprintf(`	llm_proxy {
+		tenants {
+			key %s limited tier one
+			key %s free tier open
+		}
+		tier one {
+			rpm 1
+		}
+		tier open {
+			priority 1
+		}
+	}`, limited, free),
+		Site: "\tllm_proxy " + upstreams(fleet),
+	}, limited, free)
+	cl := newClient(t)
+	ctx := testContext(t, 60*time.Second)
+	msgs := streamingAPIs[1]
+	url := gw.URL + "/v1/messages"
+
+	// 429: the tenant's one request a minute is spent.
+	if r := runSDK(t, "anthropic-create", gw.URL, nil, map[string]any{"apiKey": limited}); !r.OK {
+		t.Fatalf("the limited tenant's first request: %s", r.thrown())
+	}
+	r := runSDK(t, "anthropic-stream", gw.URL, nil, map[string]any{"apiKey": limited})
+	checkAnthropicError(t, "tenant over rpm, messages.stream", r, 429, "RateLimitError", "rate_limit_error")
+	raw429 := mustSend(ctx, t, cl, url, msgs.body("again", 10, false), "x-api-key: "+limited, "anthropic-version: 2023-06-01")
+	checkAnthropicBody(t, "tenant over rpm", raw429, 429, "rate_limit_error")
+	if ra := raw429.Header.Get("Retry-After"); ra == "" {
+		t.Errorf("429: no Retry-After")
+	}
+	if v := raw429.Header.Get("x-ratelimit-limit-requests"); v != "1" {
+		t.Errorf("429: x-ratelimit-limit-requests %q, want 1", v)
+	}
+	if v := raw429.Header.Get("anthropic-ratelimit-requests-limit"); v != "1" {
+		t.Errorf("429: anthropic-ratelimit-requests-limit %q, want 1", v)
+	}
+	if v := raw429.Header.Get("anthropic-ratelimit-requests-remaining"); v != "0" {
+		t.Errorf("429: anthropic-ratelimit-requests-remaining %q, want 0", v)
+	}
+	if v := raw429.Header.Get("anthropic-ratelimit-requests-reset"); v == "" {
+		t.Errorf("429: no anthropic-ratelimit-requests-reset")
+	} else if at, err := time.Parse(time.RFC3339, v); err != nil || at.Before(time.Now().Add(-time.Second)) || at.After(time.Now().Add(61*time.Second)) {
+		t.Errorf("429: anthropic-ratelimit-requests-reset %q, want an RFC 3339 time within the next minute (%v)", v, err)
+	}
+
+	// 503: the only upstream's breaker is open.
+	addr := fleet.Replica(0).Addr()
+	if status, _ := gw.breakerAction(addr, "open"); status != http.StatusOK {
+		t.Fatalf("POST breakers/%s/open: status %d", addr, status)
+	}
+	before := fleetRequests(fleet)
+	r = runSDK(t, "anthropic-stream", gw.URL, nil, map[string]any{"apiKey": free})
+	checkAnthropicError(t, "breaker open, messages.stream", r, 503, "ServiceUnavailableError", "overloaded_error")
+	r = runSDK(t, "anthropic-create", gw.URL, nil, map[string]any{"apiKey": free})
+	checkAnthropicError(t, "breaker open, messages.create", r, 503, "ServiceUnavailableError", "overloaded_error")
+	raw503 := mustSend(ctx, t, cl, url, msgs.body("open", 10, true), "x-api-key: "+free)
+	checkAnthropicBody(t, "breaker open", raw503, 503, "overloaded_error")
+	if raw503.Header.Get("Retry-After") == "" || raw503.Header.Get("X-Circuit-Breaker") != "open" {
+		t.Errorf("503: Retry-After %q, X-Circuit-Breaker %q; want both", raw503.Header.Get("Retry-After"), raw503.Header.Get("X-Circuit-Breaker"))
+	}
+	if n := fleetRequests(fleet) - before; n != 0 {
+		t.Errorf("%d requests reached the upstream behind an open breaker", n)
+	}
+}
+
+// checkAnthropicError checks that the Anthropic SDK raised its typed
+// error for status with the body's error.type typ.
+func checkAnthropicError(t *testing.T, what string, r sdkResult, status int, class, typ string) {
+	t.Helper()
+	if r.OK {
+		t.Errorf("%s: the SDK did not raise: %+v", what, r)
+		return
+	}
+	if r.ErrorClass != class || !r.APIError || r.Status == nil || *r.Status != status {
+		t.Errorf("%s: the SDK raised %s (APIError %v), want %s with status %d", what, r.thrown(), r.APIError, class, status)
+	}
+	if r.Type == nil || *r.Type != typ || r.BodyType == nil || *r.BodyType != typ {
+		t.Errorf("%s: the SDK raised %s with body error.type %v, want type %s", what, r.thrown(), r.BodyType, typ)
+	}
+}
+
+// checkAnthropicBody checks a gateway refusal's status and Anthropic's
+// error body {"type":"error","error":{"type":typ,"message":…}}.
+func checkAnthropicBody(t *testing.T, what string, r reply, status int, typ string) {
+	t.Helper()
+	var b struct {
+		Type  string `json:"type"`
+		Error *struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if r.Status != status || json.Unmarshal(r.Body, &b) != nil || b.Type != "error" || b.Error == nil || b.Error.Type != typ || b.Error.Message == "" {
+		t.Errorf("%s: %d %s; want %d with {\"type\":\"error\",\"error\":{\"type\":%q,\"message\":…}}", what, r.Status, r.Body, status, typ)
+	}
+	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+		t.Errorf("%s: Content-Type %q, want application/json", what, ct)
+	}
+}
+
+// TestTenantTokensAfterAStreamReflectUpstreamUsage: a tenant with tpm
+// 2000 streams a Responses and a Messages request through its SDK, each
+// with an output limit of 400 of which the upstream generates 7; once it
+// is settled, the next request's x-ratelimit-remaining-tokens is 2000
+// minus the upstream's reported usage (input + output tokens) minus the
+// next reservation (10 + 50) — not minus the 400-token reservation, not
+// minus an estimate.
+func TestTenantTokensAfterAStreamReflectUpstreamUsage(t *testing.T) {
+	t.Parallel()
+	requireNode(t)
+	for _, c := range streamingAPIs {
+		t.Run(string(c.api), func(t *testing.T) {
+			t.Parallel()
+			key := newKey("tokens")
+			fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(5 * time.Millisecond), Tokens: 7, TokenInterval: 2 * time.Millisecond}})
+			gw := startTenantGateway(t, gatewayOptions{
+				Globals: fmt.Sprintf(`	llm_proxy {
+		tenants {
+			key %s metered tier tpm2000
+		}
+		tier tpm2000 {
+			tpm 2000
+		}
+	}`, key),
+				Site: "\tllm_proxy " + upstreams(fleet),
+			}, key)
+			cl := newClient(t)
+			ctx := testContext(t, 60*time.Second)
+			id := "usage-" + string(c.api)
+			r := runSDK(t, c.sdkStream, gw.URL, map[string]string{"X-Request-Id": id}, map[string]any{"apiKey": key, "maxTokens": 400,
+				"prompt": strings.Repeat("a long prompt that the estimate and the upstream count differently; ", 8)})
+			if !r.OK {
+				t.Fatalf("the SDK's stream: %s", r.thrown())
+			}
+			prefix := map[mockllm.API]string{mockllm.APIResponses: "resp_", mockllm.APIMessages: "msg_"}[c.api]
+			rec, ok := fleetRecord(fleet, prefix+id)
+			if !ok || rec.Usage == nil {
+				t.Fatalf("the mock has no usage for %s%s", prefix, id)
+			}
+			used := rec.Usage.PromptTokens + rec.Usage.CompletionTokens
+			if got := r.usageInt(c.outputTokens); got != rec.Usage.CompletionTokens {
+				t.Errorf("the SDK reports %d output tokens, want the upstream's %d", got, rec.Usage.CompletionTokens)
+			}
+			gw.waitTenantIdle("metered", 5*time.Second)
+			probe := mustSend(ctx, t, cl, gw.URL+"/v1/chat/completions", chatOf(content40, false, map[string]any{"max_tokens": 50}), bearer(key))
+			if probe.Status != http.StatusOK {
+				t.Fatalf("the probe: status %d: %s", probe.Status, probe.Body)
+			}
+			rem, err := strconv.Atoi(probe.Header.Get("x-ratelimit-remaining-tokens"))
+			if want := 2000 - used - 60; err != nil || rem != want {
+				t.Errorf("x-ratelimit-remaining-tokens %q after a %s stream that used %d tokens (%d in, %d out), want %d = 2000 − %d − 60 (the probe's reservation)",
+					probe.Header.Get("x-ratelimit-remaining-tokens"), c.api, used, rec.Usage.PromptTokens, rec.Usage.CompletionTokens, want, used)
+			}
+		})
+	}
+}
