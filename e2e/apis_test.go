@@ -463,3 +463,71 @@ func TestTenantTokensAfterAStreamReflectUpstreamUsage(t *testing.T) {
 		})
 	}
 }
+
+// TestHedgeWinsOnlyWithAGeneratedEvent: both upstreams begin a stream at
+// once (response.created + in_progress, message_start + ping), but the
+// primary (lb_policy first) holds its first token for 3s; after the
+// 100ms hedge delay the backup, whose first token comes after 50ms, wins
+// with its first generated event. The primary's beginning neither counts
+// as a first event (which would have suppressed the hedge and committed
+// the slow primary) nor reaches the client: the client sees one
+// beginning, the backup's, and its first text within about 150ms.
+func TestHedgeWinsOnlyWithAGeneratedEvent(t *testing.T) {
+	t.Parallel()
+	for _, c := range streamingAPIs {
+		t.Run(string(c.api), func(t *testing.T) {
+			t.Parallel()
+			fast := mockllm.Behavior{TTFT: mockllm.Fixed(50 * time.Millisecond), Tokens: 5, TokenInterval: 5 * time.Millisecond}
+			slow := fast
+			slow.TTFT = mockllm.Fixed(3 * time.Second)
+			fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2, PerReplica: map[int]mockllm.Behavior{0: slow, 1: fast}})
+			gw := startGateway(t, fmt.Sprintf(`	llm_proxy %s {
+		lb_policy first
+		hedge {
+			after 100ms
+			max_ratio 1
+		}
+	}`, upstreams(fleet)))
+			cl := newClient(t)
+			ctx := testContext(t, 30*time.Second)
+			s := streamRequest(ctx, t, cl, gw.URL+c.api.Path(), c.body("race two servers", 0, true))
+			checkCompleteAPIStream(t, "hedged stream", c, s)
+			if got := s.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(1).Addr() {
+				t.Errorf("served by %q, want the backup %s (the primary's %s is not a first token)", got, fleet.Replica(1).Addr(), c.begin)
+			}
+			for _, e := range s.dataEvents() {
+				if e.name() == c.delta {
+					if d := e.At.Sub(s.Sent); d > 1500*time.Millisecond {
+						t.Errorf("the first %s reached the client after %v, want about 150ms (hedge delay + the backup's TTFT)", c.delta, d)
+					}
+					break
+				}
+			}
+			if d := s.dataEvents(); len(d) > 0 {
+				m := d[0].object()
+				inner, _ := m["response"].(map[string]any)
+				if c.api == mockllm.APIMessages {
+					inner, _ = m["message"].(map[string]any)
+				}
+				id, _ := inner["id"].(string)
+				if i := fleetIndexOf(fleet, id); i != 1 {
+					t.Errorf("the client's %s (id %q) comes from replica %d, want the backup (1)", c.begin, id, i)
+				}
+			}
+			checkHedges(t, gw, 1, 1, 0, 0)
+		})
+	}
+}
+
+// fleetIndexOf returns the index of the replica that holds a record of
+// the response id, -1 when none does.
+func fleetIndexOf(f *mockllm.Fleet, id string) int {
+	for _, r := range f.Stats().Replicas {
+		for _, rec := range r.Recent {
+			if rec.ID == id {
+				return r.Index
+			}
+		}
+	}
+	return -1
+}
