@@ -106,3 +106,26 @@ func TestAPIBodyPutsThePromptAndLimitInTheAPIsFields(t *testing.T) {
 		t.Errorf("validAPI")
 	}
 }
+
+// FuzzClassifyEvent: whatever an event carries, classifyEvent does not
+// panic, an event named error is always an error, and the API's normal
+// end is only ever its end event.
+func FuzzClassifyEvent(f *testing.F) {
+	f.Add(APIResponses, "response.completed", `{"type":"response.completed","response":{"status":"completed"}}`)
+	f.Add(APIResponses, "", `{"type":"response.output_text.delta","delta":"x"}`)
+	f.Add(APIResponses, "response.failed", `{"type":"response.failed","response":{"error":{"code":"server_error","message":"m"}}}`)
+	f.Add(APIMessages, "message_delta", `{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}`)
+	f.Add(APIMessages, "content_block_start", `{"type":"content_block_start","content_block":{"type":"tool_use","id":"t"}}`)
+	f.Add(APIMessages, "error", `{"type":"error","error":{"type":"overloaded_error","message":"o"}}`)
+	f.Add(APIMessages, "", `{"error":{"message":"chat-shaped"}}`)
+	f.Add(APIMessages, "error", `not json`)
+	f.Fuzz(func(t *testing.T, api, name, data string) {
+		k, _, _ := classifyEvent(api, name, []byte(data))
+		if name == "error" && k != eventError {
+			t.Errorf("event error classed %v", k)
+		}
+		if k == eventEnd && name != "" && name != "response.completed" && name != "response.incomplete" && name != "message_stop" {
+			t.Errorf("event %q classed as the end", name)
+		}
+	})
+}
