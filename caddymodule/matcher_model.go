@@ -11,6 +11,7 @@ import (
 	"github.com/dustin/go-humanize"
 	"github.com/tidwall/match"
 
+	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -27,7 +28,8 @@ func init() {
 // they are, without reading or charging them again. The bytes stay
 // charged until the request ends.
 //
-// The model is read as llm_proxy reads it (proxy.ParseRequest): a body
+// The model is read as llm_proxy reads it (the API of the request path's
+// suffix, package api; Chat's rules on other paths): a body
 // that is not one JSON object, repeats "model" (or a field differing from
 // it only in case), or has no string model matches no pattern, and so
 // does a request whose body llm_proxy does not parse (multipart, binary
@@ -121,7 +123,9 @@ func (m *MatchModel) MatchWithError(r *http.Request) (bool, error) {
 	case err != nil:
 		return false, caddyhttp.Error(http.StatusBadRequest, fmt.Errorf("llm_model: %w", err))
 	}
-	info, err := body.Parse()
+	// Read as the path's API reads it (api.ForPath): every API puts the
+	// model in the top-level "model".
+	info, err := body.Parse(api.ForPath(r.URL.Path))
 	if err != nil || info.Model == "" {
 		return false, nil
 	}

@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 // Admitter admits a request before any upstream is picked (DESIGN §3 step
@@ -128,6 +130,9 @@ func (x *exchange) setAdmissionHeader(h http.Header) {
 	}
 	if x.admHeader != nil {
 		x.admHeader.SetHeader(h)
+		if x.api == api.Messages {
+			setAnthropicRateLimitHeaders(h, time.Now())
+		}
 	}
 	if x.degraded != "" {
 		h.Set(HeaderDegraded, x.degraded)

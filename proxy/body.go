@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/sync/semaphore"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 // DefaultMaxBufferedBodies is the body budget's size when none is
@@ -118,10 +120,10 @@ const firstChunk = 256 << 10
 type Body struct {
 	b   []byte
 	off int
-	// info is the parse of b when parsed (by the matcher).
+	// info is the parse of b by parsedAs, when parsed (by the matcher).
 	info     RequestInfo
 	parseErr error
-	parsed   bool
+	parsedAs api.API
 
 	budget   *BodyBudget
 	charged  int64
@@ -147,11 +149,13 @@ func (b *Body) Close() error { return nil }
 // untouched reports that nobody has read from b yet.
 func (b *Body) untouched() bool { return b.off == 0 }
 
-// Parse returns ParseRequest of the body, computed once.
-func (b *Body) Parse() (RequestInfo, error) {
-	if !b.parsed {
-		b.info, b.parseErr = ParseRequest(b.b)
-		b.parsed = true
+// Parse returns the body parsed as a's request (a.ParseRequest), computed
+// once for a given API (a body is parsed again only when a handler reads
+// it as another API than the matcher did).
+func (b *Body) Parse(a api.API) (RequestInfo, error) {
+	if b.parsedAs != a {
+		b.info, b.parseErr = a.ParseRequest(b.b)
+		b.parsedAs = a
 	}
 	return b.info, b.parseErr
 }

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/tidwall/sjson"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 // budgetSettles waits until b has nothing charged: a body's charge is given
@@ -260,7 +262,7 @@ func TestBufferedBodyIsNotReadTwice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if info, err := b.Parse(); err != nil || info.Model != "llama-70b" {
+	if info, err := b.Parse(api.Chat); err != nil || info.Model != "llama-70b" {
 		t.Fatalf("parse %+v %v", info, err)
 	}
 	reads, charged := counted.reads, budget.InUse()

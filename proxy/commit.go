@@ -39,7 +39,7 @@ func (x *exchange) commit(a *attempt) bool {
 	res.AttemptTTFT = a.ttft
 	res.Committed = true
 	res.Status = a.resp.StatusCode
-	res.Usage = a.usage
+	res.Usage = a.st.Usage
 
 	h := x.w.Header()
 	copyResponseHeader(h, a.resp.Header)

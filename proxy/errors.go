@@ -1,9 +1,11 @@
 package proxy
 
 import (
-	"encoding/json"
 	"net/http"
 	"strconv"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 // Error types used in gateway-written bodies. They follow OpenAI's names so
@@ -14,17 +16,6 @@ const (
 	TypeRateLimit      = "rate_limit_error"
 	TypeTimeout        = "timeout_error"
 )
-
-// errorBody is OpenAI's error envelope: {"error":{"message","type","code"}}.
-type errorBody struct {
-	Error errorDetail `json:"error"`
-}
-
-type errorDetail struct {
-	Message string `json:"message"`
-	Type    string `json:"type"`
-	Code    string `json:"code"`
-}
 
 // GatewayError is a response the gateway writes itself, before commit. It
 // is also an error, so that an Identifier or Admitter can refuse with it.
@@ -45,7 +36,13 @@ func (e *GatewayError) Error() string {
 }
 
 // Write sends e as an application/json response in OpenAI's error shape.
-func (e *GatewayError) Write(w http.ResponseWriter) {
+func (e *GatewayError) Write(w http.ResponseWriter) { e.WriteFor(w, api.Chat) }
+
+// WriteFor sends e as an application/json response in the error shape of
+// the request's API a (Anthropic's on Messages, OpenAI's otherwise, see
+// api.API.AppendErrorBody), with its headers; on Messages the
+// x-ratelimit-* headers get their anthropic-ratelimit-* forms beside them.
+func (e *GatewayError) WriteFor(w http.ResponseWriter, a api.API) {
 	h := w.Header()
 	for k, v := range e.Header {
 		h[k] = v
@@ -55,7 +52,10 @@ func (e *GatewayError) Write(w http.ResponseWriter) {
 	if e.RetryAfter > 0 {
 		h.Set("Retry-After", strconv.Itoa(e.RetryAfter))
 	}
-	body, _ := json.Marshal(errorBody{Error: errorDetail{Message: e.Message, Type: e.Type, Code: e.Code}})
+	if a == api.Messages {
+		setAnthropicRateLimitHeaders(h, time.Now())
+	}
+	body := a.AppendErrorBody(nil, api.Error{Status: e.Status, Type: e.Type, Code: e.Code, Message: e.Message})
 	body = append(body, '\n')
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(e.Status)

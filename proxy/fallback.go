@@ -12,6 +12,7 @@ import (
 	"github.com/tidwall/sjson"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 // Pool is a set of upstreams that a request can be served from, with its
@@ -127,11 +128,16 @@ func (f *Fallback) Clamp(info RequestInfo) (maxTokens int, set, fits bool) {
 	return limit, true, true
 }
 
-// rewriteBody returns body as f's upstreams get it: "model" replaced by
-// model when set, and the client's max_completion_tokens and max_tokens
-// (whichever it sent; max_tokens when it sent neither) set to maxTokens
-// when setMax. Every other byte is as the client sent it.
-func rewriteBody(body []byte, model string, maxTokens int, setMax bool) ([]byte, error) {
+// rewriteBody returns body, a request of API a, as f's upstreams get it:
+// "model" replaced by model when set, and a's output-limit fields
+// (a.OutputLimitFields: Chat's max_completion_tokens and max_tokens,
+// whichever the client sent, max_tokens when it sent neither; Responses'
+// max_output_tokens; Messages' and Completions' max_tokens) set to
+// maxTokens when setMax (an API without one, api.None, is not clamped).
+// Every other byte is as the client sent it.
+func rewriteBody(body []byte, a api.API, model string, maxTokens int, setMax bool) ([]byte, error) {
+	fields := a.OutputLimitFields()
+	setMax = setMax && len(fields) > 0
 	if model == "" && !setMax {
 		return body, nil
 	}
@@ -147,14 +153,14 @@ func rewriteBody(body []byte, model string, maxTokens int, setMax bool) ([]byte,
 		}
 	}
 	if setMax {
-		keys := make([]string, 0, 2)
-		for _, k := range [...]string{"max_completion_tokens", "max_tokens"} {
+		keys := make([]string, 0, len(fields))
+		for _, k := range fields {
 			if v := gjson.GetBytes(out, k); v.Exists() && v.Type != gjson.Null {
 				keys = append(keys, k)
 			}
 		}
 		if len(keys) == 0 {
-			keys = append(keys, "max_tokens")
+			keys = append(keys, fields[len(fields)-1])
 		}
 		for _, k := range keys {
 			if out, err = sjson.SetBytes(out, k, maxTokens); err != nil {
@@ -260,6 +266,8 @@ func (x *exchange) degrade(why string) bool {
 			continue
 		}
 		maxTokens, setMax, fits := f.Clamp(x.client.info)
+		// An API without an output limit (api.None) is sent unclamped.
+		setMax = setMax && len(x.api.OutputLimitFields()) > 0
 		if !fits {
 			x.refuseFallback(f, fmt.Sprintf("the prompt estimate of %d tokens does not fit its context_window of %d",
 				x.client.info.PromptTokens, f.ContextWindow))
@@ -272,7 +280,7 @@ func (x *exchange) degrade(why string) bool {
 		if setMax {
 			info.MaxTokens, info.MaxTokensSet = maxTokens, true
 		}
-		body, err := rewriteBody(x.client.body, f.Model, maxTokens, setMax)
+		body, err := rewriteBody(x.client.body, x.api, f.Model, maxTokens, setMax)
 		if err != nil {
 			x.refuseFallback(f, "the request body cannot be rewritten: "+err.Error())
 			continue

@@ -2,15 +2,21 @@ package proxy
 
 import (
 	"encoding/json"
+	"slices"
 	"testing"
 	"unicode/utf8"
 
 	"github.com/tidwall/gjson"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
-// FuzzRewriteBody: whatever JSON object a client sends, the fallback's body
-// is valid JSON with the fallback's model and max_tokens, and every other
-// top-level field as it was.
+// rewriteAPIs are the APIs FuzzRewriteBody picks from.
+var rewriteAPIs = []api.API{api.Chat, api.Completions, api.Responses, api.Messages, api.None}
+
+// FuzzRewriteBody: whatever JSON object a client sends, in whichever API,
+// the fallback's body is valid JSON with the fallback's model and the
+// API's output limit, and every other top-level field as it was.
 func FuzzRewriteBody(f *testing.F) {
 	for _, s := range []string{
 		`{"model":"big","max_tokens":64000,"messages":[{"role":"user","content":"hi"}]}`,
@@ -20,9 +26,14 @@ func FuzzRewriteBody(f *testing.F) {
 		`  {"model":"a\"b","n":2,"best_of":3}  `,
 		`{"model":{"nested":true},"max_tokens":"x"}`,
 	} {
-		f.Add(s, "small", 4096, true)
+		for which := range uint8(len(rewriteAPIs)) {
+			f.Add(s, "small", 4096, true, which)
+		}
 	}
-	f.Fuzz(func(t *testing.T, body, model string, maxTokens int, setMax bool) {
+	f.Add(`{"model":"big","max_output_tokens":64000,"input":"hi"}`, "small", 100, true, uint8(2))
+	f.Add(`{"model":"big","max_tokens":64000,"system":"s","messages":[]}`, "small", 100, true, uint8(3))
+	f.Fuzz(func(t *testing.T, body, model string, maxTokens int, setMax bool, which uint8) {
+		a := rewriteAPIs[int(which)%len(rewriteAPIs)]
 		if !utf8.ValidString(model) {
 			return // a model name comes from the config, in UTF-8
 		}
@@ -30,10 +41,10 @@ func FuzzRewriteBody(f *testing.F) {
 		if json.Unmarshal([]byte(body), &before) != nil || before == nil {
 			return // read refuses what is not one JSON object
 		}
-		if _, err := ParseRequest([]byte(body)); err != nil {
+		if _, err := a.ParseRequest([]byte(body)); err != nil {
 			return
 		}
-		out, err := rewriteBody([]byte(body), model, maxTokens, setMax)
+		out, err := rewriteBody([]byte(body), a, model, maxTokens, setMax)
 		if err != nil {
 			return // the fallback is passed over, the client's body untouched
 		}
@@ -44,18 +55,21 @@ func FuzzRewriteBody(f *testing.F) {
 		if model != "" && gjson.GetBytes(out, "model").String() != model {
 			t.Fatalf("model %q not set: %s", model, out)
 		}
-		if setMax {
-			_, mct := before["max_completion_tokens"]
-			key := "max_tokens"
-			if mct && string(before["max_completion_tokens"]) != "null" {
-				key = "max_completion_tokens"
+		fields := a.OutputLimitFields()
+		if setMax && len(fields) > 0 {
+			key := fields[len(fields)-1]
+			for _, k := range fields {
+				if v, ok := before[k]; ok && string(v) != "null" {
+					key = k
+					break
+				}
 			}
 			if got := gjson.GetBytes(out, key); got.Int() != int64(maxTokens) {
 				t.Fatalf("%s = %s, want %d: %s", key, got.Raw, maxTokens, out)
 			}
 		}
 		for k, v := range before {
-			if k == "model" || k == "max_tokens" || k == "max_completion_tokens" {
+			if k == "model" || (setMax && slices.Contains(fields, k)) {
 				continue
 			}
 			if string(after[k]) != string(v) {

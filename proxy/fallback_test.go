@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 func TestFallbackClamp(t *testing.T) {
@@ -71,12 +72,42 @@ func TestRewriteBodyTouchesOnlyModelAndMaxTokens(t *testing.T) {
 		{"model only", `{"model":"big","max_tokens":3}`, "small", 0, false, `{"model":"small","max_tokens":3}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := rewriteBody([]byte(tc.in), tc.model, tc.max, tc.set)
+			got, err := rewriteBody([]byte(tc.in), api.Chat, tc.model, tc.max, tc.set)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if string(got) != tc.want {
 				t.Fatalf("got\n%s\nwant\n%s", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestRewriteBodySetsTheAPIsOutputLimit: the ladder clamps the field the
+// request's API reads: Responses' max_output_tokens, Messages' max_tokens
+// (a Responses request's max_tokens is not its limit and stays as sent);
+// a path without stream semantics is not clamped.
+func TestRewriteBodySetsTheAPIsOutputLimit(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		a    api.API
+		in   string
+		want string
+	}{
+		{"responses", api.Responses, `{"model":"big","max_output_tokens":9000,"input":"hi"}`,
+			`{"model":"small","max_output_tokens":100,"input":"hi"}`},
+		{"responses absent is added", api.Responses, `{"model":"big","max_tokens":9000,"input":"hi"}`,
+			`{"model":"small","max_tokens":9000,"input":"hi","max_output_tokens":100}`},
+		{"messages", api.Messages, `{"model":"big","max_tokens":9000,"messages":[]}`,
+			`{"model":"small","max_tokens":100,"messages":[]}`},
+		{"completions", api.Completions, `{"model":"big","max_completion_tokens":9000,"prompt":"x"}`,
+			`{"model":"small","max_completion_tokens":9000,"prompt":"x","max_tokens":100}`},
+		{"none", api.None, `{"model":"big","input":"x"}`, `{"model":"small","input":"x"}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := rewriteBody([]byte(tc.in), tc.a, "small", 100, true)
+			if err != nil || string(got) != tc.want {
+				t.Fatalf("got %s (%v), want %s", got, err, tc.want)
 			}
 		})
 	}

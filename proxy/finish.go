@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -216,7 +217,7 @@ func (x *exchange) answerCommitted(a *attempt) Outcome {
 		return OutcomeInbandError
 	}
 	msg, code := a.streamFailure()
-	x.send(sse.AppendErrorEvent(nil, msg, TypeServer, code), 0)
+	x.send(x.api.AppendStreamError(nil, &a.st, api.Error{Status: http.StatusBadGateway, Type: TypeServer, Code: code, Message: msg}), 0)
 	switch a.outcome {
 	case AttemptIdleTimeout:
 		return OutcomeIdleTimeout
@@ -277,12 +278,13 @@ func (a *attempt) classifyCommitted() {
 	case a.postInband != nil:
 		a.outcome = inbandOutcome(a.postInband)
 		a.err = fmt.Errorf("upstream %s: error event after commit: %s", a.up.Addr, a.postInband.Message)
-	case a.sawDone:
+	case a.sawDone && a.st.Finished:
 		a.outcome = AttemptSuccess
 	case a.goneAtEnd:
 		a.outcome, a.err = AttemptCanceled, nil
-	case a.finished:
-		// finish_reason arrived: the answer is whole, whatever came after.
+	case a.st.Finished:
+		// The API's normal end arrived (a finish_reason): the answer is
+		// whole, whatever came after.
 		a.outcome = AttemptSuccess
 	default:
 		switch o := causeOutcome(context.Cause(a.ctx), AttemptTruncated); o {
@@ -329,7 +331,7 @@ func causeOutcome(cause error, def AttemptOutcome) AttemptOutcome {
 }
 
 // inbandOutcome classifies an in-band error event by the status it maps to.
-func inbandOutcome(ie *sse.InbandError) AttemptOutcome {
+func inbandOutcome(ie *api.InbandError) AttemptOutcome {
 	switch {
 	case ie.Status == http.StatusTooManyRequests:
 		return AttemptInbandError429
@@ -436,7 +438,7 @@ func (x *exchange) writeError(e *GatewayError) {
 	}
 	x.res.Status = e.Status
 	x.setAdmissionHeader(x.w.Header())
-	e.Write(x.w)
+	e.WriteFor(x.w, x.api)
 }
 
 // tenantFaultStatus reports the upstream statuses that are the tenant's own

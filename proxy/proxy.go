@@ -15,6 +15,8 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
 // Upstream is the target of one attempt, as chosen by a Balancer.
@@ -200,6 +202,10 @@ type AttemptReport struct {
 type Result struct {
 	// Info holds the parsed request fields.
 	Info RequestInfo
+	// API is the name of the API the request spoke ("chat",
+	// "completions", "responses", "messages", "none"): the "api" metric
+	// label and {http.llm_proxy.api}.
+	API string
 	// Upstream is the upstream that served the response, or the last one
 	// tried; "" when none was.
 	Upstream string
@@ -289,17 +295,11 @@ func (r *Result) Settlement() (prompt, completion int, estimated bool) {
 	return 0, 0, false
 }
 
-// Usage is the token usage of a response, from the upstream's "usage"
-// object: the streamed usage chunk (stream_options.include_usage), or the
-// non-streaming body's. When the upstream repeats cumulative usage on
-// every chunk (TGI), the last value counts.
-type Usage struct {
-	// PromptTokens and CompletionTokens are the reported counts; 0 when
-	// absent or not plain integers.
-	PromptTokens, CompletionTokens int
-	// Reported is true when the upstream sent a usage object.
-	Reported bool
-}
+// Usage is the token usage of a response (api.Usage): the streamed usage
+// chunk or terminal event, or the non-streaming body's, as the request's
+// API reports it. When the upstream repeats cumulative usage (TGI, a
+// Messages message_delta), the last value counts.
+type Usage = api.Usage
 
 // Config configures a Proxy. Zero durations take the documented defaults.
 type Config struct {
@@ -366,6 +366,11 @@ type Config struct {
 	// (DESIGN §10), tried in order, only before commit; each gets up to
 	// MaxAttempts attempts of its own. Default: none.
 	Fallbacks []Fallback
+	// API is the streaming API every request of this proxy speaks (the
+	// handler's `api` option); nil chooses by the request path's suffix
+	// (api.ForPath): /chat/completions, /completions, /responses,
+	// /messages, anything else api.None.
+	API api.API
 	// BodyBudget, when set, is charged for every request body before it
 	// is read (503 body_memory_exhausted when it has no room in time);
 	// nil bounds bodies only by MaxRequestBody.
@@ -466,6 +471,11 @@ func New(cfg Config) (*Proxy, error) {
 // after the request is finished and reported.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) *Result {
 	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), res: &Result{}, rung: rung{index: -1, pool: &p.primary}}
+	x.api = p.cfg.API
+	if x.api == nil {
+		x.api = api.ForPath(r.URL.Path)
+	}
+	x.res.API = x.api.Name()
 	x.run()
 	return x.res
 }
@@ -479,6 +489,8 @@ type exchange struct {
 	start time.Time
 	res   *Result
 	body  []byte
+	// api is what the request's API means (read chooses it).
+	api api.API
 	// stripUsage: read asked the upstream for usage on the client's
 	// behalf, so the usage-only chunk is not relayed.
 	stripUsage bool

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -61,33 +62,30 @@ func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
 		out     []byte  // what goes to the client
 		batch   *[]byte // a pooled buffer, once a second event joins out
 		events  int     // events in out
-		content int     // data events (chunks) in out
-		fin     bool    // a chunk in out carries a finish_reason
-		done    bool    // out ends with [DONE]
-		inband  *sse.InbandError
+		content int     // generated events (chunks) in out
+		done    bool    // out ends with the API's last event
+		inband  *api.InbandError
 	)
 	for {
-		kind := ev.Kind()
 		relayed := true
-		switch kind {
-		case sse.KindData:
-			ci := sse.InspectChunk(ev.Data)
-			res.Usage = chunkUsage(ci, res.Usage)
-			if ci.UsageOnly && x.stripUsage {
+		switch x.api.Inspect(&a.st, ev) {
+		case api.Generated:
+			content++
+		case api.UsageOnly:
+			if x.stripUsage {
 				// Usage asked for on the client's behalf: read, not relayed.
 				relayed = false
 				break
 			}
 			content++
-			fin = fin || ci.FinishReason
-		case sse.KindDone:
+		case api.End:
 			// The stream is complete: end the client's response now, and
-			// let end() read the upstream's closing chunk in the
+			// let end() read the upstream's closing bytes in the
 			// background so its connection goes back to the pool.
 			done = true
-		case sse.KindError:
+		case api.ErrorEvent:
 			// The upstream's own error event is the terminal event.
-			ie, _ := sse.ParseInbandError(ev.Data)
+			ie := a.st.Err
 			inband = &ie
 		}
 		if relayed {
@@ -111,6 +109,7 @@ func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
 		}
 		ev = next
 	}
+	res.Usage = a.st.Usage
 	sent := events == 0 || x.send(out, events)
 	if batch != nil {
 		putBatch(batch, out)
@@ -120,10 +119,12 @@ func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
 		return false
 	}
 	res.ContentEvents += content
-	a.finished = a.finished || fin
 	switch {
 	case done:
 		a.sawDone, a.drain = true, true
+		if !a.st.Finished {
+			a.streamErr = errNoNormalEnd
+		}
 		return false
 	case inband != nil:
 		a.postInband = inband
@@ -131,6 +132,10 @@ func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
 	}
 	return true
 }
+
+// errNoNormalEnd is why a stream whose API's last event came without its
+// normal end (a Messages message_stop without a stop_reason) is a cut.
+var errNoNormalEnd = errors.New("the stream's last event came without its normal end")
 
 // batchPool holds the buffers in which relayEvents joins events that
 // arrived together; a stream holds one only while it writes.

@@ -14,13 +14,20 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/budget"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
 // maxPreCommitComments bounds the SSE comments (": ping") buffered before the
-// first data event; past it, further comments are dropped.
+// first generated event; past it, further comments are dropped.
 const maxPreCommitComments = 64 << 10
+
+// maxPreCommitHeld bounds the lifecycle events (response.created,
+// message_start, ...) held before the first generated event. A stream
+// whose lifecycle events outgrow it (a response.created echoing huge
+// instructions) commits with them rather than drop any.
+const maxPreCommitHeld = 1 << 20
 
 // maxStaleRetries bounds the round trips retried within one attempt because
 // a reused connection turned out to be closed.
@@ -51,15 +58,17 @@ type attempt struct {
 	// isSSE is true when the response is an event stream read through sc.
 	isSSE bool
 	sc    *sse.Scanner
-	// head is what the client receives at commit: the SSE events up to and
-	// including the first data event, or the whole non-streaming body.
+	// head is what the client receives at commit: the lifecycle events
+	// held and the first generated event, or the whole non-streaming body.
 	head       []byte
 	headEvents int
-	// headContent is 1 when head ends with a data event (a chunk).
+	// headContent is 1 when head ends with a generated event (a chunk).
 	headContent int
-	// usage is what head reported of token usage.
-	usage Usage
-	ttft  time.Duration
+	// st is the stream's inspection by the request's API (usage, normal
+	// end, in-band error), from its first event on; for a body, its
+	// Usage is the body's.
+	st   api.Stream
+	ttft time.Duration
 	// hedge is true for a backup attempt started by the hedge timer.
 	hedge bool
 	// conn tells a stale keep-alive connection from a failing upstream.
@@ -80,7 +89,7 @@ type attempt struct {
 	// errBody is an upstream error response body kept for passing through.
 	errBody []byte
 	// inband is the in-band error event that failed the attempt, if any.
-	inband *sse.InbandError
+	inband *api.InbandError
 	// retryAfter is the upstream's Retry-After on a 429 or 5xx, 0 if none.
 	retryAfter time.Duration
 
@@ -89,10 +98,12 @@ type attempt struct {
 	// writeFailed: writing to the client failed (writeErr for a body).
 	writeFailed bool
 	writeErr    error
-	// finished: a finish_reason was relayed; sawDone: [DONE] was.
-	finished, sawDone bool
+	// sawDone: the API's last event of a finished stream was relayed
+	// ([DONE], response.completed, message_stop); st.Finished says whether
+	// the stream carried its normal end.
+	sawDone bool
 	// postInband is an upstream error event relayed after commit.
-	postInband *sse.InbandError
+	postInband *api.InbandError
 	// streamErr is why reading the stream stopped, with goneAtEnd
 	// whether the client was gone by then.
 	streamErr error
@@ -282,39 +293,47 @@ func (a *attempt) readErrorResponse() {
 	a.failAt(failStatus, err)
 }
 
-// readFirstEvent reads SSE events until the first data event.
+// readFirstEvent reads SSE events until the first generated event (the
+// API's commit point), holding the lifecycle events before it: they go to
+// the client with it at commit, or nowhere if the attempt fails.
 func (a *attempt) readFirstEvent() {
 	a.sc = sse.NewScanner(a.resp.Body, a.x.p.cfg.MaxEventSize)
 	for {
 		ev, err := a.sc.Next()
 		if err != nil {
-			a.failAt(failRead, fmt.Errorf("upstream %s: stream ended before the first event: %w", a.up.Addr, a.errWithCause(err)))
+			a.failAt(failRead, fmt.Errorf("upstream %s: stream ended before the first generated event: %w", a.up.Addr, a.errWithCause(err)))
 			return
 		}
-		switch ev.Kind() {
-		case sse.KindComment:
-			if len(a.head) < maxPreCommitComments {
+		switch a.x.api.Inspect(&a.st, ev) {
+		case api.Lifecycle:
+			if !ev.HasData {
+				if len(a.head) < maxPreCommitComments {
+					a.head = append(a.head, ev.Raw...)
+					a.headEvents++
+				}
+				continue
+			}
+			if len(a.head)+len(ev.Raw) <= maxPreCommitHeld {
 				a.head = append(a.head, ev.Raw...)
 				a.headEvents++
+				continue
 			}
-			continue
-		case sse.KindError:
-			ie, ok := sse.ParseInbandError(ev.Data)
-			if !ok {
-				ie = sse.InbandError{Message: "upstream sent an error event", Type: TypeServer, Status: 500}
-			}
+			// Too much held: commit with it rather than drop any.
+		case api.ErrorEvent:
+			ie := a.st.Err
 			a.inband = &ie
 			a.failAt(failInband, fmt.Errorf("upstream %s: error event before the first token: %s", a.up.Addr, ie.Message))
 			return
-		case sse.KindDone:
-			a.finished = true
-		case sse.KindData:
-			ci := sse.InspectChunk(ev.Data)
-			a.usage = chunkUsage(ci, a.usage)
-			if ci.UsageOnly && a.x.stripUsage {
+		case api.End:
+			// The stream ended with nothing generated: a whole (empty)
+			// answer when the API says it finished, else a cut that
+			// finish reports after commit.
+		case api.UsageOnly:
+			if a.x.stripUsage {
 				continue // asked for on the client's behalf: not theirs to see
 			}
-			a.finished = ci.FinishReason
+			a.headContent = 1
+		case api.Generated:
 			a.headContent = 1
 		}
 		a.head = append(a.head, ev.Raw...)
@@ -338,17 +357,8 @@ func (a *attempt) readFullBody() {
 		return
 	}
 	a.head = body
-	a.usage = chunkUsage(sse.InspectChunk(body), a.usage)
+	a.st.Usage = a.x.api.InspectBody(body)
 	a.ok = true
-}
-
-// chunkUsage returns the usage a chunk reports, or prev when it reports
-// none: the last usage seen counts.
-func chunkUsage(ci sse.ChunkInfo, prev Usage) Usage {
-	if !ci.Usage {
-		return prev
-	}
-	return Usage{PromptTokens: ci.PromptTokens, CompletionTokens: ci.CompletionTokens, Reported: true}
 }
 
 // failAt records where the pre-commit phase failed and what its

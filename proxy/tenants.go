@@ -377,6 +377,46 @@ func setRateLimitHeaders(h http.Header, lim admission.Limits) {
 	}
 }
 
+// The anthropic-ratelimit-* header keys, canonical, each beside the
+// x-ratelimit-* key it is derived from.
+var anthropicRateLimit = [...]struct{ from, limit, remaining, reset string }{
+	{
+		from:      hdrLimitRequests,
+		limit:     http.CanonicalHeaderKey("anthropic-ratelimit-requests-limit"),
+		remaining: http.CanonicalHeaderKey("anthropic-ratelimit-requests-remaining"),
+		reset:     http.CanonicalHeaderKey("anthropic-ratelimit-requests-reset"),
+	},
+	{
+		from:      hdrLimitTokens,
+		limit:     http.CanonicalHeaderKey("anthropic-ratelimit-tokens-limit"),
+		remaining: http.CanonicalHeaderKey("anthropic-ratelimit-tokens-remaining"),
+		reset:     http.CanonicalHeaderKey("anthropic-ratelimit-tokens-reset"),
+	},
+}
+
+// setAnthropicRateLimitHeaders adds to h, for each x-ratelimit-*-requests
+// and -tokens set it holds, Anthropic's forms
+// (docs.anthropic.com/en/api/rate-limits):
+// anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}, the
+// reset as an RFC 3339 time (now plus the x-ratelimit reset duration,
+// UTC, rounded up to whole seconds). A tenant without a limit gets none.
+func setAnthropicRateLimitHeaders(h http.Header, now time.Time) {
+	for i, k := range anthropicRateLimit {
+		lim := h.Get(k.from)
+		if lim == "" {
+			continue
+		}
+		rem, reset := hdrRemainingRequests, hdrResetRequests
+		if i == 1 {
+			rem, reset = hdrRemainingTokens, hdrResetTokens
+		}
+		d, _ := time.ParseDuration(h.Get(reset))
+		h.Set(k.limit, lim)
+		h.Set(k.remaining, h.Get(rem))
+		h.Set(k.reset, now.Add(d+time.Second-1).UTC().Truncate(time.Second).Format(time.RFC3339))
+	}
+}
+
 // ceilSeconds rounds d up to whole seconds; 0 and below are 0.
 func ceilSeconds(d time.Duration) time.Duration {
 	if d <= 0 {

@@ -139,6 +139,107 @@ func inspectChunk(data []byte) (info ChunkInfo, choices int) {
 	}
 }
 
+// ChunkGenerated reports whether an OpenAI chat or completion chunk carries
+// something generated: some element of its top-level "choices" has a
+// non-null finish_reason, a "text" (legacy completions) that is a
+// non-empty string, or a "delta" with a member other than "role" whose
+// value is not null, "" or [] (content, refusal, reasoning, tool_calls,
+// ...). A chunk that carries only a role and empty content — vLLM's and
+// OpenAI's first chunk — is not generated, nor is one without choices
+// (a usage-only chunk). Malformed input is generated: the gateway does not
+// hold what it cannot understand. It does not allocate.
+func ChunkGenerated(data []byte) bool {
+	i := skipWS(data, 0)
+	if i >= len(data) || data[i] != '{' {
+		return true
+	}
+	it := iter{b: data, i: i + 1}
+	gen := false
+	for {
+		key, ok := it.nextKey()
+		if !ok {
+			return gen || it.end < 0
+		}
+		if keyIs(key, "choices") && data[it.i] == '[' {
+			g, end := choicesGenerated(data, it.i)
+			if end < 0 {
+				return true
+			}
+			gen, it.i = g, end
+			continue
+		}
+		if _, ok := it.skip(); !ok {
+			return true
+		}
+	}
+}
+
+// choicesGenerated walks the choices array at b[i] for ChunkGenerated; end
+// is the index after it, -1 when malformed.
+func choicesGenerated(b []byte, i int) (gen bool, end int) {
+	arr := iter{b: b, i: i + 1, array: true}
+	for arr.nextElem() {
+		if b[arr.i] != '{' {
+			if _, ok := arr.skip(); !ok {
+				return true, -1
+			}
+			continue
+		}
+		obj := iter{b: b, i: arr.i + 1}
+		for {
+			key, ok := obj.nextKey()
+			if !ok {
+				break
+			}
+			if keyIs(key, "delta") && b[obj.i] == '{' {
+				d := iter{b: b, i: obj.i + 1}
+				for {
+					k, ok := d.nextKey()
+					if !ok {
+						break
+					}
+					v, ok := d.skip()
+					if !ok {
+						break
+					}
+					if !keyIs(k, "role") && !emptyValue(v) {
+						gen = true
+					}
+				}
+				if d.end < 0 {
+					return true, -1
+				}
+				obj.i = d.end
+				continue
+			}
+			v, ok := obj.skip()
+			if !ok {
+				break
+			}
+			switch {
+			case keyIs(key, "finish_reason"), keyIs(key, "text"):
+				gen = gen || !emptyValue(v)
+			}
+		}
+		if obj.end < 0 {
+			return true, -1
+		}
+		arr.i = obj.end
+	}
+	return gen, arr.end
+}
+
+// emptyValue reports a JSON null, "" or [] (whitespace allowed in []).
+func emptyValue(v []byte) bool {
+	switch {
+	case string(v) == "null", string(v) == `""`:
+		return true
+	case v[0] == '[':
+		return len(trimWS(v[1:len(v)-1])) == 0
+	}
+	return false
+}
+
 // plainChunk reports that data has no non-null finish_reason and no
 // non-null usage anywhere, so that InspectChunk would find nothing: every
 // occurrence of the bytes finish_reason" and usage" is followed by a colon
@@ -361,6 +462,14 @@ func jsonText(raw json.RawMessage) string {
 	return string(raw)
 }
 
+// ErrorStatus maps an in-band error's type and code to an HTTP status: a
+// numeric code (number or numeric string) in 400..599 as it is; otherwise
+// 400 when the type or code says invalid_request, BadRequest,
+// context_length or validation; 429 when it says rate_limit or too many
+// requests; otherwise 500. It is the rule of InbandError.Status, for the
+// error shapes of other APIs (package api).
+func ErrorStatus(typ, code string) int { return errorStatus(typ, code) }
+
 // errorStatus maps an in-band error's type and code to an HTTP status.
 func errorStatus(typ, code string) int {
 	if n, err := strconv.ParseFloat(strings.TrimSpace(code), 64); err == nil && n >= 400 && n <= 599 && n == float64(int(n)) {
@@ -395,6 +504,12 @@ func AppendErrorEvent(dst []byte, message, typ, code string) []byte {
 	dst = appendJSONString(dst, code)
 	return append(dst, "}}\n\n"...)
 }
+
+// AppendJSONString appends s to dst as a JSON string literal, escaped as
+// AppendErrorEvent escapes its strings (control characters, U+2028 and
+// U+2029 escaped; invalid UTF-8 becomes U+FFFD), and returns the extended
+// slice.
+func AppendJSONString(dst []byte, s string) []byte { return appendJSONString(dst, s) }
 
 // appendJSONString appends s as a JSON string. Control characters are escaped
 // so that the event stays on one line; U+2028 and U+2029 are escaped for

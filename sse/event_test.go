@@ -386,3 +386,28 @@ func BenchmarkKind(b *testing.B) {
 		_ = ev.Kind()
 	}
 }
+
+// TestChunkGenerated: a chunk that carries only a role and empty content
+// (vLLM's first chunk) is not generated; content, tool calls, reasoning,
+// a legacy text or a finish_reason are.
+func TestChunkGenerated(t *testing.T) {
+	for data, want := range map[string]bool{
+		`{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`: false,
+		`{"choices":[{"index":0,"delta":{"role":"assistant","content":null,"tool_calls":[]}}]}`:                    false,
+		`{"choices":[{"index":0,"delta":{}}]}`:                                                                    false,
+		`{"choices":[{"index":0,"text":"","finish_reason":null}]}`:                                                false,
+		`{"choices":[],"usage":{"prompt_tokens":1}}`:                                                              false,
+		`{"choices":[{"index":0,"delta":{"content":"Hi"}}]}`:                                                      true,
+		`{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}`:                                   true,
+		`{"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}`:                                            true,
+		`{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","function":{"name":"f"}}]}}]}`:    true,
+		`{"choices":[{"index":0,"text":" world"}]}`:                                                               true,
+		`{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`:                                             true,
+		`{"choices":[{"index":0,"delta":{"role":"assistant","content":""}},{"index":1,"delta":{"content":"x"}}]}`: true,
+		`{"choices":[{"delta":{"role":"assistant"`:                                                                true,
+	} {
+		if got := sse.ChunkGenerated([]byte(data)); got != want {
+			t.Errorf("ChunkGenerated(%s) = %v, want %v", data, got, want)
+		}
+	}
+}

@@ -1,0 +1,199 @@
+package api
+
+import (
+	"github.com/tidwall/gjson"
+
+	"github.com/llmproxy/caddy-llm-proxy/sse"
+)
+
+// messagesAPI is Anthropic Messages (/v1/messages), as Anthropic, vLLM and
+// SGLang stream it: every event named after its "type".
+//
+//	lifecycle  SSE comments; message_start; ping; content_block_start of a
+//	           text or thinking block that is still empty
+//	generated  content_block_delta (text, thinking, input_json, citations,
+//	           signature); content_block_start of a tool_use block (or of
+//	           any other kind, or with text); content_block_stop;
+//	           message_delta; anything unknown
+//	end        message_stop; finished only after a message_delta with a
+//	           stop_reason
+//	error      event error {"type":"error","error":{"type","message"}}:
+//	           overloaded_error and api_error (and unknown types, such as
+//	           vLLM's internal_error) are 5xx-like; invalid_request_error
+//	           400, authentication_error 401, permission_error 403,
+//	           not_found_error 404, request_too_large 413,
+//	           rate_limit_error 429
+//	usage      message_start's message.usage (input_tokens plus the cache
+//	           tokens), then every message_delta's usage: output_tokens
+//	           is cumulative, so the last one counts, never the sum
+type messagesAPI struct{}
+
+func (messagesAPI) Name() string { return "messages" }
+
+func (messagesAPI) ParseRequest(body []byte) (Request, error) { return parseMessages(body) }
+
+func (messagesAPI) OutputLimitFields() []string { return []string{"max_tokens"} }
+
+func (messagesAPI) InjectsUsage() bool { return false }
+
+func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
+	if !ev.HasData {
+		return Lifecycle
+	}
+	st.Events++
+	switch typ := eventType(ev.Name, ev.Data); typ {
+	case "content_block_delta":
+		// The hot path: one delta per token.
+	case "ping":
+		if !st.Generated {
+			return Lifecycle
+		}
+	case "message_start":
+		messagesUsage(st, ev.Data, "message.usage", false)
+		if !st.Generated {
+			return Lifecycle
+		}
+	case "content_block_start":
+		if !st.Generated {
+			b := get(ev.Data, "content_block")
+			switch b.Get("type").Str {
+			case "text":
+				if b.Get("text").Str == "" {
+					return Lifecycle
+				}
+			case "thinking":
+				if b.Get("thinking").Str == "" {
+					return Lifecycle
+				}
+			}
+		}
+	case "message_delta":
+		messagesUsage(st, ev.Data, "usage", true)
+		if r := get(ev.Data, "delta.stop_reason"); r.Exists() && r.Type != gjson.Null {
+			st.stopReason = true
+		}
+	case "message_stop":
+		st.Finished = st.stopReason
+		return End
+	case "error":
+		st.Err = messagesError(ev.Data)
+		return ErrorEvent
+	default:
+		if ev.Kind() == sse.KindError {
+			st.Err = chatError(ev.Data)
+			return ErrorEvent
+		}
+	}
+	st.Generated = true
+	return Generated
+}
+
+// messagesUsage records the usage object at path of data. A message_delta
+// (delta) keeps the input counts message_start gave unless it repeats
+// them; its output_tokens replaces the last (cumulative).
+func messagesUsage(st *Stream, data []byte, path string, delta bool) {
+	u := get(data, path)
+	if !u.IsObject() {
+		return
+	}
+	in, okIn := countOf(u, "input_tokens")
+	cc, okCC := countOf(u, "cache_creation_input_tokens")
+	cr, okCR := countOf(u, "cache_read_input_tokens")
+	out, okOut := countOf(u, "output_tokens")
+	if !delta || okIn || okCC || okCR {
+		st.Usage.PromptTokens = in + cc + cr
+	}
+	if okOut || !delta {
+		st.Usage.CompletionTokens = out
+	}
+	st.Usage.Reported = true
+}
+
+// messagesError parses an Anthropic error event's data.
+func messagesError(data []byte) InbandError {
+	e := get(data, "error")
+	typ, msg := e.Get("type").String(), e.Get("message").String()
+	if !e.IsObject() {
+		typ, msg = "api_error", "upstream sent an error event"
+	}
+	return InbandError{Message: copyStr(msg), Type: copyStr(typ), Status: AnthropicErrorStatus(typ)}
+}
+
+// AnthropicErrorStatus maps an Anthropic error type to the HTTP status
+// Anthropic documents for it (docs.anthropic.com/en/api/errors):
+// invalid_request_error 400, authentication_error 401, permission_error
+// 403, not_found_error 404, request_too_large 413, rate_limit_error 429,
+// api_error 500, overloaded_error 529; any other type 500.
+func AnthropicErrorStatus(typ string) int {
+	switch typ {
+	case "invalid_request_error":
+		return 400
+	case "authentication_error":
+		return 401
+	case "permission_error":
+		return 403
+	case "not_found_error":
+		return 404
+	case "request_too_large":
+		return 413
+	case "rate_limit_error":
+		return 429
+	case "overloaded_error":
+		return 529
+	}
+	return 500
+}
+
+// AnthropicErrorType is the Anthropic error type of a gateway error with
+// HTTP status: overloaded_error for 503 and 529, rate_limit_error for 429,
+// authentication_error for 401, permission_error for 403,
+// not_found_error for 404, invalid_request_error for 400, 408, 413 and
+// 422, api_error otherwise.
+func AnthropicErrorType(status int) string {
+	switch status {
+	case 503, 529:
+		return "overloaded_error"
+	case 429:
+		return "rate_limit_error"
+	case 401:
+		return "authentication_error"
+	case 403:
+		return "permission_error"
+	case 404:
+		return "not_found_error"
+	case 400, 408, 413,
+		422:
+		return "invalid_request_error"
+	}
+	return "api_error"
+}
+
+func (messagesAPI) InspectBody(body []byte) Usage {
+	var st Stream
+	messagesUsage(&st, body, "usage", false)
+	return st.Usage
+}
+
+// AppendStreamError appends
+//
+//	event: error
+//	data: {"type":"error","error":{"type":…,"message":…}}
+//
+// with the type AnthropicErrorType gives e.Status (api_error for a cut
+// stream, overloaded_error for 503).
+func (messagesAPI) AppendStreamError(dst []byte, _ *Stream, e Error) []byte {
+	dst = append(dst, "event: error\ndata: "...)
+	dst = appendAnthropicError(dst, e)
+	return append(dst, "\n\n"...)
+}
+
+// AppendErrorBody appends {"type":"error","error":{"type":…,"message":…}}.
+func (messagesAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendAnthropicError(dst, e) }
+
+func appendAnthropicError(dst []byte, e Error) []byte {
+	dst = append(dst, `{"type":"error","error":{"type":`...)
+	dst = sse.AppendJSONString(dst, AnthropicErrorType(e.Status))
+	dst = append(dst, `,"message":`...)
+	dst = sse.AppendJSONString(dst, e.Message)
+	return append(dst, "}}"...)
+}

@@ -1,0 +1,143 @@
+package api
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/llmproxy/caddy-llm-proxy/sse"
+)
+
+// responsesAPI is OpenAI Responses (/v1/responses), as OpenAI and vLLM
+// stream it: every event named after its "type", numbered by
+// "sequence_number".
+//
+//	lifecycle  SSE comments; response.created, response.queued,
+//	           response.in_progress; response.output_item.added of a
+//	           message or reasoning item; response.content_part.added
+//	generated  every other event: output_text, refusal, reasoning and
+//	           function_call_arguments deltas, an output item of a
+//	           function call or tool, ...
+//	end        response.completed; response.incomplete (a length or
+//	           content limit: a normal end, like finish_reason "length")
+//	error      event error {"type":"error","code","message"}; and
+//	           response.failed, its response.error.code classed
+//	usage      response.usage (input_tokens, output_tokens) of the
+//	           terminal event, or of the JSON body
+type responsesAPI struct{}
+
+func (responsesAPI) Name() string { return "responses" }
+
+func (responsesAPI) ParseRequest(body []byte) (Request, error) { return parseResponses(body) }
+
+func (responsesAPI) OutputLimitFields() []string { return []string{"max_output_tokens"} }
+
+func (responsesAPI) InjectsUsage() bool { return false }
+
+func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
+	if !ev.HasData {
+		return Lifecycle
+	}
+	st.Events++
+	if n, ok := lastSequence(ev.Data); ok && (!st.seqSeen || n > st.seq) {
+		st.seq, st.seqSeen = n, true
+	}
+	switch typ := eventType(ev.Name, ev.Data); typ {
+	case "response.output_text.delta", "response.reasoning_text.delta",
+		"response.reasoning_summary_text.delta", "response.function_call_arguments.delta",
+		"response.refusal.delta":
+		// The hot path: one delta per token.
+	case "response.created", "response.queued", "response.in_progress", "response.content_part.added":
+		if !st.Generated {
+			return Lifecycle
+		}
+	case "response.output_item.added":
+		if !st.Generated {
+			switch get(ev.Data, "item.type").Str {
+			case "message", "reasoning":
+				return Lifecycle
+			}
+		}
+	case "response.completed", "response.incomplete":
+		st.Finished = true
+		responsesUsage(st, ev.Data, "response.usage")
+		return End
+	case "response.failed":
+		responsesUsage(st, ev.Data, "response.usage")
+		e := get(ev.Data, "response.error")
+		st.Err = responsesError(e.Get("code").String(), e.Get("message").String(), "")
+		if st.Err.Message == "" {
+			st.Err.Message = "upstream response failed"
+		}
+		return ErrorEvent
+	case "error":
+		d := get(ev.Data, "@this")
+		if e := d.Get("error"); e.IsObject() {
+			d = e
+		}
+		st.Err = responsesError(d.Get("code").String(), d.Get("message").String(), d.Get("type").String())
+		return ErrorEvent
+	default:
+		if ev.Kind() == sse.KindError {
+			// A chat-shaped error from a server that mixes its shapes.
+			st.Err = chatError(ev.Data)
+			return ErrorEvent
+		}
+	}
+	st.Generated = true
+	return Generated
+}
+
+// responsesUsage records the usage object at path of data, if any.
+func responsesUsage(st *Stream, data []byte, path string) {
+	u := get(data, path)
+	if !u.IsObject() {
+		return
+	}
+	in, _ := countOf(u, "input_tokens")
+	out, _ := countOf(u, "output_tokens")
+	st.Usage = Usage{PromptTokens: in, CompletionTokens: out, Reported: true}
+}
+
+// responsesError classes a Responses error by its code (and type): a
+// numeric code in 400..599 as it is, rate limits 429, invalid requests
+// and prompts, context length and not-found errors 400, the rest
+// (server_error, vLLM's internal errors) 500.
+func responsesError(code, message, typ string) InbandError {
+	status := sse.ErrorStatus(typ, code)
+	if status == 500 {
+		s := strings.ToLower(code + " " + typ)
+		if strings.Contains(s, "invalid") || strings.Contains(s, "not_found") || strings.Contains(s, "too_large") {
+			status = 400
+		}
+	}
+	return InbandError{Message: copyStr(message), Type: copyStr(typ), Code: copyStr(code), Status: status}
+}
+
+func (responsesAPI) InspectBody(body []byte) Usage {
+	var st Stream
+	responsesUsage(&st, body, "usage")
+	return st.Usage
+}
+
+// AppendStreamError appends
+//
+//	event: error
+//	data: {"type":"error","code":…,"message":…,"param":null,"sequence_number":<next>}
+//
+// where next follows the last sequence_number relayed (or counts the data
+// events when the upstream numbered none).
+func (responsesAPI) AppendStreamError(dst []byte, st *Stream, e Error) []byte {
+	next := int64(st.Events)
+	if st.seqSeen {
+		next = st.seq + 1
+	}
+	dst = append(dst, "event: error\ndata: {\"type\":\"error\",\"code\":"...)
+	dst = sse.AppendJSONString(dst, e.Code)
+	dst = append(dst, `,"message":`...)
+	dst = sse.AppendJSONString(dst, e.Message)
+	dst = append(dst, `,"param":null,"sequence_number":`...)
+	dst = strconv.AppendInt(dst, next, 10)
+	return append(dst, "}\n\n"...)
+}
+
+func (responsesAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendOpenAIError(dst, e) }
