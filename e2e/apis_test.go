@@ -228,7 +228,9 @@ func TestCutAfterContentMakesEachSDKRaise(t *testing.T) {
 			fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{
 				TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 8, TokenInterval: 10 * time.Millisecond,
 				Fault: mockllm.Fault{Kind: mockllm.FaultCut, After: 3}}})
-			gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+			// Every request here is cut: a breaker that opens after three
+			// would refuse the later SDKs' requests.
+			gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tbreaker {\n\t\t\tconsecutive_failures 10\n\t\t}\n\t}")
 			cl := newClient(t)
 			ctx := testContext(t, 60*time.Second)
 
@@ -267,8 +269,8 @@ func TestCutAfterContentMakesEachSDKRaise(t *testing.T) {
 					t.Errorf("the terminal error's error.type %v, want api_error or overloaded_error: %s", e["type"], last.Data())
 				}
 			}
-			if b := gw.breaker(fleet.Replica(0).Addr()); b.LastFailure == "" {
-				t.Errorf("the upstream's breaker recorded no failure for a stream cut after commit: %+v", b)
+			if b := gw.breaker(fleet.Replica(0).Addr()); b.LastFailure == "" || b.ConsecutiveFailures != 1 {
+				t.Errorf("the upstream's breaker shows %d consecutive failures (last %q) after one stream cut after commit, want 1", b.ConsecutiveFailures, b.LastFailure)
 			}
 
 			for _, mode := range c.sdkRaise {
@@ -530,4 +532,62 @@ func fleetIndexOf(f *mockllm.Fleet, id string) int {
 		}
 	}
 	return -1
+}
+
+// TestInBandClientErrorsBeforeCommitKeepTheirStatus: an upstream that
+// begins a stream and then sends an in-band client error before any
+// token — Messages invalid_request_error, Responses code invalid_prompt
+// — is not failed over (a 4xx is the request's fault, DESIGN §4): the
+// client gets 400 in its API's error shape, which the SDK raises as
+// BadRequestError, the other upstream is never asked, and the upstream's
+// breaker records no failure. (An in-band rate_limit_error follows the
+// 429 row instead: an upstream failure, failed over.)
+func TestInBandClientErrorsBeforeCommitKeepTheirStatus(t *testing.T) {
+	t.Parallel()
+	requireNode(t)
+	cases := []struct {
+		c              apiCase
+		fault          string
+		status         int
+		mode, class    string
+		anthropicType  string
+		openAIErrorKey string
+	}{
+		{streamingAPIs[1], "error_event=0,error_code=400", 400, "anthropic-stream", "BadRequestError", "invalid_request_error", ""},
+		{streamingAPIs[0], "error_event=0,error_code=400", 400, "openai-responses", "BadRequestError", "", "invalid_prompt"},
+	}
+	for _, tc := range cases {
+		t.Run(string(tc.c.api)+"/"+strconv.Itoa(tc.status), func(t *testing.T) {
+			t.Parallel()
+			f, err := mockllm.ParseFault(tc.fault)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2, Behavior: mockllm.Behavior{
+				TTFT: mockllm.Fixed(10 * time.Millisecond), Tokens: 4, TokenInterval: mockllm.NoDelay},
+				PerReplica: map[int]mockllm.Behavior{0: {TTFT: mockllm.Fixed(10 * time.Millisecond), Fault: f}}})
+			gw := startGateway(t, fmt.Sprintf("\tllm_proxy %s {\n\t\tlb_policy first\n\t}", upstreams(fleet)))
+			cl := newClient(t)
+			ctx := testContext(t, 30*time.Second)
+			r := mustSend(ctx, t, cl, gw.URL+tc.c.api.Path(), tc.c.body("a bad request", 0, true))
+			if r.Status != tc.status {
+				t.Errorf("status %d, want %d: %s", r.Status, tc.status, r.Body)
+			}
+			if tc.anthropicType != "" {
+				checkAnthropicBody(t, "in-band "+tc.fault, r, tc.status, tc.anthropicType)
+			} else if _, _, code := openAIError(t, r.Body); code != tc.openAIErrorKey {
+				t.Errorf("error code %q, want %q: %s", code, tc.openAIErrorKey, r.Body)
+			}
+			sdk := runSDK(t, tc.mode, gw.URL, nil, nil)
+			if sdk.OK || sdk.ErrorClass != tc.class || sdk.Status == nil || *sdk.Status != tc.status {
+				t.Errorf("the SDK: ok %v, threw %s; want %s with status %d", sdk.OK, sdk.thrown(), tc.class, tc.status)
+			}
+			if st := fleet.Stats().Replicas; st[0].Requests != 2 || st[1].Requests != 0 {
+				t.Errorf("upstream requests %d and %d, want 2 and 0 (a client error is not failed over)", st[0].Requests, st[1].Requests)
+			}
+			if b := gw.breaker(fleet.Replica(0).Addr()); b.ConsecutiveFailures != 0 || b.LastFailure != "" {
+				t.Errorf("the upstream's breaker recorded a failure for a client error: %+v", b)
+			}
+		})
+	}
 }
