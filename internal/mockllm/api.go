@@ -23,9 +23,6 @@ const (
 	APIMessages API = "messages"
 )
 
-// APIs lists every API in a fixed order.
-var APIs = []API{APIChat, APICompletions, APIResponses, APIMessages}
-
 // Path is the request path of the API on a vLLM server, e.g.
 // "/v1/responses".
 func (a API) Path() string {
