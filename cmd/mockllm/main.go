@@ -120,7 +120,7 @@ Per-request headers (override the replica's settings):
 
 Endpoints of every replica:
   POST /v1/chat/completions, POST /v1/completions, POST /v1/responses,
-  POST /v1/messages, GET /v1/models,
+  POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models,
   GET /health, GET /metrics (vllm:* metrics), GET /mock/stats (whole fleet),
   POST /mock/reset (whole fleet), GET|PUT /mock/behavior (this replica;
   body "ttft=200ms; tokens=8; fault=status=503" or a JSON object),

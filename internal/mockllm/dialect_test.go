@@ -572,3 +572,32 @@ func TestAPIsShareTheTextOfAPrompt(t *testing.T) {
 		t.Errorf("texts %q differ", texts)
 	}
 }
+
+// TestCountTokensIsNotACompletion: /v1/messages/count_tokens answers the
+// input tokens a Messages request would report, and is not counted as a
+// request.
+func TestCountTokensIsNotACompletion(t *testing.T) {
+	f := startFleet(t, FleetConfig{Behavior: fast})
+	body := `{"model":"m","system":"s","messages":[{"role":"user","content":"count me"}],"max_tokens":5}`
+	b := postJSON(t, f, APIMessages, body)
+	var full struct {
+		Usage struct {
+			InputTokens int `json:"input_tokens"`
+		}
+	}
+	json.Unmarshal(b, &full)
+	resp, err := post(t, client(t), context.Background(), f.Replica(0).URL()+"/v1/messages/count_tokens", body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var ct struct {
+		InputTokens int `json:"input_tokens"`
+	}
+	if err := json.Unmarshal(readAll(t, resp.Body), &ct); err != nil || resp.StatusCode != 200 || ct.InputTokens != full.Usage.InputTokens || ct.InputTokens == 0 {
+		t.Errorf("count_tokens: %d, %+v (%v); want input_tokens %d", resp.StatusCode, ct, err, full.Usage.InputTokens)
+	}
+	if n := f.Replica(0).Stats().Requests; n != 1 {
+		t.Errorf("requests %d, want 1 (count_tokens is not a completion)", n)
+	}
+}

@@ -11,6 +11,7 @@
 //	POST /v1/completions        text_completion (JSON or SSE)
 //	POST /v1/responses          response (JSON) / response.* events (SSE)
 //	POST /v1/messages           message (JSON) / message_start … message_stop (SSE)
+//	POST /v1/messages/count_tokens  {"input_tokens":N} (not a completion: not counted)
 //	GET  /v1/models             the served model
 //	GET  /health                200, or Behavior.HealthStatus
 //	GET  /metrics               vllm:* Prometheus metrics, labelled model_name (or a MetricsMode fault)

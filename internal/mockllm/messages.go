@@ -2,6 +2,8 @@ package mockllm
 
 import (
 	"cmp"
+	"encoding/json"
+	"io"
 	"net/http"
 )
 
@@ -196,4 +198,26 @@ func (messagesDialect) errorBody(status int, msg string) []byte {
 func (d messagesDialect) full(x *exchange, text string) []byte {
 	return marshal(anthropicMessage{ID: x.rec.ID, Type: "message", Role: "assistant", Model: x.p.model,
 		Content: []anthropicBlock{{Type: "text", Text: text}}, StopReason: stopReason(x), Usage: *d.usage(x, x.p.tokens, true)})
+}
+
+// serveCountTokens answers POST /v1/messages/count_tokens as Anthropic
+// and vLLM do: {"input_tokens": N}, N counted as usage's input_tokens
+// would be. It is not a completion: no scheduling, no faults, no
+// statistics.
+func (r *Replica) serveCountTokens(w http.ResponseWriter, req *http.Request) {
+	var d messagesDialect
+	body, err := io.ReadAll(io.LimitReader(req.Body, maxRequestBody))
+	var cr completionRequest
+	if err == nil {
+		err = json.Unmarshal(body, &cr)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if err != nil {
+		w.WriteHeader(http.StatusBadRequest)
+		w.Write(d.errorBody(http.StatusBadRequest, "Invalid JSON request body"))
+		return
+	}
+	w.Write(marshal(struct {
+		InputTokens int `json:"input_tokens"`
+	}{promptTokens(d.prompt(&cr))}))
 }

@@ -205,6 +205,7 @@ func (r *Replica) routes() http.Handler {
 	mux.HandleFunc("/v1/completions", r.serveAPI(APICompletions))
 	mux.HandleFunc("/v1/responses", r.serveAPI(APIResponses))
 	mux.HandleFunc("/v1/messages", r.serveAPI(APIMessages))
+	mux.HandleFunc("POST /v1/messages/count_tokens", r.serveCountTokens)
 	mux.HandleFunc("GET /v1/models", r.serveModels)
 	mux.HandleFunc("GET /health", r.serveHealth)
 	mux.HandleFunc("GET /metrics", r.serveMetrics)
