@@ -591,3 +591,22 @@ func TestInBandClientErrorsBeforeCommitKeepTheirStatus(t *testing.T) {
 		})
 	}
 }
+
+// TestCountTokensIsProxiedAsIs: /v1/messages/count_tokens is none of the
+// streaming APIs (its path ends in /count_tokens): the gateway passes it
+// through with the status-code rules only — the upstream's body unchanged
+// — and the Anthropic SDK's messages.countTokens-style request gets the
+// upstream's input_tokens.
+func TestCountTokensIsProxiedAsIs(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{})
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+	cl := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	body := `{"model":"mock-llama","system":"count","messages":[{"role":"user","content":"how many tokens is this?"}]}`
+	want := mustSend(ctx, t, cl, fleet.Replica(0).URL()+"/v1/messages/count_tokens", body)
+	got := mustSend(ctx, t, cl, gw.URL+"/v1/messages/count_tokens", body, "x-api-key: sk-e2e-not-a-secret", "anthropic-version: 2023-06-01")
+	if got.Status != 200 || string(got.Body) != string(want.Body) || !strings.Contains(string(want.Body), `"input_tokens":`) {
+		t.Errorf("through the gateway: %d %s; want the upstream's 200 %s", got.Status, got.Body, want.Body)
+	}
+}
