@@ -183,9 +183,10 @@ type Observer interface {
 	QueueDepth(tier string, n int)
 	// Inflight reports the number of a tier's admitted requests running.
 	Inflight(tier string, n int)
-	// Tokens reports settled tokens: kind "prompt" or "completion", source
-	// "usage" or "estimate".
-	Tokens(tenant, tier, kind, source string, n int)
+	// Tokens reports settled tokens: api is the request's API as the
+	// settlement named it (Usage.API: "chat", "responses", "messages",
+	// ...), kind "prompt" or "completion", source "usage" or "estimate".
+	Tokens(tenant, tier, api, kind, source string, n int)
 	// TenantBreaker reports a tenant breaker transition.
 	TenantBreaker(tenant, tier string, tr breaker.Transition)
 }
@@ -265,6 +266,9 @@ type Usage struct {
 	// are the prompt estimate and the completion tokens counted).
 	Estimated bool
 	Verdict   Verdict
+	// API names the request's API ("chat", "responses", "messages", ...),
+	// passed to Observer.Tokens as a label; "" when unknown.
+	API string
 	// TTFT is time to first token of the committed attempt (0: none).
 	TTFT time.Duration
 }

@@ -423,9 +423,9 @@ func (c *Controller) tenantBreaker(id string) *breaker.Breaker {
 // nopObserver is the Observer of a nil one.
 type nopObserver struct{}
 
-func (nopObserver) Decision(string, string, string)                  {}
-func (nopObserver) QueueWait(string, string, time.Duration)          {}
-func (nopObserver) QueueDepth(string, int)                           {}
-func (nopObserver) Inflight(string, int)                             {}
-func (nopObserver) Tokens(string, string, string, string, int)       {}
-func (nopObserver) TenantBreaker(string, string, breaker.Transition) {}
+func (nopObserver) Decision(string, string, string)                    {}
+func (nopObserver) QueueWait(string, string, time.Duration)            {}
+func (nopObserver) QueueDepth(string, int)                             {}
+func (nopObserver) Inflight(string, int)                               {}
+func (nopObserver) Tokens(string, string, string, string, string, int) {}
+func (nopObserver) TenantBreaker(string, string, breaker.Transition)   {}

@@ -132,7 +132,7 @@ func (o *recObserver) Inflight(tier string, n int) {
 	defer o.mu.Unlock()
 	o.inflight[tier] = n
 }
-func (o *recObserver) Tokens(tenant, _, kind, source string, n int) {
+func (o *recObserver) Tokens(tenant, _, _, kind, source string, n int) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.tokens[tenant+"/"+kind+"/"+source] += n

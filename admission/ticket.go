@@ -85,10 +85,10 @@ func (tk *Ticket) settle(u *Usage, queueWait time.Duration) {
 		source = "estimate"
 	}
 	if prompt > 0 {
-		c.obs.Tokens(t.id, tk.ti.Name, "prompt", source, prompt)
+		c.obs.Tokens(t.id, tk.ti.Name, u.API, "prompt", source, prompt)
 	}
 	if completion > 0 {
-		c.obs.Tokens(t.id, tk.ti.Name, "completion", source, completion)
+		c.obs.Tokens(t.id, tk.ti.Name, u.API, "completion", source, completion)
 	}
 
 	switch u.Verdict {

@@ -36,6 +36,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    stream_idle_timeout <duration>
 //	    stream_timeout <duration>
 //	    max_attempts <n>
+//	    api auto|chat|completions|responses|messages|none
 //	    retries {
 //	        ratio <ratio>
 //	        window <duration>
@@ -132,7 +133,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	seen := map[string]bool{}
 	for d.NextBlock(0) {
 		switch name := d.Val(); name {
-		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts":
+		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts", "api":
 			if seen[name] {
 				return d.Errf("%s already specified", name)
 			}
@@ -253,6 +254,20 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("bad max_attempts %q: want a whole number from 1 to 10", d.Val())
 			}
 			h.MaxAttempts = n
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+
+		case "api":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			switch v := d.Val(); v {
+			case "auto", "chat", "completions", "responses", "messages", "none":
+				h.API = v
+			default:
+				return d.Errf("bad api %q: want auto, chat, completions, responses, messages or none", v)
+			}
 			if d.NextArg() {
 				return d.ArgErr()
 			}

@@ -76,15 +76,15 @@ func initMetrics() {
 		const ns, sub = "caddy", "llm_proxy"
 		metrics.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "requests_total",
-			Help: "Requests handled by llm_proxy, by the upstream that served them (or was tried last), model and outcome.",
-		}, []string{"upstream", "model", "outcome"})
+			Help: "Requests handled by llm_proxy, by the upstream that served them (or was tried last), model, api (chat, completions, responses, messages, none) and outcome.",
+		}, []string{"upstream", "model", "api", "outcome"})
 		metrics.attempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "upstream_attempts_total",
 			Help: "Upstream attempts, by upstream and outcome (success or the failure kind).",
 		}, []string{"upstream", "outcome"})
 		metrics.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: ns, Subsystem: sub, Name: "ttft_seconds",
-			Help:    "Time from the start of an upstream attempt to its first SSE data event (or full JSON body), for attempts that got that far.",
+			Help:    "Time from the start of an upstream attempt to its first generated SSE event (or full JSON body), for attempts that got that far.",
 			Buckets: ttftBuckets,
 		}, []string{"upstream", "model"})
 		metrics.streamDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -147,8 +147,8 @@ func initMetrics() {
 		}, []string{"tier"})
 		metrics.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "tokens_total",
-			Help: "Tokens settled against tenants' limits, by tier, kind (prompt, completion) and source (usage: reported by the upstream; estimate: counted by the gateway).",
-		}, []string{"tier", "kind", "source", "tenant"})
+			Help: "Tokens settled against tenants' limits, by tier, api (chat, completions, responses, messages, none), kind (prompt, completion) and source (usage: reported by the upstream; estimate: counted by the gateway).",
+		}, []string{"tier", "api", "kind", "source", "tenant"})
 		metrics.tenantBreaker = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Subsystem: sub, Name: "tenant_breaker_state",
 			Help: "Tenant circuit breakers not closed (open or half-open), by tier.",
@@ -277,7 +277,7 @@ func (o requestObserver) RequestDone(r *proxy.Result) {
 		metrics.admissions.WithLabelValues(r.Identity.Tier, admission.CodeUnknownKey, "").Inc()
 	}
 	model := o.models.Label(r.Info.Model)
-	metrics.requests.WithLabelValues(r.Upstream, model, r.Outcome.String()).Inc()
+	metrics.requests.WithLabelValues(r.Upstream, model, r.API, r.Outcome.String()).Inc()
 	if r.Streamed {
 		metrics.streamDuration.WithLabelValues(r.Upstream, model).Observe(r.Duration.Seconds())
 	}
@@ -449,9 +449,9 @@ func (admissionObserver) Inflight(tier string, n int) {
 	metrics.inflight.WithLabelValues(tier).Set(float64(n))
 }
 
-func (admissionObserver) Tokens(tenant, tier, kind, source string, n int) {
+func (admissionObserver) Tokens(tenant, tier, api, kind, source string, n int) {
 	initMetrics()
-	metrics.tokens.WithLabelValues(tier, kind, source, tenantLabel(tenant)).Add(float64(n))
+	metrics.tokens.WithLabelValues(tier, api, kind, source, tenantLabel(tenant)).Add(float64(n))
 }
 
 func (admissionObserver) TenantBreaker(tenant, tier string, tr breaker.Transition) {

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -117,5 +118,24 @@ func TestScrapeErrorsStartAtZeroAndGoWithTheScraper(t *testing.T) {
 		if hasSeries(t, del, addr) {
 			t.Errorf("%s still has a series for %s after ScraperGone", name, addr)
 		}
+	}
+}
+
+// TestRequestsAndTokensCarryTheAPI: caddy_llm_proxy_requests_total and
+// caddy_llm_proxy_tokens_total are labelled by the request's API.
+func TestRequestsAndTokensCarryTheAPI(t *testing.T) {
+	initMetrics()
+	o := requestObserver{models: upstream.NewModelNames(8, 8)}
+	series := metrics.requests.WithLabelValues("10.0.0.1:8000", o.models.Label(""), "messages", "success")
+	before := testutil.ToFloat64(series)
+	o.RequestDone(&proxy.Result{Upstream: "10.0.0.1:8000", API: "messages", Outcome: proxy.OutcomeSuccess})
+	if got := testutil.ToFloat64(series); got != before+1 {
+		t.Fatalf("requests_total{api=messages} = %v, want %v", got, before+1)
+	}
+	tokens := metrics.tokens.WithLabelValues("gold", "responses", "completion", "usage", "")
+	before = testutil.ToFloat64(tokens)
+	admissionObserver{}.Tokens("a", "gold", "responses", "completion", "usage", 11)
+	if got := testutil.ToFloat64(tokens); got != before+11 {
+		t.Fatalf("tokens_total{api=responses} = %v, want %v", got, before+11)
 	}
 }

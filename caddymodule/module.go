@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
@@ -32,12 +33,15 @@ func init() {
 	caddy.RegisterModule(Handler{})
 }
 
-// Handler is an LLM gateway: it proxies OpenAI-style requests
-// (/v1/chat/completions, /v1/completions, ...) to a pool of inference
-// servers, relaying every SSE event as it arrives. Nothing reaches the
-// client before the first data event (or the full JSON body), so a failed
-// attempt before that point fails over to another upstream with the
-// identical body; after it, a failure ends the stream with an error event.
+// Handler is an LLM gateway: it proxies the streaming APIs inference
+// servers speak (OpenAI Chat Completions and Completions, OpenAI
+// Responses, Anthropic Messages; see API) to a pool of inference servers,
+// relaying every SSE event as it arrives. Nothing reaches the client
+// before the first generated event (or the full JSON body): lifecycle
+// events (response.created, message_start, ...) are held until then, so a
+// failed attempt before that point fails over to another upstream with the
+// identical body; after it, a failure ends the stream with an error event
+// in the client's own API.
 type Handler struct {
 	// Upstreams is the static list of inference servers. Each "dial" is a
 	// network address ("10.0.0.2:8000", "unix//run/vllm.sock"); placeholders
@@ -84,6 +88,15 @@ type Handler struct {
 	// StreamTimeout bounds the whole response, from the request's arrival
 	// to the end of the stream. Default: 0, no bound.
 	StreamTimeout caddy.Duration `json:"stream_timeout,omitempty"`
+
+	// API is the streaming API the handler's requests speak: "chat",
+	// "completions", "responses", "messages", "none" (status-code rules
+	// only: no stream semantics, no usage), or "auto", which chooses by
+	// the request path's suffix (/chat/completions, /completions,
+	// /responses, /messages; any other path is "none", as
+	// /v1/messages/count_tokens and /v1/embeddings are). Set it for servers
+	// that serve an API on another path. Default: auto.
+	API string `json:"api,omitempty"`
 
 	// MaxAttempts is the most upstream attempts per request: the first
 	// plus pre-commit failovers, each to an upstream not yet tried while
@@ -240,6 +253,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		Retries:           h.pool.Retries(),
 		Hedging:           h.pool.Hedging(),
 		BodyBudget:        app.bodies,
+		API:               h.api(),
 	})
 	if err != nil {
 		return err
@@ -345,6 +359,9 @@ func (h *Handler) check() error {
 	if h.MaxAttempts < 0 || h.MaxAttempts > 10 {
 		return fmt.Errorf("llm_proxy: max_attempts %d: want a whole number from 1 to 10", h.MaxAttempts)
 	}
+	if _, ok := api.ByName(h.API); !ok && h.API != "" && h.API != "auto" {
+		return fmt.Errorf("llm_proxy: api %q: want auto, chat, completions, responses, messages or none", h.API)
+	}
 	for _, d := range []struct {
 		name string
 		v    caddy.Duration
@@ -444,6 +461,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		repl.Set("http.llm_proxy.degraded", res.Degraded)
 		repl.Set("http.llm_proxy.tenant", res.Identity.Tenant)
 		repl.Set("http.llm_proxy.tier", res.Identity.Tier)
+		repl.Set("http.llm_proxy.api", res.API)
 		repl.Set("http.llm_proxy.queue_ms", res.QueueWait.Milliseconds())
 		repl.Set("http.llm_proxy.admission_us", res.Decision.Microseconds())
 		repl.Set("http.llm_proxy.tokens", res.Tokens)
@@ -510,3 +528,9 @@ var (
 	_ caddy.CleanerUpper          = (*Handler)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
 )
+
+// api returns the API every request speaks, nil for auto (by path).
+func (h *Handler) api() api.API {
+	a, _ := api.ByName(h.API)
+	return a
+}

@@ -237,9 +237,9 @@ func BenchmarkTenantHotPath(b *testing.B) {
 
 type nopAdmissionObserver struct{}
 
-func (nopAdmissionObserver) Decision(string, string, string)                  {}
-func (nopAdmissionObserver) QueueWait(string, string, time.Duration)          {}
-func (nopAdmissionObserver) QueueDepth(string, int)                           {}
-func (nopAdmissionObserver) Inflight(string, int)                             {}
-func (nopAdmissionObserver) Tokens(string, string, string, string, int)       {}
-func (nopAdmissionObserver) TenantBreaker(string, string, breaker.Transition) {}
+func (nopAdmissionObserver) Decision(string, string, string)                    {}
+func (nopAdmissionObserver) QueueWait(string, string, time.Duration)            {}
+func (nopAdmissionObserver) QueueDepth(string, int)                             {}
+func (nopAdmissionObserver) Inflight(string, int)                               {}
+func (nopAdmissionObserver) Tokens(string, string, string, string, string, int) {}
+func (nopAdmissionObserver) TenantBreaker(string, string, breaker.Transition)   {}

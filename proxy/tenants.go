@@ -242,7 +242,7 @@ func (ad *tenantAdmission) Release(res *Result) {
 	if ad.reserved {
 		prompt, completion, estimated := res.Settlement()
 		u := admission.Usage{PromptTokens: prompt, CompletionTokens: completion, Estimated: estimated,
-			Verdict: verdict(res)}
+			Verdict: verdict(res), API: res.API}
 		if res.Committed {
 			u.TTFT = res.AttemptTTFT
 		}

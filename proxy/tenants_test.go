@@ -46,7 +46,7 @@ func (o *admObserver) QueueDepth(tier string, n int) {
 		}
 	}
 }
-func (o *admObserver) Tokens(tenant, _, kind, source string, n int) {
+func (o *admObserver) Tokens(tenant, _, _, kind, source string, n int) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.tokens = append(o.tokens, tenant+" "+kind+" "+source+" "+itoa(n))
