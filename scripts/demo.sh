@@ -132,15 +132,27 @@ echo
 echo "--- the gold tenant's run ---"
 cat "$logdir/llmload-gold.txt"
 
+metrics=$(curl -fsS "http://127.0.0.1:$ADMIN_PORT/metrics")
+
 # By API: each run's requests, successes, TTFT (at each API's first
-# generated event) and failures.
+# generated event) and failures, as the clients saw them; then the
+# gateway's requests_total by its api label and outcome.
 echo
 echo "--- by API ---"
 bin/llmload table "$logdir/llmload-free.json" "$logdir/llmload-gold.json" \
 	"$logdir/llmload-responses.json" "$logdir/llmload-messages.json" || true
+echo
+echo "  gateway requests by api and outcome (caddy_llm_proxy_requests_total):"
+printf '%s\n' "$metrics" | awk '
+	index($0, "caddy_llm_proxy_requests_total{") == 1 {
+		api = "?"; out = "?"
+		if (match($0, /api="[^"]*"/)) api = substr($0, RSTART + 5, RLENGTH - 6)
+		if (match($0, /outcome="[^"]*"/)) out = substr($0, RSTART + 9, RLENGTH - 10)
+		s[api " " out] += $NF
+	}
+	END { for (k in s) { split(k, p, " "); printf "  %-12s %-16s %6d\n", p[1], p[2], s[k] } }' | sort
 
 # By tier: what each tenant's requests got, and how many the fallback served.
-metrics=$(curl -fsS "http://127.0.0.1:$ADMIN_PORT/metrics")
 sum_of() { printf '%s\n' "$metrics" | awk -v m="$1" -v t="tier=\"$2\"" -v d="$3" \
 	'index($0, m "{") == 1 && index($0, t) && (d == "" || $0 ~ d) { s += $NF } END { printf "%d", s }'; }
 echo
