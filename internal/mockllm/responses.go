@@ -112,7 +112,7 @@ type responseEvent struct {
 	Part           *outputText     `json:"part,omitempty"`
 	Delta          *string         `json:"delta,omitempty"`
 	Text           *string         `json:"text,omitempty"`
-	Logprobs       []any           `json:"logprobs,omitempty"`
+	Logprobs       *[]any          `json:"logprobs,omitempty"` // [] on text deltas and done
 	// The error event's fields.
 	Code    *string `json:"code,omitempty"`
 	Message *string `json:"message,omitempty"`
@@ -182,7 +182,7 @@ func (d responsesDialect) delta(x *exchange, _, n int, text string) error {
 		return nil
 	}
 	return d.send(x, responseEvent{Type: "response.output_text.delta", ItemID: d.itemID(x), OutputIndex: ptr(0), ContentIndex: ptr(0),
-		Delta: &text, Logprobs: []any{}})
+		Delta: &text, Logprobs: &[]any{}})
 }
 
 // final is the Response of a finished request: completed, or incomplete
@@ -207,7 +207,7 @@ func (d responsesDialect) close(x *exchange) error {
 	part := outputText{Type: "output_text", Text: text, Annotations: []any{}}
 	o := d.final(x, text)
 	for _, ev := range []responseEvent{
-		{Type: "response.output_text.done", ItemID: d.itemID(x), OutputIndex: ptr(0), ContentIndex: ptr(0), Text: &text, Logprobs: []any{}},
+		{Type: "response.output_text.done", ItemID: d.itemID(x), OutputIndex: ptr(0), ContentIndex: ptr(0), Text: &text, Logprobs: &[]any{}},
 		{Type: "response.content_part.done", ItemID: d.itemID(x), OutputIndex: ptr(0), ContentIndex: ptr(0), Part: &part},
 		{Type: "response.output_item.done", OutputIndex: ptr(0), Item: &o.Output[0]},
 		{Type: "response." + o.Status, Response: o},
