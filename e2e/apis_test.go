@@ -153,19 +153,30 @@ func TestCompleteStreamsOfEachAPILeaveTheBreakerClean(t *testing.T) {
 // TestLifecycleThenErrorFailsOverWithOneBeginning: the first upstream
 // (lb_policy first) sends only its beginning (response.created +
 // response.in_progress, message_start + ping) and then an in-band
-// overloaded error; nothing was generated, so the gateway fails over to
+// 5xx-like error (Responses event: error or response.failed; Messages
+// overloaded_error or api_error); nothing was generated, so the gateway fails over to
 // the second, and the client — raw HTTP and the API's SDK alike — sees
 // one beginning (the winner's), the whole text and no error; the first
 // upstream's breaker records the failure.
 func TestLifecycleThenErrorFailsOverWithOneBeginning(t *testing.T) {
 	t.Parallel()
 	requireNode(t)
-	for _, c := range streamingAPIs {
-		t.Run(string(c.api), func(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		c     apiCase
+		fault string
+	}{
+		{"responses/error", streamingAPIs[0], "error_event=0,error_code=503"},
+		{"responses/response.failed", streamingAPIs[0], "error_event=0,error_code=500,response_failed"},
+		{"messages/overloaded_error", streamingAPIs[1], "error_event=0,error_code=529"},
+		{"messages/api_error", streamingAPIs[1], "error_event=0,error_code=500"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			fault := mockllm.Fault{Kind: mockllm.FaultErrorEvent, ErrorCode: 529}
-			if c.api == mockllm.APIResponses {
-				fault.ErrorCode = 503
+			c := tc.c
+			fault, err := mockllm.ParseFault(tc.fault)
+			if err != nil {
+				t.Fatal(err)
 			}
 			fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2,
 				Behavior:   mockllm.Behavior{TTFT: mockllm.Fixed(20 * time.Millisecond), Tokens: 6, TokenInterval: 5 * time.Millisecond},
