@@ -621,3 +621,36 @@ func TestCountTokensIsProxiedAsIs(t *testing.T) {
 		t.Errorf("through the gateway: %d %s; want the upstream's 200 %s", got.Status, got.Body, want.Body)
 	}
 }
+
+// TestFirstByteTimeoutCountsOnlyGeneratedEvents: an upstream that begins
+// its stream at once (as vLLM does with response.created while a request
+// waits in its queue) but holds its first token for 3s is a first-byte
+// timeout after 300ms, failed over before commit: the client is served by
+// the other upstream, sees one beginning, and the slow upstream's breaker
+// records a first_byte_timeout.
+func TestFirstByteTimeoutCountsOnlyGeneratedEvents(t *testing.T) {
+	t.Parallel()
+	for _, c := range streamingAPIs {
+		t.Run(string(c.api), func(t *testing.T) {
+			t.Parallel()
+			fast := mockllm.Behavior{TTFT: mockllm.Fixed(20 * time.Millisecond), Tokens: 5, TokenInterval: 5 * time.Millisecond}
+			slow := fast
+			slow.TTFT = mockllm.Fixed(3 * time.Second)
+			fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2, PerReplica: map[int]mockllm.Behavior{0: slow, 1: fast}})
+			gw := startGateway(t, fmt.Sprintf("\tllm_proxy %s {\n\t\tlb_policy first\n\t\tfirst_byte_timeout 300ms\n\t}", upstreams(fleet)))
+			cl := newClient(t)
+			ctx := testContext(t, 30*time.Second)
+			s := streamRequest(ctx, t, cl, gw.URL+c.api.Path(), c.body("wait in the queue", 0, true))
+			checkCompleteAPIStream(t, "stream", c, s)
+			if got := s.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(1).Addr() {
+				t.Errorf("served by %q, want the second upstream %s after the first's first-byte timeout", got, fleet.Replica(1).Addr())
+			}
+			if d := s.lastData().At.Sub(s.Sent); d > 2*time.Second {
+				t.Errorf("the stream took %v: the first upstream's %s held off its first-byte timeout", d, c.begin)
+			}
+			if b := gw.breaker(fleet.Replica(0).Addr()); !strings.Contains(b.LastFailure, "first_byte_timeout") {
+				t.Errorf("the slow upstream's breaker: last failure %q, want first_byte_timeout", b.LastFailure)
+			}
+		})
+	}
+}
