@@ -318,11 +318,12 @@ func TestBodyUsage(t *testing.T) {
 		body string
 		want api.Usage
 	}{
-		{api.Chat, `{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2}}`, api.Usage{5, 2, true}},
-		{api.Responses, `{"id":"resp_1","object":"response","status":"completed","output":[],"usage":{"input_tokens":7,"output_tokens":3,"total_tokens":10}}`, api.Usage{7, 3, true}},
-		{api.Messages, `{"id":"msg_1","type":"message","content":[{"type":"text","text":"x"}],"stop_reason":"end_turn","usage":{"input_tokens":7,"cache_read_input_tokens":1,"output_tokens":3}}`, api.Usage{8, 3, true}},
+		{api.Chat, `{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2}}`, api.Usage{PromptTokens: 5, CompletionTokens: 2, Reported: true}},
+		{api.Responses, `{"id":"resp_1","object":"response","status":"completed","output":[],"usage":{"input_tokens":7,"output_tokens":3,"total_tokens":10}}`, api.Usage{PromptTokens: 7, CompletionTokens: 3, Reported: true}},
+		{api.Messages, `{"id":"msg_1","type":"message","content":[{"type":"text","text":"x"}],"stop_reason":"end_turn","usage":{"input_tokens":7,"cache_read_input_tokens":1,"output_tokens":3}}`, api.Usage{PromptTokens: 8, CompletionTokens: 3, Reported: true}},
 		{api.Messages, `{"input_tokens":12}`, api.Usage{}},
-		{api.None, `{"usage":{"prompt_tokens":5}}`, api.Usage{}},
+		{api.None, `{"object":"list","data":[],"usage":{"prompt_tokens":5,"total_tokens":5}}`, api.Usage{PromptTokens: 5, Reported: true}},
+		{api.None, `{"input_tokens":12}`, api.Usage{}},
 	} {
 		if got := tt.api.InspectBody([]byte(tt.body)); got != tt.want {
 			t.Errorf("%s %s: %+v, want %+v", tt.api.Name(), tt.body, got, tt.want)

@@ -84,16 +84,19 @@ func (chatAPI) AppendStreamError(dst []byte, _ *Stream, e Error) []byte {
 func (chatAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendOpenAIError(dst, e) }
 
 // noneAPI is every path that is none of the streaming APIs: no stream
-// semantics (every event commits, the end of the body ends the stream), no
-// usage, OpenAI's error shape. Its request is read as Chat's, so that the
-// model matcher and the tenant's estimate see the same fields as before.
+// semantics (every event commits, the end of the body ends the stream, no
+// stream usage), OpenAI's error shape. Its request is read as Chat's, so
+// that the model matcher and the tenant's estimate see the same fields as
+// before; a JSON body's OpenAI "usage" (embeddings report prompt_tokens)
+// is read, so that a tenant is charged what the server counted rather
+// than an estimate from the body's size.
 type noneAPI struct{}
 
 func (noneAPI) Name() string                              { return "none" }
 func (noneAPI) ParseRequest(body []byte) (Request, error) { return parseChat(body) }
 func (noneAPI) OutputLimitFields() []string               { return nil }
 func (noneAPI) InjectsUsage() bool                        { return false }
-func (noneAPI) InspectBody([]byte) Usage                  { return Usage{} }
+func (noneAPI) InspectBody(body []byte) Usage             { return Chat.InspectBody(body) }
 
 func (noneAPI) Inspect(st *Stream, ev sse.Event) Class {
 	if !ev.HasData {

@@ -13,7 +13,8 @@ import (
 //
 //	lifecycle  SSE comments; response.created, response.queued,
 //	           response.in_progress; response.output_item.added of a
-//	           message or reasoning item; response.content_part.added
+//	           message or reasoning item; response.content_part.added and
+//	           response.reasoning_summary_part.added (empty parts)
 //	generated  every other event: output_text, refusal, reasoning and
 //	           function_call_arguments deltas, an output item of a
 //	           function call or tool, ...
@@ -46,7 +47,8 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		"response.reasoning_summary_text.delta", "response.function_call_arguments.delta",
 		"response.refusal.delta":
 		// The hot path: one delta per token.
-	case "response.created", "response.queued", "response.in_progress", "response.content_part.added":
+	case "response.created", "response.queued", "response.in_progress", "response.content_part.added",
+		"response.reasoning_summary_part.added":
 		if !st.Generated {
 			return Lifecycle
 		}

@@ -151,6 +151,31 @@ func TestModelMatcherMatchesAndRestoresBody(t *testing.T) {
 	}
 }
 
+// The matcher reads a body as its path's API does: a Responses or Messages
+// request matches by its model whatever Chat would make of its other
+// fields (a Responses "max_tokens" is not its limit, so its type does not
+// matter there).
+func TestModelMatcherReadsTheAPIOfThePath(t *testing.T) {
+	m, _ := newMatcher(t, 0, 1<<20, "llama-70b*")
+	const body = `{"model":"llama-70b","max_tokens":"n/a","input":[{"role":"user","content":"hi"}]}`
+	for path, want := range map[string]bool{
+		"/v1/responses":        true,
+		"/v1/chat/completions": false, // a string max_tokens is invalid in Chat
+		"/v1/messages":         false, // and in Messages
+	} {
+		r, _ := modelRequest(context.Background(), body)
+		r.URL.Path = path
+		if got, err := m.MatchWithError(r); err != nil || got != want {
+			t.Errorf("%s: match %v (%v), want %v", path, got, err, want)
+		}
+	}
+	r, _ := modelRequest(context.Background(), `{"model":"llama-70b-instruct","max_tokens":1024,"system":[{"type":"text","text":"be brief"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}`)
+	r.URL.Path = "/anthropic/v1/messages"
+	if got, err := m.MatchWithError(r); err != nil || !got {
+		t.Errorf("a Messages request did not match: %v", err)
+	}
+}
+
 // A body over max_body ends the request with 413 (declared or not); one
 // that does not fit the body budget with 503; nothing stays charged.
 func TestModelMatcherRefusals(t *testing.T) {

@@ -75,7 +75,9 @@ type Handler struct {
 	MaxRequestBody int64 `json:"max_request_body,omitempty"`
 
 	// FirstByteTimeout bounds the time from the start of an attempt to its
-	// first SSE data event (or, without streaming, its complete body);
+	// first generated SSE event (lifecycle events such as response.created
+	// or message_start do not count), or, without streaming, its complete
+	// body;
 	// past it the attempt fails and another upstream may be tried.
 	// Default: 60s.
 	FirstByteTimeout caddy.Duration `json:"first_byte_timeout,omitempty"`

@@ -383,7 +383,8 @@ func TestNonStreamingBodiesSettleWithTheirAPIsUsage(t *testing.T) {
 	}{
 		{"/v1/responses", `{"id":"resp_1","object":"response","status":"completed","usage":{"input_tokens":7,"output_tokens":3}}`, Usage{PromptTokens: 7, CompletionTokens: 3, Reported: true}},
 		{"/v1/messages", `{"id":"msg_1","type":"message","usage":{"input_tokens":7,"output_tokens":3}}`, Usage{PromptTokens: 7, CompletionTokens: 3, Reported: true}},
-		{"/v1/embeddings", `{"data":[],"usage":{"prompt_tokens":7,"total_tokens":7}}`, Usage{}},
+		// Other paths read OpenAI's usage of a JSON body (embeddings).
+		{"/v1/embeddings", `{"data":[],"usage":{"prompt_tokens":7,"total_tokens":7}}`, Usage{PromptTokens: 7, Reported: true}},
 	} {
 		up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "application/json")
@@ -408,5 +409,25 @@ func TestAPIOptionOverridesThePath(t *testing.T) {
 	res := p.ServeHTTP(w, apiPost("/generate", messagesBody))
 	if res.API != "messages" || res.Usage.CompletionTokens != 15 || res.Info.MaxTokens != 100 || w.Body.String() != tr {
 		t.Fatalf("api %s usage %+v info %+v", res.API, res.Usage, res.Info)
+	}
+}
+
+// TestStreamWithoutUsageSettlesAnEstimate: a Responses stream cut before
+// its response.completed reported no usage: the tenant is charged the
+// prompt estimate plus one token per generated event, counted as
+// estimated.
+func TestStreamWithoutUsageSettlesAnEstimate(t *testing.T) {
+	tn := newTenancy(t, 0)
+	up := newUpstream(t, sseUpstream(events(transcript(t, "responses_cut.sse"))...))
+	p, _ := tn.proxy(t, Config{}, up)
+	r := apiPost("/v1/responses", responsesBody)
+	r.Header.Set("X-Api-Key", "sk-a")
+	res := p.ServeHTTP(httptest.NewRecorder(), r)
+	if res.Usage.Reported || res.Outcome != OutcomeTruncated {
+		t.Fatalf("usage %+v outcome %s", res.Usage, res.Outcome)
+	}
+	// "abcdefgh": 2 prompt tokens; two output_text deltas.
+	if got, want := tn.obs.settled(), "a prompt estimate 2, a completion estimate 2"; got != want {
+		t.Fatalf("settled %q, want %q", got, want)
 	}
 }

@@ -183,8 +183,8 @@ type AttemptReport struct {
 	Model string
 	// Outcome classifies how the attempt ended.
 	Outcome AttemptOutcome
-	// TTFT is the time from the attempt's start to its first SSE data
-	// event (or full JSON body); 0 when it never got that far.
+	// TTFT is the time from the attempt's start to its first generated
+	// SSE event (or full JSON body); 0 when it never got that far.
 	TTFT time.Duration
 	// Committed is true for the attempt whose response reached the client.
 	Committed bool
@@ -346,7 +346,8 @@ type Config struct {
 	// MaxEventSize bounds one SSE event; default 1 MiB.
 	MaxEventSize int
 	// FirstByteTimeout bounds the time from an attempt's start to its first
-	// SSE data event or full JSON body; default 60s.
+	// generated SSE event (the API's commit point) or full JSON body;
+	// default 60s.
 	FirstByteTimeout time.Duration
 	// StreamIdleTimeout is the longest gap between events after commit;
 	// default 60s.

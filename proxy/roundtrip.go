@@ -162,8 +162,8 @@ func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
 	return a
 }
 
-// preCommit runs the attempt up to its commit point: the first SSE data
-// event, the complete non-streaming body, or a failure.
+// preCommit runs the attempt up to its commit point: the first generated
+// SSE event, the complete non-streaming body, or a failure.
 func (a *attempt) preCommit() {
 	resp, err := a.roundTrip()
 	if err != nil {
