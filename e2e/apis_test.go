@@ -9,6 +9,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -652,5 +655,52 @@ func TestFirstByteTimeoutCountsOnlyGeneratedEvents(t *testing.T) {
 				t.Errorf("the slow upstream's breaker: last failure %q, want first_byte_timeout", b.LastFailure)
 			}
 		})
+	}
+}
+
+// TestLLMLoadDrivesEveryAPIThroughTheGateway: llmload run --api drives
+// each of the four APIs through the gateway: every request ok, and its
+// TTFT taken at the first generated event — at least the mock's 150ms
+// time to first token, although Responses and Messages servers begin
+// their streams at once.
+func TestLLMLoadDrivesEveryAPIThroughTheGateway(t *testing.T) {
+	t.Parallel()
+	bin := filepath.Join(t.TempDir(), "llmload")
+	build := exec.Command("go", "build", "-o", bin, "../cmd/llmload")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build ../cmd/llmload: %v\n%s", err, out)
+	}
+	fleet := startFleet(t, mockllm.FleetConfig{Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(150 * time.Millisecond), Tokens: 4, TokenInterval: 5 * time.Millisecond}})
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+	for _, api := range []mockllm.API{mockllm.APIChat, mockllm.APICompletions, mockllm.APIResponses, mockllm.APIMessages} {
+		out := filepath.Join(t.TempDir(), string(api)+".json")
+		cmd := exec.Command(bin, "run", "--progress=false", "--api", string(api), "--url", gw.URL+api.Path(),
+			"--requests", "6", "--concurrency", "2", "--duration", "20s", "--json", out)
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("llmload run --api %s: %v\n%s", api, err, b)
+			continue
+		}
+		b, err := os.ReadFile(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rep struct {
+			Config  struct{ API string }
+			Summary struct {
+				Requests, OK int
+				TTFT         struct {
+					P50 float64 `json:"p50_ms"`
+				} `json:"ttft"`
+			}
+		}
+		if err := json.Unmarshal(b, &rep); err != nil {
+			t.Fatalf("%s: %v", out, err)
+		}
+		if rep.Config.API != string(api) || rep.Summary.Requests != 6 || rep.Summary.OK != 6 {
+			t.Errorf("--api %s: report api %q, %d of %d requests ok; want %s, 6 of 6", api, rep.Config.API, rep.Summary.OK, rep.Summary.Requests, api)
+		}
+		if p50 := rep.Summary.TTFT.P50; p50 < 150 || p50 > 1000 {
+			t.Errorf("--api %s: TTFT p50 %.0fms, want the mock's 150ms or a little more (the first generated event, not the stream's beginning)", api, p50)
+		}
 	}
 }
