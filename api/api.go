@@ -58,8 +58,8 @@ type API interface {
 	// stream that failed, in the API's own shape, to dst and returns the
 	// extended slice. st is the stream's state (Responses numbers the
 	// event after the last one relayed). e.Status picks the error's type
-	// where the API has types (Messages: 503 and 529 are
-	// overloaded_error, everything else api_error).
+	// where the API has types (Messages: AnthropicErrorType, so a cut
+	// stream's 502 is api_error and a 503 overloaded_error).
 	AppendStreamError(dst []byte, st *Stream, e Error) []byte
 	// AppendErrorBody appends the gateway's own JSON error body, written
 	// before commit, to dst and returns the extended slice: OpenAI's

@@ -168,6 +168,9 @@ func ChunkGenerated(data []byte) bool {
 			gen, it.i = g, end
 			continue
 		}
+		if keyIs(key, "choices") {
+			gen = false // the last "choices" counts, as in InspectChunk
+		}
 		if _, ok := it.skip(); !ok {
 			return true
 		}
