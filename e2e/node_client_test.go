@@ -17,8 +17,8 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
 )
 
-// nodeDir holds the openai npm client's package.json, package-lock.json
-// and stream.mjs.
+// nodeDir holds the npm clients' package.json and package-lock.json
+// (openai, @anthropic-ai/sdk, the Vercel AI SDK), stream.mjs and sdk.mjs.
 const nodeDir = "node"
 
 var npmOnce struct {
@@ -27,7 +27,7 @@ var npmOnce struct {
 }
 
 // ensureNodeModules runs `npm ci` in e2e/node unless node_modules already
-// holds the openai version that package.json pins.
+// holds every package at the version that package.json pins.
 func ensureNodeModules(t *testing.T) {
 	t.Helper()
 	npmOnce.Lock()
@@ -39,17 +39,19 @@ func ensureNodeModules(t *testing.T) {
 		Dependencies map[string]string `json:"dependencies"`
 	}
 	b, err := os.ReadFile(filepath.Join(nodeDir, "package.json"))
-	if err != nil || json.Unmarshal(b, &pkg) != nil || pkg.Dependencies["openai"] == "" {
-		t.Fatalf("e2e/node/package.json does not pin openai: %v", err)
+	if err != nil || json.Unmarshal(b, &pkg) != nil {
+		t.Fatalf("e2e/node/package.json: %v", err)
 	}
-	var installed struct {
-		Version string `json:"version"`
+	for _, name := range []string{"openai", "@anthropic-ai/sdk", "ai", "@ai-sdk/openai"} {
+		if pkg.Dependencies[name] == "" {
+			t.Fatalf("e2e/node/package.json does not pin %s", name)
+		}
 	}
-	b, err = os.ReadFile(filepath.Join(nodeDir, "node_modules", "openai", "package.json"))
-	if err != nil || json.Unmarshal(b, &installed) != nil || installed.Version != pkg.Dependencies["openai"] {
+	if missing := missingNodeModules(pkg.Dependencies); len(missing) > 0 {
 		if _, err := exec.LookPath("npm"); err != nil {
 			t.Fatalf("node is installed but npm is not: %v", err)
 		}
+		t.Logf("npm ci in e2e/node: %v not installed at the pinned versions", missing)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
 		cmd := exec.CommandContext(ctx, "npm", "ci", "--no-audit", "--no-fund")
@@ -57,8 +59,27 @@ func ensureNodeModules(t *testing.T) {
 		if out, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("npm ci in e2e/node: %v\n%s", err, out)
 		}
+		if missing := missingNodeModules(pkg.Dependencies); len(missing) > 0 {
+			t.Fatalf("after npm ci, e2e/node/node_modules still lacks %v at the pinned versions", missing)
+		}
 	}
 	npmOnce.done = true
+}
+
+// missingNodeModules lists the dependencies (name → exact version) that
+// e2e/node/node_modules does not hold at that version.
+func missingNodeModules(deps map[string]string) []string {
+	var missing []string
+	for name, version := range deps {
+		var installed struct {
+			Version string `json:"version"`
+		}
+		b, err := os.ReadFile(filepath.Join(nodeDir, "node_modules", filepath.FromSlash(name), "package.json"))
+		if err != nil || json.Unmarshal(b, &installed) != nil || installed.Version != version {
+			missing = append(missing, name+"@"+version)
+		}
+	}
+	return missing
 }
 
 // nodeLine is one line printed by stream.mjs.

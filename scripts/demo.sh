@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The llm_proxy demo (make demo): a fleet of three mock vLLM replicas, two of
 # them flaky, and a smaller fallback model behind Caddy with llm_proxy; 20 s
-# of streaming load from a free and a gold tenant, with the whole primary
-# pool failing for 10 s in the middle (the degradation act); a summary of
-# what the clients saw and what the gateway counted (attempts, failovers,
-# answers served by the fallback, by tier).
+# of streaming load from a free and a gold tenant — Chat Completions, plus
+# agent-style OpenAI Responses (free) and Anthropic Messages (gold) streams
+# — with the whole primary pool failing for 10 s in the middle (the
+# degradation act); a summary of what the clients saw and what the gateway
+# counted (attempts, failovers, answers served by the fallback, by tier,
+# and a table by API).
 #
 # Needs only Go. Builds ./caddy and bin/{mockllm,llmload}, refuses to start
 # if a port it needs is taken, and stops everything it started on exit,
@@ -59,6 +61,8 @@ start_bg caddy "$logdir/caddy.log" ./caddy run \
 caddy_pid=$!
 wait_ports caddy "$caddy_pid" "$logdir/caddy.log" 30 "$ADMIN_PORT" "$GATEWAY_PORT"
 
+# The agents' share: Responses and Messages streams beside the chat load.
+quarter=$(((CONCURRENCY + 3) / 4))
 secs=${DURATION%s}
 case "$secs" in '' | *[!0-9]*) die "DURATION must be whole seconds such as 20s, not $DURATION" ;; esac
 outage_at=$(((secs - 10) / 2))
@@ -71,7 +75,8 @@ cat >&2 <<EOF
   fallback     127.0.0.1:$FALLBACK_PORT (mock-llama-small, max_output_tokens 256, tier free only)
   gateway      http://127.0.0.1:$GATEWAY_PORT/v1/chat/completions (llm_proxy, round_robin, max_attempts 3)
   metrics      http://127.0.0.1:$ADMIN_PORT/metrics
-  load         $DURATION of streaming chat completions, $CONCURRENCY concurrent, half free, half gold
+  load         $DURATION of streaming chat completions, $CONCURRENCY concurrent, half free, half gold;
+               beside them $quarter Responses streams (free) and $quarter Messages streams (gold, x-api-key)
   outage       every primary replica answers 503 from ${outage_at}s to $((outage_at + 10))s
 
 EOF
@@ -101,6 +106,20 @@ start_bg load-gold "$logdir/llmload-gold.txt" bin/llmload run --progress=false -
 	--concurrency "$half" --rate "$RATE" --duration "$DURATION" --stream=true \
 	--json "$logdir/llmload-gold.json"
 gold_pid=$!
+# Agent-style clients: Codex-like (OpenAI Responses) on the free tenant,
+# Claude-Code-like (Anthropic Messages, key in x-api-key) on the gold one.
+start_bg load-responses "$logdir/llmload-responses.txt" bin/llmload run --progress=false --label free-responses \
+	--api responses --url "http://127.0.0.1:$GATEWAY_PORT/v1/responses" \
+	--header "Authorization: Bearer sk-demo-free" \
+	--concurrency "$quarter" --rate "$RATE" --duration "$DURATION" --stream=true \
+	--json "$logdir/llmload-responses.json"
+responses_pid=$!
+start_bg load-messages "$logdir/llmload-messages.txt" bin/llmload run --progress=false --label gold-messages \
+	--api messages --url "http://127.0.0.1:$GATEWAY_PORT/v1/messages" \
+	--header "x-api-key: sk-demo-gold" --header "anthropic-version: 2023-06-01" \
+	--concurrency "$quarter" --rate "$RATE" --duration "$DURATION" --stream=true \
+	--json "$logdir/llmload-messages.json"
+messages_pid=$!
 echo "--- the free tenant's run ---"
 run_fg bin/llmload run --label free \
 	--url "http://127.0.0.1:$GATEWAY_PORT/v1/chat/completions" \
@@ -108,13 +127,32 @@ run_fg bin/llmload run --label free \
 	--concurrency "$half" --rate "$RATE" --duration "$DURATION" --stream=true \
 	--metrics-url "http://127.0.0.1:$ADMIN_PORT/metrics" \
 	--json "$logdir/llmload-free.json"
-while alive "$gold_pid"; do sleep 0.2; done
+while alive "$gold_pid" || alive "$responses_pid" || alive "$messages_pid"; do sleep 0.2; done
 echo
 echo "--- the gold tenant's run ---"
 cat "$logdir/llmload-gold.txt"
 
-# By tier: what each tenant's requests got, and how many the fallback served.
 metrics=$(curl -fsS "http://127.0.0.1:$ADMIN_PORT/metrics")
+
+# By API: each run's requests, successes, TTFT (at each API's first
+# generated event) and failures, as the clients saw them; then the
+# gateway's requests_total by its api label and outcome.
+echo
+echo "--- by API ---"
+bin/llmload table "$logdir/llmload-free.json" "$logdir/llmload-gold.json" \
+	"$logdir/llmload-responses.json" "$logdir/llmload-messages.json" || true
+echo
+echo "  gateway requests by api and outcome (caddy_llm_proxy_requests_total):"
+printf '%s\n' "$metrics" | awk '
+	index($0, "caddy_llm_proxy_requests_total{") == 1 {
+		api = "?"; out = "?"
+		if (match($0, /api="[^"]*"/)) api = substr($0, RSTART + 5, RLENGTH - 6)
+		if (match($0, /outcome="[^"]*"/)) out = substr($0, RSTART + 9, RLENGTH - 10)
+		s[api " " out] += $NF
+	}
+	END { for (k in s) { split(k, p, " "); printf "  %-12s %-16s %6d\n", p[1], p[2], s[k] } }' | sort
+
+# By tier: what each tenant's requests got, and how many the fallback served.
 sum_of() { printf '%s\n' "$metrics" | awk -v m="$1" -v t="tier=\"$2\"" -v d="$3" \
 	'index($0, m "{") == 1 && index($0, t) && (d == "" || $0 ~ d) { s += $NF } END { printf "%d", s }'; }
 echo
@@ -138,6 +176,11 @@ What to look for:
   committed to the client: no retry is possible, so the client got an in-band
   error event ("error_event") instead of a silent truncation.
 - TTFT p99 shows the 2% stragglers (1-3 s); p50 stays near 150 ms.
+- The Responses and Messages runs ("by API") get the same guarantees as chat:
+  their beginnings (response.created, message_start) are held until the first
+  token, so a replica that fails before it is failed over unseen; a cut
+  stream ends with the API's own error event; the gold Messages run's outage
+  503s carry Anthropic's error body (overloaded_error).
 - During the outage every primary replica fails and their breakers open: free
   requests are served by mock-llama-small (X-LLM-Proxy-Degraded, "served by
   fallback" above) and none fails; gold requests get 503 (circuit_open, with

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Everything `make test` needs beyond Go: Node.js and npm (for the openai
-# SDK end-to-end test), redis-server (the fleet tests start their own) and
-# prometheus with promtool (deploy/ and e2e/prometheus_test.go),
-# from Debian's packages when missing; the SDK itself (npm ci, pinned by
-# e2e/node/package-lock.json); and ./caddy (./xcaddy.sh, which installs
+# Everything `make test` needs beyond Go: Node.js and npm (for the SDK
+# end-to-end tests: openai, @anthropic-ai/sdk, the Vercel AI SDK),
+# redis-server (the fleet tests start their own) and prometheus with
+# promtool (deploy/ and e2e/prometheus_test.go), from Debian's packages
+# when missing; the SDKs themselves (npm ci, pinned
+# by e2e/node/package-lock.json); and ./caddy (./xcaddy.sh, which installs
 # xcaddy and caches the build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,10 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
 	$sudo apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
-if [ ! -d e2e/node/node_modules/openai ]; then
+# The official SDKs the e2e tests drive (openai, @anthropic-ai/sdk, the
+# Vercel AI SDK: ai and @ai-sdk/openai), pinned in e2e/node/package.json:
+# npm ls fails when any of them is missing or at another version.
+if ! (cd e2e/node && npm ls --depth=0 >/dev/null 2>&1); then
 	echo "setup-test: npm ci in e2e/node" >&2
 	(cd e2e/node && npm ci --no-audit --no-fund --loglevel=error)
 fi

@@ -41,6 +41,7 @@ Usage:
   llmload overhead [flags]   compare TTFT and event gaps: direct vs llm_proxy vs reverse_proxy
   llmload compare [flags] base.json other.json
                              compare run reports (e.g. without and with hedging): markdown table, verdict
+  llmload table run.json...  one row per run report: API, requests, ok, TTFT, failures
   llmload isolation [flags]  noisy neighbour: victims' TTFT alone, with a noisy tenant without and with
                              admission control; A's refusal latency; a PNG of the TTFT CDFs
   llmload overload [flags]   selection under overload: the same open-loop load through gateways that
@@ -64,6 +65,8 @@ func main() {
 		err = overheadCmd(os.Args[2:])
 	case "compare":
 		err = compareCmd(os.Args[2:])
+	case "table":
+		err = tableCmd(os.Args[2:])
 	case "isolation":
 		err = isolationCmd(os.Args[2:])
 	case "overload":

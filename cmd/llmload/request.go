@@ -50,10 +50,15 @@ type Result struct {
 	// tenant_concurrency), "" when none.
 	Code string
 	// TTFT is the time from sending the request to the first data event
-	// (streaming) or to the complete body (non-streaming); valid if HasTTFT.
+	// (streaming Chat and Completions), to the first generated event
+	// (Responses: a *.delta; Messages: content_block_delta or a tool_use
+	// block's start; never a lifecycle event such as response.created or
+	// message_start), or to the complete body (non-streaming); valid if
+	// HasTTFT.
 	TTFT    time.Duration
 	HasTTFT bool
-	// Gaps are the times between consecutive data events.
+	// Gaps are the times between consecutive data events (Responses and
+	// Messages: generated events).
 	Gaps []time.Duration
 	// Total is the time from sending the request to the end of the response.
 	Total time.Duration
@@ -61,7 +66,8 @@ type Result struct {
 	Events int
 	// Bytes counts response body bytes read.
 	Bytes int64
-	// FinishReason is the last non-null finish_reason seen.
+	// FinishReason is the last non-null finish_reason seen (Responses:
+	// the final status; Messages: the stop_reason).
 	FinishReason string
 }
 
@@ -80,6 +86,9 @@ type Requester struct {
 	Header http.Header
 	// Timeout bounds one request (0: no bound beyond the context).
 	Timeout time.Duration
+	// API is the API spoken (APIChat when empty): it says which events
+	// are generated, which ends a stream and which is an error.
+	API string
 }
 
 // countingReader counts the bytes read through it.
@@ -139,7 +148,7 @@ func (q *Requester) Do(ctx context.Context) (res Result) {
 	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		q.readStream(ctx, body, &res)
 	} else {
-		readJSON(ctx, body, &res)
+		readJSON(ctx, q.API, body, &res)
 	}
 	res.Total = time.Since(res.Start)
 	return res
@@ -151,15 +160,42 @@ func (q *Requester) readStream(ctx context.Context, body io.Reader, res *Result)
 	br := bufio.NewReaderSize(body, 16<<10)
 	var (
 		data     []byte // data of the event being read
+		name     []byte // its event: field
 		hasData  bool
 		last     time.Time
 		finished bool // finish_reason or [DONE] seen
 	)
+	typed := q.API == APIResponses || q.API == APIMessages
 	dispatch := func() (stop bool) {
 		if !hasData {
+			name = name[:0]
 			return false
 		}
 		now := time.Now()
+		if typed {
+			k, finish, msg := classifyEvent(q.API, string(name), bytes.TrimSpace(data))
+			data, name, hasData = data[:0], name[:0], false
+			res.Events++
+			if finish != "" {
+				res.FinishReason = finish
+			}
+			switch k {
+			case eventGenerated:
+				if !res.HasTTFT {
+					res.TTFT, res.HasTTFT = now.Sub(res.Start), true
+				} else {
+					res.Gaps = append(res.Gaps, now.Sub(last))
+				}
+				last = now
+			case eventEnd:
+				finished = true
+				return true
+			case eventError:
+				res.Outcome, res.Detail = OutcomeErrorEvent, msg
+				return true
+			}
+			return false
+		}
 		res.Events++
 		if !res.HasTTFT {
 			res.TTFT, res.HasTTFT = now.Sub(res.Start), true
@@ -213,6 +249,8 @@ func (q *Requester) readStream(ctx context.Context, body io.Reader, res *Result)
 			}
 		case line[0] == ':':
 			// comment (keep-alive)
+		case bytes.HasPrefix(line, []byte("event:")):
+			name = append(name[:0], bytes.TrimSpace(line[6:])...)
 		case bytes.HasPrefix(line, []byte("data:")):
 			v := line[5:]
 			if len(v) > 0 && v[0] == ' ' {
@@ -253,8 +291,8 @@ func readLine(br *bufio.Reader) ([]byte, error) {
 	return line, nil
 }
 
-// readJSON reads a non-streaming chat completion.
-func readJSON(ctx context.Context, body io.Reader, res *Result) {
+// readJSON reads a non-streaming response of the API.
+func readJSON(ctx context.Context, api string, body io.Reader, res *Result) {
 	b, err := io.ReadAll(io.LimitReader(body, 64<<20))
 	if err != nil {
 		res.Outcome, res.Detail = failureOutcome(ctx, err, OutcomeTruncated)
@@ -266,20 +304,12 @@ func readJSON(ctx context.Context, body io.Reader, res *Result) {
 		res.Outcome, res.Detail = OutcomeErrorEvent, msg
 		return
 	}
-	var c struct {
-		Choices []struct {
-			FinishReason *string `json:"finish_reason"`
-		} `json:"choices"`
-	}
-	if err := json.Unmarshal(b, &c); err != nil {
+	finish, err := jsonFinish(api, b)
+	if err != nil {
 		res.Outcome, res.Detail = OutcomeTruncated, "invalid JSON body: "+err.Error()
 		return
 	}
-	for _, ch := range c.Choices {
-		if ch.FinishReason != nil && *ch.FinishReason != "" {
-			res.FinishReason = *ch.FinishReason
-		}
-	}
+	res.FinishReason = finish
 	if res.FinishReason == "" {
 		res.Outcome, res.Detail = OutcomeTruncated, "response has no finish_reason"
 		return

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -20,6 +21,7 @@ import (
 // RunConfig is the configuration of `llmload run`.
 type RunConfig struct {
 	URL         string        `json:"url"`
+	API         string        `json:"api,omitempty"`
 	Concurrency int           `json:"concurrency"`
 	Duration    time.Duration `json:"duration_ns"`
 	Requests    int64         `json:"requests_limit"`
@@ -55,7 +57,8 @@ func runCmd(args []string) error {
 		allowRemote bool
 		sampleCap   int
 	)
-	fs.StringVar(&cfg.URL, "url", "http://127.0.0.1:8089/v1/chat/completions", "chat completions `endpoint`")
+	fs.StringVar(&cfg.URL, "url", "http://127.0.0.1:8089/v1/chat/completions", "`endpoint` (default: the --api's path on 127.0.0.1:8089)")
+	fs.StringVar(&cfg.API, "api", APIChat, "the API to speak: chat, completions, responses (OpenAI Responses) or messages (Anthropic Messages); TTFT is taken at its first generated event")
 	fs.IntVar(&cfg.Concurrency, "concurrency", 8, "concurrent requests (closed loop)")
 	fs.DurationVar(&cfg.Duration, "duration", 20*time.Second, "stop sending new requests after this long")
 	fs.Int64Var(&cfg.Requests, "requests", 0, "stop after this many requests (0: bounded by --duration only)")
@@ -77,6 +80,14 @@ func runCmd(args []string) error {
 	fs.IntVar(&sampleCap, "max-samples", DefaultSampleCap, "samples kept per distribution (beyond: uniform reservoir)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if !validAPI(cfg.API) {
+		return usageErrorf("--api %q: want chat, completions, responses or messages", cfg.API)
+	}
+	urlSet := false
+	fs.Visit(func(f *flag.Flag) { urlSet = urlSet || f.Name == "url" })
+	if !urlSet {
+		cfg.URL = "http://127.0.0.1:8089" + apiPaths[cfg.API]
 	}
 	switch {
 	case cfg.Concurrency < 1:
@@ -107,9 +118,10 @@ func runCmd(args []string) error {
 	q := &Requester{
 		Client:  client,
 		URL:     cfg.URL,
-		Body:    chatBody(cfg.Model, cfg.Stream, cfg.MaxTokens, cfg.PromptBytes),
+		Body:    apiBody(cfg.API, cfg.Model, cfg.Stream, cfg.MaxTokens, cfg.PromptBytes),
 		Header:  headers.h,
 		Timeout: cfg.Timeout,
+		API:     cfg.API,
 	}
 
 	var inflight atomic.Int64
@@ -337,7 +349,11 @@ func fmtMS(v float64) string {
 func printRunReport(w io.Writer, rep *RunReport) {
 	s := &rep.Summary
 	cfg := &rep.Config
-	fmt.Fprintf(w, "\nllmload run: %s  stream=%t concurrency=%d\n", cfg.URL, cfg.Stream, cfg.Concurrency)
+	api := cfg.API
+	if api == "" {
+		api = APIChat
+	}
+	fmt.Fprintf(w, "\nllmload run: %s  api=%s stream=%t concurrency=%d\n", cfg.URL, api, cfg.Stream, cfg.Concurrency)
 	fmt.Fprintf(w, "  %s requests in %.1fs (%.1f req/s), %s events, %s received\n\n",
 		humanize.Comma(s.Requests), rep.Elapsed, float64(s.Requests)/max(rep.Elapsed, 1e-9),
 		humanize.Comma(s.Events), humanize.IBytes(uint64(s.Bytes)))

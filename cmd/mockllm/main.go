@@ -24,8 +24,9 @@ import (
 
 const usage = `Usage: mockllm [flags]
 
-Runs a fleet of fake vLLM servers, each an OpenAI-compatible HTTP server on
-its own port, until SIGINT or SIGTERM.
+Runs a fleet of fake vLLM servers, each an HTTP server on its own port that
+speaks Chat Completions, Completions, OpenAI Responses and Anthropic Messages
+(JSON and streaming), until SIGINT or SIGTERM.
 
 Flags:
   --listen ADDR            address of replica 0; with a fixed port, replica i
@@ -79,17 +80,29 @@ Flags:
   -v, --verbose            log every request to stderr
 
 Faults (comma-separated, one kind plus modifiers):
-  status=CODE              answer CODE (400-599) with a vLLM-shaped JSON error
+  status=CODE              answer CODE (400-599) with a JSON error in the API's
+                           shape (vLLM's; Anthropic's on /v1/messages)
   hang                     read the request, never answer
   hang_after_headers       send 200 and SSE headers, then nothing
   reset                    close with TCP RST before any response byte
   cut=N                    close (FIN) after N content events: truncated body
   cut_rst=N                same with a TCP RST
   error_event=N            in-band error event after N content events, no [DONE]
+                           (the API's own: data: {"error":…}; Responses
+                           event: error; Messages event: error). With N=0 on
+                           Responses and Messages: lifecycle-then-error
+                           (response.created + in_progress, message_start +
+                           ping, then the error)
   every=N                  the kind hits every N-th request to the replica
   fraction=F               the kind hits a random fraction F of requests
   retry_after=SECONDS      Retry-After on status faults
-  error_code=CODE          code and type of error_event (default 500)
+  error_code=CODE          code and type of error_event (default 500; Messages:
+                           503/529 overloaded_error, other 5xx api_error, 429
+                           rate_limit_error, 400 invalid_request_error, ...;
+                           Responses: 5xx server_error, 429 rate_limit_exceeded)
+  error_type=NAME          the error event's type (Messages error.type,
+                           Responses code) instead of the one CODE picks
+  response_failed          Responses: response.failed instead of event: error
   fragment=N               write the body N bytes at a time, flushing each
   comment_every=N|DUR      ": ping" after every N content events, or headers at
                            once and ": ping" every DUR while waiting
@@ -114,7 +127,8 @@ Per-request headers (override the replica's settings):
   X-Mock-Fault: SPEC | none
 
 Endpoints of every replica:
-  POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+  POST /v1/chat/completions, POST /v1/completions, POST /v1/responses,
+  POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models,
   GET /health, GET /metrics (vllm:* metrics), GET /mock/stats (whole fleet),
   POST /mock/reset (whole fleet), GET|PUT /mock/behavior (this replica;
   body "ttft=200ms; tokens=8; fault=status=503" or a JSON object),

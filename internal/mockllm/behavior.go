@@ -71,8 +71,11 @@ type Behavior struct {
 	Straggler Straggler
 
 	// Tokens is the number of tokens generated, unless the request's
-	// max_tokens is smaller (then finish_reason is "length"). Zero means
-	// DefaultTokens; negative means none.
+	// output limit is smaller (max_completion_tokens or max_tokens;
+	// Responses' max_output_tokens; Messages' max_tokens): then
+	// finish_reason is "length", a Responses stream ends with
+	// response.incomplete and a Messages one with stop_reason
+	// "max_tokens". Zero means DefaultTokens; negative means none.
 	Tokens int
 
 	// TokenInterval is the delay between two tokens. Zero means

@@ -46,7 +46,8 @@ type exchange struct {
 	rc      *http.ResponseController
 	req     *http.Request
 	ctx     context.Context
-	chat    bool
+	api     API
+	d       dialect
 	body    []byte
 	cr      completionRequest
 	p       plan
@@ -58,17 +59,22 @@ type exchange struct {
 	seed    uint64
 	promptN int       // prompt tokens, as usage.prompt_tokens reports them
 	job     *schedReq // the request's place in the scheduler, once acquired
+	eventN  int       // events sent so far (Responses' sequence_number)
 
 	headersSent bool
 	writeErr    error
 	ended       bool
 }
 
-// serveCompletion handles /v1/chat/completions (chat) and /v1/completions.
-func (r *Replica) serveCompletion(w http.ResponseWriter, req *http.Request, chat bool) {
+// serveCompletion handles the completion endpoint of an API:
+// /v1/chat/completions, /v1/completions, /v1/responses or /v1/messages.
+func (r *Replica) serveCompletion(w http.ResponseWriter, req *http.Request, a API) {
+	d := dialectOf(a)
 	if req.Method != http.MethodPost {
 		w.Header().Set("Allow", http.MethodPost)
-		writeError(w, http.StatusMethodNotAllowed, "Method Not Allowed")
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusMethodNotAllowed)
+		w.Write(d.errorBody(http.StatusMethodNotAllowed, "Method Not Allowed"))
 		return
 	}
 	start := time.Now()
@@ -78,7 +84,7 @@ func (r *Replica) serveCompletion(w http.ResponseWriter, req *http.Request, chat
 	}
 	x := &exchange{
 		r: r, w: w, rc: http.NewResponseController(w), req: req, ctx: req.Context(),
-		chat: chat, body: body, start: start, created: start.Unix(),
+		api: a, d: d, body: body, start: start, created: start.Unix(),
 	}
 	x.begin()
 	defer x.logEnd()
@@ -91,6 +97,7 @@ func (x *exchange) begin() {
 	x.rec = &RequestRecord{
 		ID:         x.responseID(),
 		Path:       x.req.URL.Path,
+		API:        x.api,
 		Started:    x.start,
 		Outcome:    OutcomeInFlight,
 		BodySHA256: hex.EncodeToString(sum[:]),
@@ -109,13 +116,10 @@ func (x *exchange) begin() {
 	r.stats.maxInFlight = max(r.stats.maxInFlight, r.inFlight)
 }
 
-// responseID is "chatcmpl-…" or "cmpl-…", from X-Request-Id when present
-// (as vLLM does) or random.
+// responseID is "chatcmpl-…", "cmpl-…", "resp_…" or "msg_…", from
+// X-Request-Id when present (as vLLM does) or random.
 func (x *exchange) responseID() string {
-	prefix := "cmpl-"
-	if x.chat {
-		prefix = "chatcmpl-"
-	}
+	prefix := x.d.idPrefix()
 	if id := x.req.Header.Get("X-Request-Id"); id != "" {
 		return prefix + id
 	}
@@ -202,7 +206,7 @@ func (x *exchange) run() {
 		x.fail(http.StatusBadRequest, "mockllm: "+err.Error())
 		return
 	}
-	x.p = x.r.plan(b, &x.cr, x.seq)
+	x.p = x.r.plan(b, &x.cr, x.d.maxTokens(&x.cr), x.seq)
 
 	switch f := x.p.fault; f.Kind {
 	case FaultStatus:
@@ -233,6 +237,13 @@ func (x *exchange) run() {
 	if x.cr.Stream && x.p.fault.CommentInterval > 0 {
 		x.sendHeaders()
 	}
+	// Responses and Messages servers start a stream at once, before the
+	// request is scheduled: response.created / message_start carry
+	// nothing generated.
+	if x.cr.Stream && x.d.lifecycle(x) != nil {
+		x.end(OutcomeCancelled, FaultNone)
+		return
+	}
 	if !x.acquire() {
 		x.end(OutcomeCancelled, FaultNone)
 		return
@@ -249,8 +260,9 @@ func (x *exchange) run() {
 	}
 }
 
-// plan resolves b for one request.
-func (r *Replica) plan(b Behavior, cr *completionRequest, seq int64) plan {
+// plan resolves b for one request whose output limit is maxTokens (0 for
+// none).
+func (r *Replica) plan(b Behavior, cr *completionRequest, maxTokens int, seq int64) plan {
 	p := plan{model: cr.Model, tokens: b.Tokens, interval: b.TokenInterval, tokenBytes: b.TokenBytes, finish: "stop"}
 	p.served = cmp.Or(b.Model, DefaultModel)
 	p.model = cmp.Or(p.model, p.served)
@@ -260,7 +272,7 @@ func (r *Replica) plan(b Behavior, cr *completionRequest, seq int64) plan {
 	case p.tokens < 0:
 		p.tokens = 0
 	}
-	if m := cr.maxTokens(); m > 0 && m < p.tokens {
+	if m := maxTokens; m > 0 && m < p.tokens {
 		p.tokens, p.finish = m, "length"
 	}
 	switch {
@@ -294,11 +306,12 @@ func (x *exchange) fail(status int, msg string) {
 	x.end(OutcomeInvalidRequest, FaultNone)
 }
 
-// writeError sends a vLLM-shaped JSON error response.
+// writeError sends a JSON error response in the API's shape (vLLM's for
+// Chat, Completions and Responses, Anthropic's for Messages).
 func (x *exchange) writeError(status int, msg string) {
 	x.w.Header().Set("Content-Type", "application/json")
 	x.writeStatus(status)
-	x.writeBody(marshal(errorBody{Error: apiError{Message: msg, Type: errorType(status), Code: status}}))
+	x.writeBody(x.d.errorBody(status, msg))
 }
 
 // acquire waits until the scheduler runs the request (a capacity slot and
@@ -439,14 +452,24 @@ func (x *exchange) writeBody(p []byte) error {
 }
 
 // event writes one SSE data event.
-func (x *exchange) event(data []byte) error {
-	buf := make([]byte, 0, len(data)+8)
+func (x *exchange) event(data []byte) error { return x.namedEvent("", data) }
+
+// namedEvent writes one SSE event with an "event: name" line (none when
+// name is empty) and data.
+func (x *exchange) namedEvent(name string, data []byte) error {
+	buf := make([]byte, 0, len(name)+len(data)+16)
+	if name != "" {
+		buf = append(buf, "event: "...)
+		buf = append(buf, name...)
+		buf = append(buf, '\n')
+	}
 	buf = append(buf, "data: "...)
 	buf = append(buf, data...)
 	buf = append(buf, "\n\n"...)
 	if err := x.writeBody(buf); err != nil {
 		return err
 	}
+	x.eventN++
 	x.update(func(rec *RequestRecord) { rec.EventsSent++ })
 	return nil
 }
@@ -491,7 +514,7 @@ func (x *exchange) strike() {
 			x.writeError(code, faultMessage(code))
 		} else {
 			x.sendHeaders()
-			x.event(marshal(errorBody{Error: apiError{Object: "error", Message: faultMessage(code), Type: errorType(code), Code: code}}))
+			x.d.errorEvent(x, code)
 		}
 	}
 	x.end("fault:"+string(k), k)
@@ -501,7 +524,7 @@ func (x *exchange) strike() {
 func (x *exchange) chunk(d *delta, text *string, finish *string) []byte {
 	c := chunk{ID: x.rec.ID, Created: x.created, Model: x.p.model}
 	ch := chunkChoice{FinishReason: finish}
-	if x.chat {
+	if x.api == APIChat {
 		c.Object = "chat.completion.chunk"
 		ch.Delta = d
 	} else {
@@ -512,13 +535,8 @@ func (x *exchange) chunk(d *delta, text *string, finish *string) []byte {
 	return marshal(c)
 }
 
-// prompt is the raw JSON of the messages (chat) or the prompt.
-func (x *exchange) prompt() []byte {
-	if x.chat {
-		return x.cr.Messages
-	}
-	return x.cr.Prompt
-}
+// prompt is the raw JSON the model reads (see dialect.prompt).
+func (x *exchange) prompt() []byte { return x.d.prompt(&x.cr) }
 
 // recordUsage notes the usage reported to the client in the record.
 func (x *exchange) recordUsage(u usage) {
@@ -533,8 +551,9 @@ func (x *exchange) usage() usage {
 	return u
 }
 
-// stream sends the SSE response: (chat) role chunk, one chunk per token
-// (the last with finish_reason), usage when asked, [DONE].
+// stream sends the SSE response: the API's opening events with the first
+// token, one delta event per token, then its closing events (see
+// dialect). A cut or error-event fault strikes after Fault.After tokens.
 func (x *exchange) stream() {
 	x.sendHeaders()
 	at := x.faultAt()
@@ -556,7 +575,7 @@ func (x *exchange) stream() {
 		if i == 0 {
 			first = time.Now()
 			x.firstToken(first)
-			if x.chat && x.event(x.chunk(&delta{Role: "assistant", Content: ptr("")}, nil, nil)) != nil {
+			if x.d.open(x) != nil {
 				break
 			}
 		}
@@ -565,11 +584,7 @@ func (x *exchange) stream() {
 			x.generated(i + 1)
 			text = tokenText(x.seed, i, x.p.tokenBytes)
 		}
-		var finish *string
-		if i == max(n, 1)-1 {
-			finish = &x.p.finish
-		}
-		if x.event(x.chunk(&delta{Content: &text}, &text, finish)) != nil {
+		if x.d.delta(x, i, n, text) != nil {
 			break
 		}
 		if n > 0 {
@@ -590,14 +605,8 @@ func (x *exchange) stream() {
 			break
 		}
 	}
-	if x.gone() == nil && x.cr.includeUsage() {
-		u := x.usage()
-		if x.event(marshal(chunk{ID: x.rec.ID, Object: x.chunkObject(), Created: x.created, Model: x.p.model, Choices: []chunkChoice{}, Usage: &u})) == nil {
-			x.recordUsage(u)
-		}
-	}
 	if x.gone() == nil {
-		x.event([]byte("[DONE]"))
+		x.d.close(x)
 	}
 	if x.gone() != nil {
 		x.end(OutcomeCancelled, FaultNone)
@@ -606,8 +615,84 @@ func (x *exchange) stream() {
 	x.finished()
 }
 
-func (x *exchange) chunkObject() string {
-	if x.chat {
+// chatDialect is Chat Completions (chat) or the legacy Completions API:
+// vLLM's chat.completion(.chunk) and text_completion objects, data-only
+// SSE events ending with [DONE].
+type chatDialect struct{ chat bool }
+
+func (c chatDialect) idPrefix() string {
+	if c.chat {
+		return "chatcmpl-"
+	}
+	return "cmpl-"
+}
+
+func (c chatDialect) prompt(cr *completionRequest) []byte {
+	if c.chat {
+		return cr.Messages
+	}
+	return cr.Prompt
+}
+
+func (chatDialect) maxTokens(cr *completionRequest) int { return cr.maxTokens() }
+
+func (chatDialect) lifecycle(*exchange) error { return nil }
+
+// open sends the role chunk of a chat stream (vLLM's first chunk).
+func (c chatDialect) open(x *exchange) error {
+	if !c.chat {
+		return nil
+	}
+	return x.event(x.chunk(&delta{Role: "assistant", Content: ptr("")}, nil, nil))
+}
+
+// delta sends one chunk per token; the last carries finish_reason (an
+// empty completion is one chunk with empty content and finish_reason).
+func (chatDialect) delta(x *exchange, i, n int, text string) error {
+	var finish *string
+	if i == max(n, 1)-1 {
+		finish = &x.p.finish
+	}
+	return x.event(x.chunk(&delta{Content: &text}, &text, finish))
+}
+
+// close sends the usage chunk when the request asked for it, then [DONE].
+func (c chatDialect) close(x *exchange) error {
+	if x.cr.includeUsage() {
+		u := x.usage()
+		if err := x.event(marshal(chunk{ID: x.rec.ID, Object: c.chunkObject(), Created: x.created, Model: x.p.model, Choices: []chunkChoice{}, Usage: &u})); err != nil {
+			return err
+		}
+		x.recordUsage(u)
+	}
+	return x.event([]byte("[DONE]"))
+}
+
+// errorEvent sends vLLM's in-band error: data: {"error":{"object":"error",…}}.
+func (chatDialect) errorEvent(x *exchange, code int) error {
+	return x.event(marshal(errorBody{Error: apiError{Object: "error", Message: faultMessage(code), Type: cmp.Or(x.p.fault.ErrorType, errorType(code)), Code: code}}))
+}
+
+func (chatDialect) errorBody(status int, msg string) []byte {
+	return marshal(errorBody{Error: apiError{Message: msg, Type: errorType(status), Code: status}})
+}
+
+func (c chatDialect) full(x *exchange, text string) []byte {
+	co := completion{ID: x.rec.ID, Created: x.created, Model: x.p.model, Usage: x.usage()}
+	ch := fullChoice{FinishReason: x.p.finish}
+	if c.chat {
+		co.Object = "chat.completion"
+		ch.Message = &message{Role: "assistant", Content: text, ToolCalls: []any{}}
+	} else {
+		co.Object = "text_completion"
+		ch.Text = &text
+	}
+	co.Choices = []fullChoice{ch}
+	return marshal(co)
+}
+
+func (c chatDialect) chunkObject() string {
+	if c.chat {
 		return "chat.completion.chunk"
 	}
 	return "text_completion"
@@ -648,17 +733,7 @@ func (x *exchange) respond() {
 		}
 	}
 	text := completionText(x.seed, x.p.tokens, x.p.tokenBytes)
-	c := completion{ID: x.rec.ID, Created: x.created, Model: x.p.model, Usage: x.usage()}
-	ch := fullChoice{FinishReason: x.p.finish}
-	if x.chat {
-		c.Object = "chat.completion"
-		ch.Message = &message{Role: "assistant", Content: text, ToolCalls: []any{}}
-	} else {
-		c.Object = "text_completion"
-		ch.Text = &text
-	}
-	c.Choices = []fullChoice{ch}
-	body := marshal(c)
+	body := x.d.full(x, text)
 
 	switch x.p.fault.Kind {
 	case FaultErrorEvent:
@@ -679,6 +754,6 @@ func (x *exchange) respond() {
 		return
 	}
 	x.update(func(rec *RequestRecord) { rec.TokensSent = x.p.tokens })
-	x.recordUsage(c.Usage)
+	x.recordUsage(x.usage())
 	x.finished()
 }

@@ -1,11 +1,17 @@
-// Package mockllm is an OpenAI-compatible fake vLLM fleet for end-to-end
-// tests, demos and benchmarks of the gateway.
+// Package mockllm is a fake vLLM fleet for end-to-end tests, demos and
+// benchmarks of the gateway. It speaks the four APIs vLLM serves: Chat
+// Completions, legacy Completions, OpenAI Responses and Anthropic
+// Messages, JSON and streaming, each in its own shapes (see [API] and the
+// dialects in completion.go, responses.go and messages.go).
 //
 // A [Fleet] runs one or more replicas, each an HTTP/1.1 server on its own
 // port that answers like a vLLM OpenAI server:
 //
 //	POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE)
 //	POST /v1/completions        text_completion (JSON or SSE)
+//	POST /v1/responses          response (JSON) / response.* events (SSE)
+//	POST /v1/messages           message (JSON) / message_start … message_stop (SSE)
+//	POST /v1/messages/count_tokens  {"input_tokens":N} (not a completion: not counted)
 //	GET  /v1/models             the served model
 //	GET  /health                200, or Behavior.HealthStatus
 //	GET  /metrics               vllm:* Prometheus metrics, labelled model_name (or a MetricsMode fault)
@@ -61,8 +67,15 @@
 // ([FleetConfig.IdleCloseRace]), the stale-connection failure a gateway
 // must not blame on the upstream.
 //
+// Faults apply to every API in its own shapes: a status fault answers
+// with the API's error body (Anthropic's {"type":"error","error":{…}} on
+// /v1/messages), cut=N closes after N tokens, error_event=N sends the
+// API's in-band error (on Responses and Messages error_event=0 comes after
+// the stream's lifecycle events: lifecycle-then-error).
+//
 // Generated text is deterministic: token i is a function of i and the
-// request's prompt (the raw JSON of messages or prompt) only, and every
+// request's prompt (the raw JSON of messages or prompt; Responses'
+// instructions and input; Messages' system and messages) only, and every
 // other token holds multi-byte UTF-8 ("é", "日本", "🙂", ...), so tests can
 // compare bytes across replicas, runs, and streamed and plain responses.
 package mockllm

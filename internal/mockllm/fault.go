@@ -43,6 +43,13 @@ const (
 	// FaultErrorEvent sends an in-band error event after Fault.After
 	// content events and ends the stream properly (no [DONE]). A
 	// non-streaming request gets Fault.ErrorCode as its HTTP status.
+	// The event is the API's own: Chat and Completions
+	// data: {"error":{…}}; Responses event: error (or response.failed
+	// with Fault.ResponseFailed); Messages event: error with
+	// {"type":"error","error":{"type":…}}. On Responses and Messages
+	// error_event=0 comes after the stream's lifecycle events
+	// (response.created + response.in_progress, message_start + ping):
+	// lifecycle-then-error, nothing generated.
 	FaultErrorEvent FaultKind = "error_event"
 )
 
@@ -63,8 +70,20 @@ type Fault struct {
 	// carries finish_reason) and before the usage chunk and [DONE].
 	After int
 	// ErrorCode is the code of a FaultErrorEvent (400-599, default 500);
-	// it also picks the error type ("BadRequestError" for 400, ...).
+	// it also picks the error type ("BadRequestError" for 400, ...; on
+	// Messages "overloaded_error" for 503 and 529, "api_error" for other
+	// 5xx, "rate_limit_error" for 429, ...; on Responses the code
+	// "server_error" for 5xx, "rate_limit_exceeded" for 429,
+	// "invalid_prompt" for other 4xx).
 	ErrorCode int
+	// ErrorType replaces the error type that ErrorCode picks (Chat's
+	// "type", Responses' "code", Messages' error.type), e.g.
+	// "overloaded_error". Letters, digits and '_' only.
+	ErrorType string
+	// ResponseFailed makes a FaultErrorEvent on a Responses stream a
+	// response.failed event (status "failed", error {code, message})
+	// instead of an error event. Other APIs ignore it.
+	ResponseFailed bool
 	// RetryAfter, in seconds, sets Retry-After on a FaultStatus response.
 	// Zero means no header.
 	RetryAfter int
@@ -112,6 +131,12 @@ func (f Fault) String() string {
 	}
 	add("retry_after", f.RetryAfter)
 	add("error_code", f.ErrorCode)
+	if f.ErrorType != "" {
+		items = append(items, "error_type="+f.ErrorType)
+	}
+	if f.ResponseFailed {
+		items = append(items, "response_failed")
+	}
 	add("fragment", f.Fragment)
 	add("comment_every", f.CommentEvery)
 	if f.CommentInterval != 0 {
@@ -139,6 +164,8 @@ func (f Fault) String() string {
 //	fraction=F           only a random fraction F (0 < F <= 1)
 //	retry_after=SECONDS  Retry-After header (status only; >= 1)
 //	error_code=CODE      code and type of the error event (error_event only)
+//	error_type=NAME      the error event's type/code instead of the one CODE picks
+//	response_failed      Responses: response.failed instead of event: error
 //	fragment=N           write the body N bytes at a time, flushing each
 //	comment_every=N      ": ping" comment after every N content events
 //	comment_every=DUR    headers at once, then ": ping" every DUR while waiting
@@ -228,6 +255,18 @@ func (f *Fault) set(k, v string, hasValue bool) error {
 		if err = needValue(); err == nil {
 			f.ErrorCode, err = parseStatus(v)
 		}
+	case "error_type":
+		if err = needValue(); err == nil {
+			if !validErrorType(v) {
+				return fmt.Errorf("error_type %q: want 1-64 letters, digits or '_'", v)
+			}
+			f.ErrorType = v
+		}
+	case "response_failed":
+		if hasValue {
+			return fmt.Errorf("%s takes no value", k)
+		}
+		f.ResponseFailed = true
 	case "fragment":
 		if err = needValue(); err == nil {
 			f.Fragment, err = parseCount(v, maxTokenBytes)
@@ -280,6 +319,10 @@ func (f Fault) Validate() error {
 		return errors.New("retry_after needs status")
 	case f.ErrorCode != 0 && f.Kind != FaultErrorEvent:
 		return errors.New("error_code needs error_event")
+	case (f.ErrorType != "" || f.ResponseFailed) && f.Kind != FaultErrorEvent:
+		return errors.New("error_type and response_failed need error_event")
+	case f.ErrorType != "" && !validErrorType(f.ErrorType):
+		return fmt.Errorf("error_type %q: want 1-64 letters, digits or '_'", f.ErrorType)
 	case f.ErrorCode != 0 && (f.ErrorCode < 400 || f.ErrorCode > 599):
 		return fmt.Errorf("error_code %d: want 400-599", f.ErrorCode)
 	case f.CommentEvery != 0 && f.CommentInterval != 0:
@@ -308,4 +351,17 @@ func parseStatus(s string) (int, error) {
 		return 0, fmt.Errorf("status %q: want 400-599", s)
 	}
 	return n, nil
+}
+
+// validErrorType reports whether s is 1-64 ASCII letters, digits or '_'.
+func validErrorType(s string) bool {
+	if s == "" || len(s) > 64 {
+		return false
+	}
+	for _, c := range s {
+		if !(c == '_' || c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z') {
+			return false
+		}
+	}
+	return true
 }

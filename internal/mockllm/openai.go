@@ -7,26 +7,40 @@ import (
 	"net/http"
 )
 
-// completionRequest holds the request fields the mock looks at.
+// completionRequest holds the request fields the mock looks at, of all
+// four APIs (see dialect for which API reads which).
 type completionRequest struct {
 	Model               string          `json:"model"`
-	Messages            json.RawMessage `json:"messages"`
-	Prompt              json.RawMessage `json:"prompt"`
+	Messages            json.RawMessage `json:"messages"` // Chat, Messages
+	Prompt              json.RawMessage `json:"prompt"`   // Completions
+	Input               json.RawMessage `json:"input"`    // Responses
+	Instructions        json.RawMessage `json:"instructions"`
+	System              json.RawMessage `json:"system"` // Messages
+	Tools               json.RawMessage `json:"tools"`
 	Stream              bool            `json:"stream"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	MaxTokens           *int            `json:"max_tokens"`            // Chat, Completions, Messages
+	MaxCompletionTokens *int            `json:"max_completion_tokens"` // Chat
+	MaxOutputTokens     *int            `json:"max_output_tokens"`     // Responses
 	StreamOptions       *struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
 }
 
-// maxTokens is the request's token limit, 0 when unset.
+// maxTokens is the Chat/Completions token limit, 0 when unset.
 func (r *completionRequest) maxTokens() int {
 	switch {
 	case r.MaxCompletionTokens != nil && *r.MaxCompletionTokens > 0:
 		return *r.MaxCompletionTokens
 	case r.MaxTokens != nil && *r.MaxTokens > 0:
 		return *r.MaxTokens
+	}
+	return 0
+}
+
+// positive is *p when p is set and positive, else 0.
+func positive(p *int) int {
+	if p != nil && *p > 0 {
+		return *p
 	}
 	return 0
 }
@@ -148,8 +162,14 @@ func faultMessage(status int) string {
 		return "Too many requests (mock fault)."
 	case http.StatusServiceUnavailable:
 		return "The server is overloaded or not ready yet (mock fault)."
+	case 529:
+		return "Overloaded (mock fault 529)."
 	}
-	return fmt.Sprintf("%s (mock fault %d).", http.StatusText(status), status)
+	text := http.StatusText(status)
+	if text == "" {
+		text = "Error"
+	}
+	return fmt.Sprintf("%s (mock fault %d).", text, status)
 }
 
 // marshal encodes v as compact JSON without HTML escaping, like vLLM's

@@ -202,12 +202,11 @@ func (r *Replica) serve(ln net.Listener) {
 
 func (r *Replica) routes() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("/v1/chat/completions", func(w http.ResponseWriter, req *http.Request) {
-		r.serveCompletion(w, req, true)
-	})
-	mux.HandleFunc("/v1/completions", func(w http.ResponseWriter, req *http.Request) {
-		r.serveCompletion(w, req, false)
-	})
+	mux.HandleFunc("/v1/chat/completions", r.serveAPI(APIChat))
+	mux.HandleFunc("/v1/completions", r.serveAPI(APICompletions))
+	mux.HandleFunc("/v1/responses", r.serveAPI(APIResponses))
+	mux.HandleFunc("/v1/messages", r.serveAPI(APIMessages))
+	mux.HandleFunc("POST /v1/messages/count_tokens", r.serveCountTokens)
 	mux.HandleFunc("GET /v1/models", r.serveModels)
 	mux.HandleFunc("GET /health", r.serveHealth)
 	mux.HandleFunc("GET /metrics", r.serveMetrics)

@@ -26,8 +26,8 @@ type FleetStats struct {
 
 // ReplicaStats counts what one replica saw since it started or since its
 // last reset. Only completion requests (/v1/chat/completions,
-// /v1/completions) are counted, except HealthChecks and the scrape
-// counts.
+// /v1/completions, /v1/responses, /v1/messages) are counted, except
+// HealthChecks and the scrape counts.
 type ReplicaStats struct {
 	// Index is the replica's position in the fleet, from 0.
 	Index int `json:"index"`
@@ -100,6 +100,9 @@ type RequestRecord struct {
 	// follows the X-Request-Id request header when there is one.
 	ID   string `json:"id"`
 	Path string `json:"path"`
+	// API is the API of the request's path (chat, completions, responses,
+	// messages).
+	API API `json:"api"`
 	// Model and Stream are read from the request body.
 	Model  string `json:"model,omitempty"`
 	Stream bool   `json:"stream"`
@@ -129,13 +132,19 @@ type RequestRecord struct {
 	// Authorization reports whether an Authorization header was present
 	// (its value is never recorded).
 	Authorization bool `json:"authorization"`
+	// APIKey reports whether an x-api-key header (Anthropic's credential)
+	// was present (its value is never recorded).
+	APIKey bool `json:"api_key"`
 	// Headers holds the other request headers (lowercase names, values
 	// joined by ", "), without Authorization, Cookie and
 	// Proxy-Authorization.
 	Headers map[string]string `json:"headers,omitempty"`
 	// Usage is the usage the replica reported to the client: in the
 	// non-streaming body, or in the usage chunk of a stream that asked for
-	// it (stream_options.include_usage); nil when it sent none.
+	// it (stream_options.include_usage), response.completed /
+	// response.incomplete (Responses) or the last message_delta
+	// (Messages); nil when it sent none. Messages and Responses report
+	// PromptTokens as input_tokens and CompletionTokens as output_tokens.
 	Usage *Usage `json:"usage,omitempty"`
 }
 
@@ -213,11 +222,12 @@ func (c *counters) snapshot() ReplicaStats {
 // credentials.
 func headersOfInterest(rec *RequestRecord, h http.Header) {
 	rec.Authorization = h.Get("Authorization") != ""
+	rec.APIKey = h.Get("X-Api-Key") != ""
 	rec.XForwardedFor = h.Get("X-Forwarded-For")
 	rec.Headers = make(map[string]string, len(h))
 	for k, v := range h {
 		switch lk := strings.ToLower(k); lk {
-		case "authorization", "cookie", "proxy-authorization":
+		case "authorization", "cookie", "proxy-authorization", "x-api-key":
 		default:
 			rec.Headers[lk] = strings.Join(v, ", ")
 		}
