@@ -22,9 +22,12 @@ type gateway struct {
 	s   breaker.Settings
 	ops *opRecorder
 
-	mu sync.Mutex
+	mu sync.Mutex // guards bk
 	bk map[string]*breaker.Breaker
-	tr map[string][]breaker.Transition
+	// trMu guards tr on its own: breaker.New may deliver a state change
+	// (adopted from the fleet) to the listener while b holds mu.
+	trMu sync.Mutex
+	tr   map[string][]breaker.Transition
 }
 
 // settings of the tests' breakers: the default trip rules, no MinOpen, no
@@ -56,8 +59,8 @@ func (g *gateway) b(key string) *breaker.Breaker {
 	}
 	b := breaker.New(key, g.s, breaker.WithStore(g.bs), breaker.WithRand(func() float64 { return 0 }),
 		breaker.WithListener(func(tr breaker.Transition) {
-			g.mu.Lock()
-			defer g.mu.Unlock()
+			g.trMu.Lock()
+			defer g.trMu.Unlock()
 			g.tr[key] = append(g.tr[key], tr)
 		}))
 	g.bk[key] = b
@@ -65,8 +68,8 @@ func (g *gateway) b(key string) *breaker.Breaker {
 }
 
 func (g *gateway) transitions(key string) []breaker.Transition {
-	g.mu.Lock()
-	defer g.mu.Unlock()
+	g.trMu.Lock()
+	defer g.trMu.Unlock()
 	return append([]breaker.Transition(nil), g.tr[key]...)
 }
 
