@@ -10,11 +10,13 @@ import (
 	"github.com/tidwall/gjson"
 )
 
-// The top-level fields each API's parser reads; a body that repeats one,
-// or sends one differing only in case, is refused (see ambiguousField).
+// The top-level fields each API's parser reads (Messages' "thinking" is
+// read by the degradation ladder, which keeps its budget below a clamped
+// max_tokens); a body that repeats one, or sends one differing only in
+// case, is refused (see ambiguousField).
 var (
 	responsesFields = []string{"model", "stream", "max_output_tokens", "input", "instructions", "tools"}
-	messagesFields  = []string{"model", "stream", "max_tokens", "messages", "system", "tools"}
+	messagesFields  = []string{"model", "stream", "max_tokens", "messages", "system", "tools", "thinking"}
 )
 
 // parseResponses reads an OpenAI Responses request: model, stream,

@@ -170,3 +170,20 @@ func TestOtherMessagesPathsAreAnthropicShaped(t *testing.T) {
 		t.Error("count_tokens has stream semantics")
 	}
 }
+
+// TestMessagesRepeatedThinkingIsRefused: the ladder rewrites "thinking"
+// when it clamps max_tokens, so a body that repeats it (a server may read
+// the other copy) is refused as ambiguous, like the other fields read.
+func TestMessagesRepeatedThinkingIsRefused(t *testing.T) {
+	for _, body := range []string{
+		`{"max_tokens":9000,"thinking":{"type":"disabled"},"thinking":{"type":"enabled","budget_tokens":8000}}`,
+		`{"max_tokens":9000,"Thinking":{"type":"enabled","budget_tokens":8000}}`,
+	} {
+		if _, err := api.Messages.ParseRequest([]byte(body)); err == nil {
+			t.Fatalf("%s accepted", body)
+		}
+	}
+	if _, err := api.Messages.ParseRequest([]byte(`{"max_tokens":9000,"thinking":{"type":"enabled","budget_tokens":8000}}`)); err != nil {
+		t.Fatal(err)
+	}
+}
