@@ -187,3 +187,30 @@ func TestMessagesRepeatedThinkingIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestOpenAIMessagesListsAreNotAnthropicMessages: OpenAI's Assistants
+// (/v1/threads/{id}/messages) and stored completions
+// (/v1/chat/completions/{id}/messages) end in /messages too, but are
+// OpenAI's JSON lists: no stream semantics and OpenAI's error shape.
+func TestOpenAIMessagesListsAreNotAnthropicMessages(t *testing.T) {
+	for _, tc := range []struct {
+		path, want string
+		anthropic  bool
+	}{
+		{"/v1/threads/thread_abc123/messages", "none", false},
+		{"/v1/threads/thread_abc123/messages/", "none", false},
+		{"/openai/v1/threads/thread_abc123/messages", "none", false},
+		{"/v1/chat/completions/chatcmpl-abc123/messages", "none", false},
+		{"/v1/completions/cmpl-1/messages", "none", false},
+		{"/v1/threads/thread_abc123/messages/msg_1", "none", false},
+		{"/v1/messages", "messages", true},
+		{"/anthropic/v1/messages", "messages", true},
+		{"/v1/threads/messages", "messages", true},
+		{"/v1/messages/count_tokens", "none", true},
+	} {
+		a := api.ForPath(tc.path)
+		if a.Name() != tc.want || api.AnthropicShaped(a) != tc.anthropic {
+			t.Errorf("ForPath(%q) = %s (Anthropic-shaped %v), want %s (%v)", tc.path, a.Name(), api.AnthropicShaped(a), tc.want, tc.anthropic)
+		}
+	}
+}
