@@ -89,6 +89,9 @@ const (
 	// chunk with only a role, response.created, message_start, ping):
 	// held before commit, sent at commit in order with the first
 	// generated event; an attempt that fails before commit loses them.
+	// After commit only SSE comments, Messages' ping and (Chat,
+	// Completions) chunks that generate nothing are Lifecycle: relayed,
+	// but not counted as generated.
 	Lifecycle Class = iota
 	// Generated events carry something the model generated (a text,
 	// refusal or reasoning delta, a tool call, ...); the first one is the

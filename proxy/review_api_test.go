@@ -45,6 +45,42 @@ func TestMessagesCutBeforeMessageDeltaSettlesAnEstimate(t *testing.T) {
 	}
 }
 
+// TestMessagesPingsAfterCommitAreNotCountedAsTokens: Anthropic sends ping
+// events (and a proxy may add SSE comments) while a stream runs; they
+// carry nothing generated. A stream cut before its message_delta is
+// settled with one completion token per generated event relayed: the
+// pings and comments between the deltas are relayed to the client but
+// count nothing (3 generated events, as without them).
+func TestMessagesPingsAfterCommitAreNotCountedAsTokens(t *testing.T) {
+	tn := newTenancy(t, 0)
+	evs := events(transcript(t, "messages_complete.sse"))[:6]
+	ping := "event: ping\n" + `data: {"type": "ping"}` + "\n\n"
+	dataOnlyPing := `data: {"type":"ping"}` + "\n\n"
+	var withPings []string
+	for i, ev := range evs {
+		withPings = append(withPings, ev)
+		if i >= 3 {
+			withPings = append(withPings, ping, ": keep-alive\n\n", dataOnlyPing)
+		}
+	}
+	up := newUpstream(t, sseUpstream(withPings...))
+	p, _ := tn.proxy(t, Config{}, up)
+	w := httptest.NewRecorder()
+	r := apiPost("/v1/messages", messagesBody)
+	r.Header.Set("X-Api-Key", "sk-a")
+	res := p.ServeHTTP(w, r)
+	tail := "event: error\n" + `data: {"type":"error","error":{"type":"api_error","message":"upstream stream ended before completion"}}` + "\n\n"
+	if w.Body.String() != strings.Join(withPings, "")+tail || res.Outcome != OutcomeTruncated {
+		t.Fatalf("outcome %s body\n%s", res.Outcome, w.Body)
+	}
+	if res.ContentEvents != 3 {
+		t.Fatalf("content events %d, want 3", res.ContentEvents)
+	}
+	if got, want := tn.obs.settled(), "a prompt estimate 30, a completion estimate 3"; got != want {
+		t.Fatalf("settled %q, want %q", got, want)
+	}
+}
+
 // TestLifecycleThenStopWithoutStopReasonFailsOver: an upstream whose
 // Messages stream ends (message_stop) after only message_start and ping,
 // with no message_delta and so no stop_reason, generated nothing and did
