@@ -1,6 +1,8 @@
 package api_test
 
 import (
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
@@ -212,5 +214,45 @@ func TestOpenAIMessagesListsAreNotAnthropicMessages(t *testing.T) {
 		if a.Name() != tc.want || api.AnthropicShaped(a) != tc.anthropic {
 			t.Errorf("ForPath(%q) = %s (Anthropic-shaped %v), want %s (%v)", tc.path, a.Name(), api.AnthropicShaped(a), tc.want, tc.anthropic)
 		}
+	}
+}
+
+// TestMessagesDocumentTextIsInThePromptEstimate: a Messages document block
+// whose source is plain text (source.type "text", its "data") or content
+// blocks (source.type "content") is text the model reads: counted in the
+// prompt estimate and yielded for prefix routing, while a base64 PDF's
+// data and a URL source count nothing.
+func TestMessagesDocumentTextIsInThePromptEstimate(t *testing.T) {
+	text := strings.Repeat("x", 4000)
+	for _, tc := range []struct {
+		name, block string
+		chars       int
+		segments    []string
+	}{
+		{"text source", `{"type":"document","source":{"type":"text","media_type":"text/plain","data":"` + text + `"},"title":"abcd"}`,
+			4 + 4000, []string{text, "abcd"}},
+		{"content source", `{"type":"document","source":{"type":"content","content":[{"type":"text","text":"` + text + `"},{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAA"}}]}}`,
+			4000, []string{text}},
+		{"content source string", `{"type":"document","source":{"type":"content","content":"` + text + `"}}`,
+			4000, []string{text}},
+		{"base64 pdf", `{"type":"document","source":{"type":"base64","media_type":"application/pdf","data":"` + text + `"}}`,
+			0, nil},
+		{"url", `{"type":"document","source":{"type":"url","url":"https://example.com/a.pdf"}}`, 0, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			body := `{"model":"c","max_tokens":10,"messages":[{"role":"user","content":[{"type":"text","text":"abcd"},` + tc.block + `]}]}`
+			req, err := api.Messages.ParseRequest([]byte(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := (4 + tc.chars + 3) / 4; req.PromptTokens != want {
+				t.Fatalf("prompt estimate %d, want %d", req.PromptTokens, want)
+			}
+			var got []string
+			api.PromptText(api.Messages, []byte(body), func(s string) bool { got = append(got, s); return true })
+			if want := append([]string{"abcd"}, tc.segments...); !slices.Equal(got, want) {
+				t.Fatalf("prompt segments %d %.20q, want %d", len(got), got, len(want))
+			}
+		})
 	}
 }
