@@ -89,6 +89,9 @@ const (
 	// chunk with only a role, response.created, message_start, ping):
 	// held before commit, sent at commit in order with the first
 	// generated event; an attempt that fails before commit loses them.
+	// After commit only SSE comments, Messages' ping and (Chat,
+	// Completions) chunks that generate nothing are Lifecycle: relayed,
+	// but not counted as generated.
 	Lifecycle Class = iota
 	// Generated events carry something the model generated (a text,
 	// refusal or reasoning delta, a tool call, ...); the first one is the
@@ -190,7 +193,9 @@ type InbandError struct {
 
 // ForPath returns the API that a request path speaks, by its suffix (so
 // that a route keeping a prefix, /openai/v1/responses, works):
-// /chat/completions, /completions, /responses, /messages. Every other path
+// /chat/completions, /completions, /responses, /messages (but not OpenAI's
+// message lists /threads/{id}/messages and /completions/{id}/messages,
+// which are None). Every other path
 // has no stream semantics: None (/v1/embeddings, audio, files), or, under
 // a Messages route (/v1/messages/count_tokens, /v1/messages/batches),
 // None's rules with Anthropic's error shapes (named "none" too; see
@@ -205,12 +210,28 @@ func ForPath(path string) API {
 		return Completions
 	case strings.HasSuffix(path, "/responses"):
 		return Responses
-	case strings.HasSuffix(path, "/messages"):
+	case strings.HasSuffix(path, "/messages") && !openAIMessageList(path):
 		return Messages
 	case strings.Contains(path, "/v1/messages/"):
 		return messagesOther
 	}
 	return None
+}
+
+// openAIMessageList reports whether path, which ends in /messages, is one
+// of OpenAI's message lists rather than Anthropic Messages: its parent
+// segments are threads/<id> (Assistants, /v1/threads/{thread_id}/messages)
+// or completions/<id> (stored chat completions,
+// /v1/chat/completions/{completion_id}/messages).
+func openAIMessageList(path string) bool {
+	parent := strings.TrimSuffix(path, "/messages")
+	i := strings.LastIndexByte(parent, '/')
+	if i < 0 || i == len(parent)-1 {
+		return false
+	}
+	parent = parent[:i]
+	return strings.HasSuffix(parent, "/threads") || strings.HasSuffix(parent, "/completions") ||
+		parent == "threads" || parent == "completions"
 }
 
 // AnthropicShaped reports whether the gateway's own errors on a request of

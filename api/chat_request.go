@@ -38,8 +38,9 @@ type Request struct {
 	// outputs, reasoning summaries) and the tools' JSON text. Messages:
 	// "system" (a string or text blocks), every message's content (a
 	// string, or its blocks: text, tool_use input, tool_result content,
-	// thinking) and the tools' JSON text. Images, audio, files, ids, types
-	// and signatures count nothing.
+	// thinking, a document's title, context and plain-text or content
+	// source) and the tools' JSON text. Images, audio, files (a base64 or
+	// URL document among them), ids, types and signatures count nothing.
 	PromptTokens int
 	// IncludeUsage is stream_options.include_usage (Chat, Completions).
 	IncludeUsage bool

@@ -9,8 +9,10 @@ import (
 // messagesAPI is Anthropic Messages (/v1/messages), as Anthropic, vLLM and
 // SGLang stream it: every event named after its "type".
 //
-//	lifecycle  SSE comments; message_start; ping; content_block_start of a
-//	           text or thinking block that is still empty
+//	lifecycle  SSE comments and ping, anywhere in the stream (after
+//	           commit they are relayed and count nothing generated);
+//	           message_start and content_block_start of a text or
+//	           thinking block that is still empty, before commit
 //	generated  content_block_delta (text, thinking, input_json, citations,
 //	           signature); content_block_start of a tool_use block (or of
 //	           any other kind, or with text); content_block_stop;
@@ -49,9 +51,9 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 	case "content_block_delta":
 		// The hot path: one delta per token.
 	case "ping":
-		if !st.Generated {
-			return Lifecycle
-		}
+		// A keep-alive, before or after commit: relayed, but never a
+		// token of the estimate when the stream reports no usage.
+		return Lifecycle
 	case "message_start":
 		messagesUsage(st, ev.Data, "message.usage", false)
 		if !st.Generated {

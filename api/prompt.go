@@ -10,7 +10,8 @@ import "github.com/tidwall/gjson"
 // Responses' "instructions" and "input", or Messages' "system" and
 // "messages". Within them it yields every string the model reads, in
 // document order, as Request.PromptTokens counts them (ids, types, roles,
-// signatures and media sources are skipped); a completions prompt of token
+// signatures and media sources are skipped, a Messages document's text is
+// not); a completions prompt of token
 // ids is yielded as its JSON text. None, an empty body or one that is not
 // JSON yields nothing. It stops when yield returns false. The order is the
 // same on every turn of a conversation, which is what a prefix needs.
@@ -71,7 +72,7 @@ func textSegments(r gjson.Result, yield func(string) bool) bool {
 		ok := true
 		obj := r.IsObject()
 		r.ForEach(func(k, v gjson.Result) bool {
-			if !obj || !metaKeys[k.Str] {
+			if v, read := readValue(obj, k, v); read {
 				ok = textSegments(v, yield)
 			}
 			return ok

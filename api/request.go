@@ -10,11 +10,13 @@ import (
 	"github.com/tidwall/gjson"
 )
 
-// The top-level fields each API's parser reads; a body that repeats one,
-// or sends one differing only in case, is refused (see ambiguousField).
+// The top-level fields each API's parser reads (Messages' "thinking" is
+// read by the degradation ladder, which keeps its budget below a clamped
+// max_tokens); a body that repeats one, or sends one differing only in
+// case, is refused (see ambiguousField).
 var (
 	responsesFields = []string{"model", "stream", "max_output_tokens", "input", "instructions", "tools"}
-	messagesFields  = []string{"model", "stream", "max_tokens", "messages", "system", "tools"}
+	messagesFields  = []string{"model", "stream", "max_tokens", "messages", "system", "tools", "thinking"}
 )
 
 // parseResponses reads an OpenAI Responses request: model, stream,
@@ -113,7 +115,8 @@ var metaKeys = map[string]bool{
 
 // textChars counts the code points of every string the model reads in r:
 // a string itself, the elements of an array, the members of an object
-// except metaKeys. Numbers, booleans and null count nothing.
+// except metaKeys (but the text of a document's source: see readValue).
+// Numbers, booleans and null count nothing.
 func textChars(r gjson.Result) int {
 	switch {
 	case r.Type == gjson.String:
@@ -122,7 +125,7 @@ func textChars(r gjson.Result) int {
 		n := 0
 		obj := r.IsObject()
 		r.ForEach(func(k, v gjson.Result) bool {
-			if !obj || !metaKeys[k.Str] {
+			if v, ok := readValue(obj, k, v); ok {
 				n += textChars(v)
 			}
 			return true
@@ -130,6 +133,29 @@ func textChars(r gjson.Result) int {
 		return n
 	}
 	return 0
+}
+
+// readValue returns the part of member k (value v) of an object (obj) or
+// element of an array that the model reads as text, ok false for none: an
+// array's elements and an object's members that are not metaKeys whole;
+// of a "source", only an Anthropic Messages document's text — source.type
+// "text" (its "data", plain text) or "content" (its "content": a string or
+// content blocks); an image's, a base64 PDF's, a URL's or a file's source
+// is none.
+func readValue(obj bool, k, v gjson.Result) (gjson.Result, bool) {
+	switch {
+	case !obj || !metaKeys[k.Str]:
+		return v, true
+	case k.Str != "source" || !v.IsObject():
+		return gjson.Result{}, false
+	}
+	switch v.Get("type").Str {
+	case "text":
+		return v.Get("data"), true
+	case "content":
+		return v.Get("content"), true
+	}
+	return gjson.Result{}, false
 }
 
 // jsonChars counts the code points of r's JSON text (tool definitions, as

@@ -1,6 +1,8 @@
 package api_test
 
 import (
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
@@ -168,5 +170,89 @@ func TestOtherMessagesPathsAreAnthropicShaped(t *testing.T) {
 	}
 	if api.ForPath("/v1/messages/count_tokens").Name() != "none" {
 		t.Error("count_tokens has stream semantics")
+	}
+}
+
+// TestMessagesRepeatedThinkingIsRefused: the ladder rewrites "thinking"
+// when it clamps max_tokens, so a body that repeats it (a server may read
+// the other copy) is refused as ambiguous, like the other fields read.
+func TestMessagesRepeatedThinkingIsRefused(t *testing.T) {
+	for _, body := range []string{
+		`{"max_tokens":9000,"thinking":{"type":"disabled"},"thinking":{"type":"enabled","budget_tokens":8000}}`,
+		`{"max_tokens":9000,"Thinking":{"type":"enabled","budget_tokens":8000}}`,
+	} {
+		if _, err := api.Messages.ParseRequest([]byte(body)); err == nil {
+			t.Fatalf("%s accepted", body)
+		}
+	}
+	if _, err := api.Messages.ParseRequest([]byte(`{"max_tokens":9000,"thinking":{"type":"enabled","budget_tokens":8000}}`)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestOpenAIMessagesListsAreNotAnthropicMessages: OpenAI's Assistants
+// (/v1/threads/{id}/messages) and stored completions
+// (/v1/chat/completions/{id}/messages) end in /messages too, but are
+// OpenAI's JSON lists: no stream semantics and OpenAI's error shape.
+func TestOpenAIMessagesListsAreNotAnthropicMessages(t *testing.T) {
+	for _, tc := range []struct {
+		path, want string
+		anthropic  bool
+	}{
+		{"/v1/threads/thread_abc123/messages", "none", false},
+		{"/v1/threads/thread_abc123/messages/", "none", false},
+		{"/openai/v1/threads/thread_abc123/messages", "none", false},
+		{"/v1/chat/completions/chatcmpl-abc123/messages", "none", false},
+		{"/v1/completions/cmpl-1/messages", "none", false},
+		{"/v1/threads/thread_abc123/messages/msg_1", "none", false},
+		{"/v1/messages", "messages", true},
+		{"/anthropic/v1/messages", "messages", true},
+		{"/v1/threads/messages", "messages", true},
+		{"/v1/messages/count_tokens", "none", true},
+	} {
+		a := api.ForPath(tc.path)
+		if a.Name() != tc.want || api.AnthropicShaped(a) != tc.anthropic {
+			t.Errorf("ForPath(%q) = %s (Anthropic-shaped %v), want %s (%v)", tc.path, a.Name(), api.AnthropicShaped(a), tc.want, tc.anthropic)
+		}
+	}
+}
+
+// TestMessagesDocumentTextIsInThePromptEstimate: a Messages document block
+// whose source is plain text (source.type "text", its "data") or content
+// blocks (source.type "content") is text the model reads: counted in the
+// prompt estimate and yielded for prefix routing, while a base64 PDF's
+// data and a URL source count nothing.
+func TestMessagesDocumentTextIsInThePromptEstimate(t *testing.T) {
+	text := strings.Repeat("x", 4000)
+	for _, tc := range []struct {
+		name, block string
+		chars       int
+		segments    []string
+	}{
+		{"text source", `{"type":"document","source":{"type":"text","media_type":"text/plain","data":"` + text + `"},"title":"abcd"}`,
+			4 + 4000, []string{text, "abcd"}},
+		{"content source", `{"type":"document","source":{"type":"content","content":[{"type":"text","text":"` + text + `"},{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAA"}}]}}`,
+			4000, []string{text}},
+		{"content source string", `{"type":"document","source":{"type":"content","content":"` + text + `"}}`,
+			4000, []string{text}},
+		{"base64 pdf", `{"type":"document","source":{"type":"base64","media_type":"application/pdf","data":"` + text + `"}}`,
+			0, nil},
+		{"url", `{"type":"document","source":{"type":"url","url":"https://example.com/a.pdf"}}`, 0, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			body := `{"model":"c","max_tokens":10,"messages":[{"role":"user","content":[{"type":"text","text":"abcd"},` + tc.block + `]}]}`
+			req, err := api.Messages.ParseRequest([]byte(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := (4 + tc.chars + 3) / 4; req.PromptTokens != want {
+				t.Fatalf("prompt estimate %d, want %d", req.PromptTokens, want)
+			}
+			var got []string
+			api.PromptText(api.Messages, []byte(body), func(s string) bool { got = append(got, s); return true })
+			if want := append([]string{"abcd"}, tc.segments...); !slices.Equal(got, want) {
+				t.Fatalf("prompt segments %d %.20q, want %d", len(got), got, len(want))
+			}
+		})
 	}
 }

@@ -55,7 +55,7 @@ func TestReviewDegradationUpstream429NonStreamed(t *testing.T) {
 	if r.Status != 200 || time.Since(start) > 5*time.Second {
 		t.Fatalf("status %d after %v; body %s", r.Status, time.Since(start), r.Body)
 	}
-	if got := r.Header.Get("X-LLM-Proxy-Degraded"); got != "fallback=small; model=llama-8b; max_tokens=4096" {
+	if got := r.Header.Get("X-LLM-Proxy-Degraded"); got != "fallback=small; model=llama-8b; max_completion_tokens=4096" {
 		t.Fatalf("X-LLM-Proxy-Degraded %q", got)
 	}
 	var resp struct {

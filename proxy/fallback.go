@@ -55,7 +55,11 @@ const (
 )
 
 // HeaderDegraded is the response header of a degraded answer (DESIGN §5):
-// "fallback=<name>[; model=<m>][; max_tokens=<n>]".
+// "fallback=<name>[; model=<m>][; <limit field>=<n>[; thinking_budget=<n>
+// | ; thinking=off]]", where the limit field is the one the API's server
+// reads (max_tokens, max_completion_tokens, max_output_tokens) and the
+// thinking part says how a Messages request's extended thinking was cut
+// to fit the clamped max_tokens.
 const HeaderDegraded = "X-LLM-Proxy-Degraded"
 
 // Fallback is one rung of the degradation ladder (DESIGN §10): a pool that
@@ -134,22 +138,28 @@ func (f *Fallback) Clamp(info RequestInfo) (maxTokens int, set, fits bool) {
 // whichever the client sent, max_tokens when it sent neither; Responses'
 // max_output_tokens; Messages' and Completions' max_tokens) set to
 // maxTokens when setMax (an API without one, api.None, is not clamped).
-// Every other byte is as the client sent it.
-func rewriteBody(body []byte, a api.API, model string, maxTokens int, setMax bool) ([]byte, error) {
+// A Messages request's extended thinking is kept below the new max_tokens
+// (see clampThinking). Every other byte is as the client sent it.
+//
+// note is what the clamp changed, for the X-LLM-Proxy-Degraded header:
+// "<field>=<n>" naming the field the server reads (the first of a's
+// fields that was set: max_completion_tokens when a Chat client sent it),
+// then "; thinking_budget=<n>" or "; thinking=off" when the thinking
+// budget was lowered or removed; "" when setMax is false.
+func rewriteBody(body []byte, a api.API, model string, maxTokens int, setMax bool) (out []byte, note string, err error) {
 	fields := a.OutputLimitFields()
 	setMax = setMax && len(fields) > 0
 	if model == "" && !setMax {
-		return body, nil
+		return body, "", nil
 	}
 	end := len(body)
 	for end > 0 && isJSONSpace(body[end-1]) {
 		end--
 	}
-	out := body[:end:end]
-	var err error
+	out = body[:end:end]
 	if model != "" {
 		if out, err = sjson.SetBytes(out, "model", model); err != nil {
-			return nil, err
+			return nil, "", err
 		}
 	}
 	if setMax {
@@ -164,16 +174,76 @@ func rewriteBody(body []byte, a api.API, model string, maxTokens int, setMax boo
 		}
 		for _, k := range keys {
 			if out, err = sjson.SetBytes(out, k, maxTokens); err != nil {
-				return nil, err
+				return nil, "", err
+			}
+		}
+		note = keys[0] + "=" + strconv.Itoa(maxTokens)
+		if a == api.Messages {
+			var th string
+			if out, th, err = clampThinking(out, maxTokens); err != nil {
+				return nil, "", err
+			}
+			if th != "" {
+				note += "; " + th
 			}
 		}
 	}
-	return append(out, body[end:]...), nil
+	return append(out, body[end:]...), note, nil
+}
+
+// minThinkingBudget is the least thinking.budget_tokens Anthropic's
+// Messages API accepts, which also requires budget_tokens < max_tokens
+// (docs.anthropic.com/en/docs/build-with-claude/extended-thinking).
+const minThinkingBudget = 1024
+
+// clampThinking keeps the extended thinking of a Messages request body
+// valid for its clamped maxTokens: when "thinking" is
+// {"type":"enabled","budget_tokens":b} with b >= maxTokens, budget_tokens
+// becomes maxTokens-1 if that is at least minThinkingBudget (note
+// "thinking_budget=<n>"), else the "thinking" field is removed (note
+// "thinking=off"): the answer is degraded anyway, and an
+// Anthropic-compatible upstream would refuse the request with 400. Any
+// other thinking (disabled, adaptive, a budget already below maxTokens, a
+// budget that is not a number) is left as sent; note is "" then.
+func clampThinking(body []byte, maxTokens int) (out []byte, note string, err error) {
+	th := gjson.GetBytes(body, "thinking")
+	if !th.IsObject() || th.Get("type").Str != "enabled" {
+		return body, "", nil
+	}
+	if b := th.Get("budget_tokens"); b.Type != gjson.Number || b.Num < float64(maxTokens) {
+		return body, "", nil
+	}
+	budget := maxTokens - 1
+	if budget < minThinkingBudget {
+		if out, err = sjson.DeleteBytes(body, "thinking"); err != nil {
+			return nil, "", err
+		}
+		return out, "thinking=off", nil
+	}
+	// Rebuilt member by member: every budget_tokens (a repeated one too,
+	// which a server may read instead of the first) gives way to one.
+	obj := []byte{'{'}
+	th.ForEach(func(k, v gjson.Result) bool {
+		if k.Str != "budget_tokens" {
+			obj = append(append(append(obj, k.Raw...), ':'), v.Raw...)
+			obj = append(obj, ',')
+		}
+		return true
+	})
+	obj = append(obj, `"budget_tokens":`...)
+	obj = strconv.AppendInt(obj, int64(budget), 10)
+	obj = append(obj, '}')
+	if out, err = sjson.SetRawBytes(body, "thinking", obj); err != nil {
+		return nil, "", err
+	}
+	return out, "thinking_budget=" + strconv.Itoa(budget), nil
 }
 
 // degradedHeader is the X-LLM-Proxy-Degraded value of a request sent to f
-// with model (when f rewrites it) and maxTokens (when set).
-func degradedHeader(f *Fallback, maxTokens int, setMax bool) string {
+// with model (when f rewrites it) and rewriteBody's note:
+// "fallback=<name>[; model=<m>][; <limit field>=<n>[; thinking_budget=<n>
+// | ; thinking=off]]".
+func degradedHeader(f *Fallback, note string) string {
 	var b strings.Builder
 	b.WriteString("fallback=")
 	b.WriteString(f.Name)
@@ -181,9 +251,9 @@ func degradedHeader(f *Fallback, maxTokens int, setMax bool) string {
 		b.WriteString("; model=")
 		b.WriteString(f.Model)
 	}
-	if setMax {
-		b.WriteString("; max_tokens=")
-		b.WriteString(strconv.Itoa(maxTokens))
+	if note != "" {
+		b.WriteString("; ")
+		b.WriteString(note)
 	}
 	return b.String()
 }
@@ -280,7 +350,7 @@ func (x *exchange) degrade(why string) bool {
 		if setMax {
 			info.MaxTokens, info.MaxTokensSet = maxTokens, true
 		}
-		body, err := rewriteBody(x.client.body, x.api, f.Model, maxTokens, setMax)
+		body, note, err := rewriteBody(x.client.body, x.api, f.Model, maxTokens, setMax)
 		if err != nil {
 			x.refuseFallback(f, "the request body cannot be rewritten: "+err.Error())
 			continue
@@ -312,7 +382,7 @@ func (x *exchange) degrade(why string) bool {
 		}
 		x.body, x.res.Info = body, info
 		x.rung = rung{index: i, fb: f, pool: &f.Pool, reason: why}
-		x.degraded = degradedHeader(f, maxTokens, setMax)
+		x.degraded = degradedHeader(f, note)
 		x.res.Degraded, x.res.Fallback, x.res.DegradeReason = x.degraded, f.Name, why
 		x.failure = nil
 		return true

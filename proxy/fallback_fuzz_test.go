@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/json"
 	"slices"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
@@ -32,6 +33,10 @@ func FuzzRewriteBody(f *testing.F) {
 	}
 	f.Add(`{"model":"big","max_output_tokens":64000,"input":"hi"}`, "small", 100, true, uint8(2))
 	f.Add(`{"model":"big","max_tokens":64000,"system":"s","messages":[]}`, "small", 100, true, uint8(3))
+	f.Add(`{"max_tokens":64000,"thinking":{"type":"enabled","budget_tokens":8000}}`, "small", 4096, true, uint8(3))
+	f.Add(`{"max_tokens":64000,"thinking":{"type":"enabled","budget_tokens":8000}}`, "", 1000, true, uint8(3))
+	f.Add(`{"max_tokens":64000,"thinking":{"type":"enabled","budget_tokens":8000,"budget_tokens":9000,"x":[1]}}`, "", 2000, true, uint8(3))
+	f.Add(`{"max_tokens":64000,"thinking":{"type":"enabled","budget_tokens":1e4}}`, "", -5, true, uint8(3))
 	f.Fuzz(func(t *testing.T, body, model string, maxTokens int, setMax bool, which uint8) {
 		a := rewriteAPIs[int(which)%len(rewriteAPIs)]
 		if !utf8.ValidString(model) {
@@ -44,7 +49,7 @@ func FuzzRewriteBody(f *testing.F) {
 		if _, err := a.ParseRequest([]byte(body)); err != nil {
 			return
 		}
-		out, err := rewriteBody([]byte(body), a, model, maxTokens, setMax)
+		out, note, err := rewriteBody([]byte(body), a, model, maxTokens, setMax)
 		if err != nil {
 			return // the fallback is passed over, the client's body untouched
 		}
@@ -68,8 +73,29 @@ func FuzzRewriteBody(f *testing.F) {
 				t.Fatalf("%s = %s, want %d: %s", key, got.Raw, maxTokens, out)
 			}
 		}
+		thinkingCut := a == api.Messages && setMax && len(fields) > 0 && strings.Contains(note, "thinking")
+		if thinkingCut {
+			// Anthropic's rule: thinking fits the clamped max_tokens, and
+			// a budget the clamp lowered stays at least 1024.
+			if th, ok := after["thinking"]; ok {
+				var v struct {
+					Budget json.Number `json:"budget_tokens"`
+				}
+				if err := json.Unmarshal(th, &v); err != nil {
+					t.Fatalf("thinking %s: %v", th, err)
+				}
+				if b, err := v.Budget.Int64(); err != nil || b >= int64(maxTokens) || b < minThinkingBudget {
+					t.Fatalf("budget_tokens %s with max_tokens %d: %s", v.Budget, maxTokens, out)
+				}
+			}
+		} else if a == api.Messages && setMax {
+			if b := gjson.GetBytes(out, "thinking.budget_tokens"); gjson.GetBytes(out, "thinking.type").Str == "enabled" &&
+				b.Type == gjson.Number && b.Num >= float64(maxTokens) {
+				t.Fatalf("thinking left above max_tokens %d: %s (note %q)", maxTokens, out, note)
+			}
+		}
 		for k, v := range before {
-			if k == "model" || (setMax && slices.Contains(fields, k)) {
+			if k == "model" || (setMax && slices.Contains(fields, k)) || (thinkingCut && k == "thinking") {
 				continue
 			}
 			if string(after[k]) != string(v) {

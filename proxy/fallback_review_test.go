@@ -179,7 +179,7 @@ func TestReviewMaxCompletionTokensWithNIsClampedAndReserved(t *testing.T) {
 	if want := `{"model":"llama-8b","n":2,"max_completion_tokens":300,"messages":[]}`; string(small.bodies[0]) != want {
 		t.Fatalf("fallback got %s, want %s", small.bodies[0], want)
 	}
-	if h := w.Header().Get(HeaderDegraded); h != "fallback=small; model=llama-8b; max_tokens=300" {
+	if h := w.Header().Get(HeaderDegraded); h != "fallback=small; model=llama-8b; max_completion_tokens=300" {
 		t.Fatalf("degraded header %q", h)
 	}
 	if !strings.Contains(w.Body.String(), `"model":"llama-8b-real"`) {

@@ -72,7 +72,7 @@ func TestRewriteBodyTouchesOnlyModelAndMaxTokens(t *testing.T) {
 		{"model only", `{"model":"big","max_tokens":3}`, "small", 0, false, `{"model":"small","max_tokens":3}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := rewriteBody([]byte(tc.in), api.Chat, tc.model, tc.max, tc.set)
+			got, _, err := rewriteBody([]byte(tc.in), api.Chat, tc.model, tc.max, tc.set)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -105,7 +105,7 @@ func TestRewriteBodySetsTheAPIsOutputLimit(t *testing.T) {
 		{"none", api.None, `{"model":"big","input":"x"}`, `{"model":"small","input":"x"}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := rewriteBody([]byte(tc.in), tc.a, "small", 100, true)
+			got, _, err := rewriteBody([]byte(tc.in), tc.a, "small", 100, true)
 			if err != nil || string(got) != tc.want {
 				t.Fatalf("got %s (%v), want %s", got, err, tc.want)
 			}

@@ -255,7 +255,7 @@ type Result struct {
 	// Events is the number of SSE events relayed to the client.
 	Events int
 	// ContentEvents is the number of SSE data events (chunks) relayed,
-	// comments, [DONE] and error events excluded: vLLM sends about one
+	// comments, Messages pings, [DONE] and error events excluded: vLLM sends about one
 	// token per chunk, so it estimates completion tokens when Usage is
 	// not Reported.
 	ContentEvents int

@@ -45,6 +45,42 @@ func TestMessagesCutBeforeMessageDeltaSettlesAnEstimate(t *testing.T) {
 	}
 }
 
+// TestMessagesPingsAfterCommitAreNotCountedAsTokens: Anthropic sends ping
+// events (and a proxy may add SSE comments) while a stream runs; they
+// carry nothing generated. A stream cut before its message_delta is
+// settled with one completion token per generated event relayed: the
+// pings and comments between the deltas are relayed to the client but
+// count nothing (3 generated events, as without them).
+func TestMessagesPingsAfterCommitAreNotCountedAsTokens(t *testing.T) {
+	tn := newTenancy(t, 0)
+	evs := events(transcript(t, "messages_complete.sse"))[:6]
+	ping := "event: ping\n" + `data: {"type": "ping"}` + "\n\n"
+	dataOnlyPing := `data: {"type":"ping"}` + "\n\n"
+	var withPings []string
+	for i, ev := range evs {
+		withPings = append(withPings, ev)
+		if i >= 3 {
+			withPings = append(withPings, ping, ": keep-alive\n\n", dataOnlyPing)
+		}
+	}
+	up := newUpstream(t, sseUpstream(withPings...))
+	p, _ := tn.proxy(t, Config{}, up)
+	w := httptest.NewRecorder()
+	r := apiPost("/v1/messages", messagesBody)
+	r.Header.Set("X-Api-Key", "sk-a")
+	res := p.ServeHTTP(w, r)
+	tail := "event: error\n" + `data: {"type":"error","error":{"type":"api_error","message":"upstream stream ended before completion"}}` + "\n\n"
+	if w.Body.String() != strings.Join(withPings, "")+tail || res.Outcome != OutcomeTruncated {
+		t.Fatalf("outcome %s body\n%s", res.Outcome, w.Body)
+	}
+	if res.ContentEvents != 3 {
+		t.Fatalf("content events %d, want 3", res.ContentEvents)
+	}
+	if got, want := tn.obs.settled(), "a prompt estimate 30, a completion estimate 3"; got != want {
+		t.Fatalf("settled %q, want %q", got, want)
+	}
+}
+
 // TestLifecycleThenStopWithoutStopReasonFailsOver: an upstream whose
 // Messages stream ends (message_stop) after only message_start and ping,
 // with no message_delta and so no stop_reason, generated nothing and did
@@ -244,23 +280,90 @@ func TestResponsesDoneBeforeCompletedIsACut(t *testing.T) {
 }
 
 // TestLadderClampKeepsAMessagesThinkingBudgetBelowMaxTokens: Anthropic
-// requires thinking.budget_tokens < max_tokens (and >= 1024). The ladder
-// clamps a Messages request's max_tokens for a fallback pool but leaves
-// its thinking budget as sent, so a request with extended thinking
-// degraded to max_tokens 4096 carries budget_tokens 8000, which an
-// Anthropic-compatible fallback refuses with 400 (a tenant fault for the
-// gateway's own rewrite). vLLM and SGLang ignore "thinking", so only
-// Anthropic-compatible fallbacks are hit.
+// requires thinking.budget_tokens < max_tokens (and >= 1024). When the
+// ladder clamps a Messages request's max_tokens below its thinking
+// budget, the budget becomes max_tokens-1 while that stays >= 1024, else
+// thinking is removed; otherwise an Anthropic-compatible fallback would
+// refuse the gateway's own rewrite with 400. Thinking that already fits,
+// or is not "enabled", is left as sent.
 func TestLadderClampKeepsAMessagesThinkingBudgetBelowMaxTokens(t *testing.T) {
-	t.Skip("defect (review-18): rewriteBody clamps Messages max_tokens without thinking.budget_tokens; " +
-		"the fix needs a decision (lower the budget to max_tokens-1 when that stays >= 1024, else drop thinking) and per-API rewrite rules")
-	in := `{"model":"big","max_tokens":16000,"thinking":{"type":"enabled","budget_tokens":8000},"messages":[]}`
-	out, err := rewriteBody([]byte(in), api.Messages, "small", 4096, true)
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range []struct {
+		name, in string
+		max      int
+		want     string
+		wantNote string
+	}{
+		{"budget lowered", `{"model":"big","max_tokens":16000,"thinking":{"type":"enabled","budget_tokens":8000},"messages":[]}`, 4096,
+			`{"model":"small","max_tokens":4096,"thinking":{"type":"enabled","budget_tokens":4095},"messages":[]}`,
+			"max_tokens=4096; thinking_budget=4095"},
+		{"budget equal to the clamp", `{"max_tokens":16000,"thinking":{"budget_tokens":4096,"type":"enabled"}}`, 4096,
+			`{"max_tokens":4096,"thinking":{"type":"enabled","budget_tokens":4095},"model":"small"}`,
+			"max_tokens=4096; thinking_budget=4095"},
+		{"lowest budget kept", `{"max_tokens":16000,"thinking":{"type":"enabled","budget_tokens":2000}}`, 1025,
+			`{"max_tokens":1025,"thinking":{"type":"enabled","budget_tokens":1024},"model":"small"}`,
+			"max_tokens=1025; thinking_budget=1024"},
+		{"too small for thinking: removed", `{"model":"big","max_tokens":16000,"thinking":{"type":"enabled","budget_tokens":8000},"messages":[]}`, 1024,
+			`{"model":"small","max_tokens":1024,"messages":[]}`,
+			"max_tokens=1024; thinking=off"},
+		{"budget already below", `{"max_tokens":16000,"thinking":{"type":"enabled","budget_tokens":2000}}`, 4096,
+			`{"max_tokens":4096,"thinking":{"type":"enabled","budget_tokens":2000},"model":"small"}`,
+			"max_tokens=4096"},
+		{"disabled is left", `{"max_tokens":16000,"thinking":{"type":"disabled"}}`, 100,
+			`{"max_tokens":100,"thinking":{"type":"disabled"},"model":"small"}`,
+			"max_tokens=100"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, note, err := rewriteBody([]byte(tc.in), api.Messages, "small", tc.max, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(out) != tc.want || note != tc.wantNote {
+				t.Fatalf("got %s (note %q)\nwant %s (note %q)", out, note, tc.want, tc.wantNote)
+			}
+			if b := gjson.GetBytes(out, "thinking.budget_tokens"); b.Exists() && b.Int() >= int64(tc.max) {
+				t.Fatalf("budget_tokens %d with max_tokens %d: %s", b.Int(), tc.max, out)
+			}
+		})
 	}
-	if b := gjson.GetBytes(out, "thinking.budget_tokens"); b.Exists() && b.Int() >= 4096 {
-		t.Fatalf("budget_tokens %d with max_tokens 4096: %s", b.Int(), out)
+}
+
+// TestDegradedHeaderNamesTheClampedField: X-LLM-Proxy-Degraded names the
+// output-limit field the fallback's server reads, as the client sent it
+// (Responses' max_output_tokens, Chat's max_completion_tokens), and says
+// how a Messages request's thinking was cut; the fallback's upstream gets
+// exactly that body.
+func TestDegradedHeaderNamesTheClampedField(t *testing.T) {
+	for _, tc := range []struct {
+		name, path, body string
+		wantBody, header string
+	}{
+		{"responses", "/v1/responses", `{"model":"big","max_output_tokens":9000,"input":"hi"}`,
+			`{"model":"small","max_output_tokens":300,"input":"hi"}`, "fallback=fb; model=small; max_output_tokens=300"},
+		{"chat max_completion_tokens", "/v1/chat/completions", `{"model":"big","max_completion_tokens":9000,"messages":[]}`,
+			`{"model":"small","max_completion_tokens":300,"messages":[]}`, "fallback=fb; model=small; max_completion_tokens=300"},
+		{"chat max_tokens", "/v1/chat/completions", `{"model":"big","max_tokens":9000,"messages":[]}`,
+			`{"model":"small","max_tokens":300,"messages":[]}`, "fallback=fb; model=small; max_tokens=300"},
+		{"messages thinking off", "/v1/messages", `{"model":"big","max_tokens":9000,"thinking":{"type":"enabled","budget_tokens":4000},"messages":[]}`,
+			`{"model":"small","max_tokens":300,"messages":[]}`, "fallback=fb; model=small; max_tokens=300; thinking=off"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			primary := newUpstream(t, failing(503))
+			fb := newUpstream(t, failing(400))
+			cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "fb", Model: "small", MaxOutputTokens: 300,
+				Pool: Pool{Balancer: &listBalancer{addrs: []string{fb.addr()}}}}}}
+			p, _, _ := newTestProxy(t, cfg, primary)
+			w := httptest.NewRecorder()
+			res := p.ServeHTTP(w, apiPost(tc.path, tc.body))
+			if fb.calls.Load() != 1 || res.Fallback != "fb" {
+				t.Fatalf("fallback calls %d, result fallback %q, status %d", fb.calls.Load(), res.Fallback, w.Code)
+			}
+			if got := string(fb.bodies[0]); got != tc.wantBody {
+				t.Fatalf("fallback got %s, want %s", got, tc.wantBody)
+			}
+			if got := res.Degraded; got != tc.header {
+				t.Fatalf("degraded %q, want %q", got, tc.header)
+			}
+		})
 	}
 }
 
