@@ -58,7 +58,7 @@ func (x *exchange) commit(a *attempt) bool {
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	x.w.WriteHeader(a.resp.StatusCode)
-	x.out = http.NewResponseController(x.w)
+	x.out = *http.NewResponseController(x.w)
 	if !x.send(a.head, a.headEvents) {
 		a.clientLeft()
 		return false

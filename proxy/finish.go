@@ -372,7 +372,8 @@ func (a *attempt) end() {
 	default:
 		a.cancel(errLostRace)
 	}
-	rep := &AttemptReport{
+	rep := &a.report
+	*rep = AttemptReport{
 		Upstream:  a.up.Addr,
 		Model:     a.x.res.Info.Model,
 		Outcome:   a.outcome,

@@ -117,6 +117,9 @@ type attempt struct {
 	// drain asks end() to read the rest of a finished response (the
 	// chunked terminator after [DONE]) so the connection can be reused.
 	drain bool
+	// report is what end() reports to Upstream.Done and the Observer
+	// (held here: no allocation of its own).
+	report AttemptReport
 }
 
 // failKind is where an attempt's pre-commit phase failed.
