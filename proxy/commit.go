@@ -55,8 +55,9 @@ func (x *exchange) commit(a *attempt) bool {
 	}
 	res.Streamed = true
 	h.Del("Content-Length")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no")
+	streamHeaders := []string{"no-cache", "no"} // one allocation for both
+	h["Cache-Control"] = streamHeaders[0:1:1]
+	h["X-Accel-Buffering"] = streamHeaders[1:2:2]
 	x.w.WriteHeader(a.resp.StatusCode)
 	x.out = *http.NewResponseController(x.w)
 	if !x.send(a.head, a.headEvents) {

@@ -6,9 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"mime"
 	"net/http"
 	"net/http/httptrace"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -383,8 +383,14 @@ func (a *attempt) errWithCause(err error) error {
 	return err
 }
 
-// isEventStream reports whether a response is text/event-stream.
+// isEventStream reports whether a response is text/event-stream: its
+// Content-Type's media type, case-insensitive, before any parameters. It
+// reads the header in place (mime.ParseMediaType allocated a map of the
+// parameters per request).
 func isEventStream(h http.Header) bool {
-	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
-	return err == nil && mt == "text/event-stream"
+	ct := h.Get("Content-Type")
+	if i := strings.IndexByte(ct, ';'); i >= 0 {
+		ct = ct[:i]
+	}
+	return strings.EqualFold(strings.TrimSpace(ct), "text/event-stream")
 }
