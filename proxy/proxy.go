@@ -504,6 +504,9 @@ type exchange struct {
 	// discardAfter: the body was refused unread (the body budget), and is
 	// read to nowhere once the refusal is written.
 	discardAfter bool
+	// held is the body read (and charged) by read, given back by finish;
+	// nil when the matcher read it.
+	held *Body
 	// outHeader is the outbound request header, prepared once and shared
 	// (read-only) by every attempt.
 	outHeader http.Header
