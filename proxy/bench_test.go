@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"math"
 	"net/http"
 	"runtime"
 	"strings"
@@ -316,5 +317,33 @@ func BenchmarkRequest(b *testing.B) {
 				rb.serve(b)
 			}
 		})
+	}
+}
+
+// requestAllocs are the most allocations one request of requestBenches may
+// make, the test's own (its request, writer and the in-memory upstream's
+// response, about 12) included: 80 and 95 before issue 22's cuts (83 and
+// 98 in BenchmarkRequest, which also counts the buffers a GC takes from
+// the pools). Lower them when a change saves more, never raise them.
+var requestAllocs = map[string]float64{"defaults": 58, "tenants+gate": 68}
+
+// A request's allocations stay where issue 22 brought them, at the
+// defaults and with tenants and a pool gate. Each count is the least of a
+// few runs: goroutines that outlive a request (the drain of a finished
+// body) allocate now and then, never less.
+func TestRequestAllocations(t *testing.T) {
+	if raceEnabled {
+		t.Skip("allocation counts are meaningless under the race detector")
+	}
+	for _, rb := range requestBenches(t) {
+		n := math.Inf(1)
+		for range 5 {
+			n = min(n, testing.AllocsPerRun(200, func() { rb.serve(t) }))
+		}
+		if limit := requestAllocs[rb.name]; n > limit {
+			t.Errorf("%s: %.0f allocations per request, want at most %.0f", rb.name, n, limit)
+		} else {
+			t.Logf("%s: %.0f allocations per request (at most %.0f)", rb.name, n, limit)
+		}
 	}
 }
