@@ -52,22 +52,20 @@ func setForwarded(out *http.Request, in *http.Request, trusted bool) {
 			clientIP = strings.Join(prior, ", ") + ", " + clientIP
 		}
 	}
-	vals := make([]string, 0, 3)
-	set := func(key, v string) { // key is canonical
-		vals = append(vals, v)
-		h[key] = vals[len(vals)-1 : len(vals) : len(vals)]
-	}
-	set("X-Forwarded-For", clientIP)
+	vals := make([]string, 3)
+	vals[0] = clientIP
+	h["X-Forwarded-For"] = vals[0:1:1]
 
 	if !trusted || h.Get("X-Forwarded-Proto") == "" {
-		proto := "http"
+		vals[1] = "http"
 		if in.TLS != nil {
-			proto = "https"
+			vals[1] = "https"
 		}
-		set("X-Forwarded-Proto", proto)
+		h["X-Forwarded-Proto"] = vals[1:2:2]
 	}
 	if !trusted || h.Get("X-Forwarded-Host") == "" {
-		set("X-Forwarded-Host", in.Host)
+		vals[2] = in.Host
+		h["X-Forwarded-Host"] = vals[2:3:3]
 	}
 }
 

@@ -274,11 +274,24 @@ func (a *attempt) request(trace *httptrace.ClientTrace) *http.Request {
 		out.Body, out.GetBody = http.NoBody, nil
 	} else {
 		body := x.body
-		out.Body = io.NopCloser(bytes.NewReader(body))
-		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+		out.Body = newBodyReader(body)
+		out.GetBody = func() (io.ReadCloser, error) { return newBodyReader(body), nil }
 	}
 	return out
 }
+
+// bodyReader is an outbound request body over the kept bytes: one
+// allocation where io.NopCloser(bytes.NewReader(b)) took two.
+type bodyReader struct{ bytes.Reader }
+
+func newBodyReader(b []byte) *bodyReader {
+	r := &bodyReader{}
+	r.Reset(b)
+	return r
+}
+
+// Close does nothing: the bytes are the exchange's.
+func (*bodyReader) Close() error { return nil }
 
 // readErrorResponse keeps an upstream error response for passing through.
 func (a *attempt) readErrorResponse() {
