@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/tidwall/gjson"
 )
 
 // requestFields mirrors the JSON parseChatReference reads; unknown fields
@@ -86,6 +88,20 @@ func parseChatReference(body []byte) (Request, error) {
 	}
 	info.PromptTokens = (chars+3)/4 + f.Prompt.tokens
 	return info, nil
+}
+
+// FuzzValidMatchesEncodingJSON checks that gjson.ValidBytes, with which the
+// parsers validate a body, accepts exactly what json.Valid accepts.
+func FuzzValidMatchesEncodingJSON(f *testing.F) {
+	for _, s := range []string{``, ` `, `{}`, `[]`, `null`, `1`, `-0`, `01`, `1.`, `.5`, `1e`, `1E+2`, `"\u12"`, `"\ud800"`,
+		"\"\x01\"", "\"\xff\"", `{"a":1,}`, `[1,]`, `{"a" 1}`, `{"a":1} {}`, `  {"a":[1,{"b":null}]}  `, `tru`, `nul`, `"\q"`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if got, want := gjson.ValidBytes(b), json.Valid(b); got != want {
+			t.Fatalf("%q: gjson.ValidBytes %v, json.Valid %v", b, got, want)
+		}
+	})
 }
 
 // FuzzParseChatMatchesEncodingJSON checks the one-pass parser against the
