@@ -164,6 +164,13 @@ func (b *Body) Parse(a api.API) (RequestInfo, error) {
 	return b.info, b.parseErr
 }
 
+// drop lets go of the body's bytes and gives its charge back (Release):
+// Read then returns io.EOF.
+func (b *Body) drop() {
+	b.b, b.off = nil, 0
+	b.Release()
+}
+
 // Release gives the body's charge back to its budget, once; later calls do
 // nothing.
 func (b *Body) Release() {

@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -36,6 +37,7 @@ func (b addrBalancer) Pick(http.ResponseWriter, *http.Request, PickRequest) (Ups
 // It is a measurement, not a test: it runs only when
 // LLM_PROXY_HELD_STREAMS is set (e.g. 1000), and writes each target's heap
 // profile at the hold to $LLM_PROXY_HEAP_DIR/<target>.heap when that is set.
+// LLM_PROXY_PROMPT_BYTES=n sends a prompt of n bytes.
 func TestMemoryPerHeldStream(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv(heldStreamsEnv))
 	if n <= 0 {
@@ -85,7 +87,12 @@ func TestMemoryPerHeldStream(t *testing.T) {
 			return rp
 		}},
 	}
-	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"hello"}]}`
+	// LLM_PROXY_PROMPT_BYTES sizes the message (default 5 bytes, "hello").
+	prompt := "hello"
+	if k, _ := strconv.Atoi(os.Getenv("LLM_PROXY_PROMPT_BYTES")); k > 0 {
+		prompt = strings.Repeat("x", k)
+	}
+	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + prompt + `"}]}`
 	req := fmt.Sprintf("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 	type sample struct {
 		perStream, heap, stack float64
