@@ -44,7 +44,7 @@ func parseTyped(body []byte, fields []string, limitField string, chars func(gjso
 	if len(body) == 0 {
 		return req, nil
 	}
-	if !json.Valid(body) {
+	if !gjson.ValidBytes(body) { // as json.Valid (FuzzValidMatchesEncodingJSON), at several times its speed
 		var v any
 		err := json.Unmarshal(body, &v)
 		if err == nil {

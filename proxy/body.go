@@ -128,6 +128,10 @@ type Body struct {
 	budget   *BodyBudget
 	charged  int64
 	released sync.Once
+	// probe is readBody's one-byte read past a full buffer (here, not on
+	// readBody's stack, from which a Read through an interface moves it
+	// to the heap).
+	probe [1]byte
 }
 
 // Bytes returns the whole body, whatever has been read of it.
@@ -160,6 +164,13 @@ func (b *Body) Parse(a api.API) (RequestInfo, error) {
 	return b.info, b.parseErr
 }
 
+// drop lets go of the body's bytes and gives its charge back (Release):
+// Read then returns io.EOF.
+func (b *Body) drop() {
+	b.b, b.off = nil, 0
+	b.Release()
+}
+
 // Release gives the body's charge back to its budget, once; later calls do
 // nothing.
 func (b *Body) Release() {
@@ -190,19 +201,30 @@ type BodyLimits struct {
 // ErrBodyTooLarge (413), ErrBodyBudget (503), ctx's error or the read
 // error; r.Body is then left as it was.
 func BufferBody(ctx context.Context, r *http.Request, lim BodyLimits) (*Body, error) {
+	b, fresh, err := bufferBody(ctx, r, lim)
+	if fresh {
+		context.AfterFunc(ctx, b.Release)
+	}
+	return b, err
+}
+
+// bufferBody is BufferBody without the release: fresh is true when it read
+// (and charged) the body, which the caller then releases. The lifecycle's
+// read uses it and releases in finish: context.AfterFunc cost six
+// allocations per request.
+func bufferBody(ctx context.Context, r *http.Request, lim BodyLimits) (b *Body, fresh bool, err error) {
 	if b, ok := r.Body.(*Body); ok && b.untouched() {
 		if int64(len(b.b)) > lim.Limit {
-			return nil, fmt.Errorf("%w: %d bytes, limit %d", ErrBodyTooLarge, len(b.b), lim.Limit)
+			return nil, false, fmt.Errorf("%w: %d bytes, limit %d", ErrBodyTooLarge, len(b.b), lim.Limit)
 		}
-		return b, nil
+		return b, false, nil
 	}
-	b, err := readBody(ctx, r, lim)
+	b, err = readBody(ctx, r, lim)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	context.AfterFunc(ctx, b.Release)
 	r.Body = b
-	return b, nil
+	return b, true, nil
 }
 
 // readBody reads r's body into one buffer of the body's size, charging
@@ -268,7 +290,7 @@ func readBody(ctx context.Context, r *http.Request, lim BodyLimits) (*Body, erro
 		buf = grown
 		return nil
 	}
-	var probe [1]byte
+	probe := b.probe[:]
 	for {
 		if int64(len(buf)) > limit {
 			return fail(fmt.Errorf("%w: more than %d bytes", ErrBodyTooLarge, limit))
@@ -281,7 +303,7 @@ func readBody(ctx context.Context, r *http.Request, lim BodyLimits) (*Body, erro
 		} else {
 			// The buffer is full: grow only if a byte more arrives
 			// (a body of exactly its declared length never grows).
-			if n, err = r.Body.Read(probe[:]); n > 0 {
+			if n, err = r.Body.Read(probe); n > 0 {
 				if gerr := grow(); gerr != nil {
 					return fail(gerr)
 				}

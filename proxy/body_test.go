@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -361,5 +362,74 @@ func TestBodyBudgetWaitEndsWithTheRequest(t *testing.T) {
 			budget.release(1000)
 			budgetSettles(t, budget)
 		})
+	}
+}
+
+// commitTransport answers with a stream whose events the test writes to
+// pw, after reading the request's body whole as an upstream does; inUse
+// is the body budget's charge while the round trip ran.
+type commitTransport struct {
+	pr     *io.PipeReader
+	budget *BodyBudget
+	inUse  chan int64
+}
+
+func (c commitTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	_, _ = io.Copy(io.Discard, r.Body)
+	_ = r.Body.Close()
+	c.inUse <- c.budget.InUse()
+	return &http.Response{StatusCode: 200, Header: http.Header{"Content-Type": {"text/event-stream"}}, Body: c.pr, Request: r}, nil
+}
+
+// firstWriteWriter is a flushing writer that says when the first bytes
+// reach the client.
+type firstWriteWriter struct {
+	discardWriter
+	once  sync.Once
+	wrote chan struct{}
+}
+
+func (w *firstWriteWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { close(w.wrote) })
+	return len(b), nil
+}
+
+// A committed stream gives its request body back at commit, not when it
+// ends: its charge leaves the body budget while the stream still runs (no
+// retry, hedge or fallback can send the body again).
+func TestCommitReleasesTheRequestBody(t *testing.T) {
+	budget, err := NewBodyBudget(1<<20, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr, pw := io.Pipe()
+	tr := commitTransport{pr: pr, budget: budget, inUse: make(chan int64, 1)}
+	p, err := New(Config{Transport: tr, Balancer: oneBalancer{}, BodyBudget: budget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 10000) + `"}]}`
+	r, _ := http.NewRequest(http.MethodPost, "http://gw/v1/chat/completions", strings.NewReader(body))
+	w := &firstWriteWriter{discardWriter: discardWriter{h: http.Header{}}, wrote: make(chan struct{})}
+	duringStream := make(chan int64, 1)
+	go func() {
+		_, _ = pw.Write([]byte(chunkA))
+		<-w.wrote // committed: the first event reached the client
+		duringStream <- budget.InUse()
+		_, _ = pw.Write([]byte(chunkEnd + done))
+		_ = pw.Close()
+	}()
+	res := p.ServeHTTP(w, r)
+	if res.Outcome != OutcomeSuccess {
+		t.Fatalf("outcome %v", res.Outcome)
+	}
+	if n := <-tr.inUse; n < int64(len(body)) {
+		t.Errorf("budget in use during the round trip: %d bytes, want at least the body's %d", n, len(body))
+	}
+	if n := <-duringStream; n != 0 {
+		t.Errorf("budget in use while the committed stream runs: %d bytes, want 0", n)
+	}
+	if n := budget.InUse(); n != 0 {
+		t.Errorf("budget in use after the request: %d bytes", n)
 	}
 }

@@ -5,6 +5,19 @@ import (
 	"strconv"
 )
 
+// releaseBody lets go of the request body once a is committed: nothing can
+// send it again (no retry, hedge or fallback after commit), so a stream
+// that lasts minutes does not hold a prompt of any size, and its charge
+// goes back to the body budget now. The transport has sent it (a's
+// response is here; its bodyReader lets go at its end) and calls a's
+// GetBody no more; a cancelled loser holds its own reference until it ends.
+func (x *exchange) releaseBody(a *attempt) {
+	x.body, x.client, a.body = nil, nil, nil
+	if b, ok := x.r.Body.(*Body); ok {
+		b.drop()
+	}
+}
+
 // commit is step 6: a, the first attempt to reach its commit point, becomes
 // the request's answer. Every other attempt is cancelled at once through its
 // own context (neutral for its breaker), the hedge statistics learn, and the
@@ -18,6 +31,7 @@ func (x *exchange) commit(a *attempt) bool {
 	rc.cancelAll(a)
 	losers := rc.inflight
 	rc.abandon()
+	x.releaseBody(a)
 	if rc.hedges > 0 {
 		if a.hedge {
 			x.p.obs.Hedge(HedgeWon)
@@ -56,10 +70,11 @@ func (x *exchange) commit(a *attempt) bool {
 	}
 	res.Streamed = true
 	h.Del("Content-Length")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no")
+	streamHeaders := []string{"no-cache", "no"} // one allocation for both
+	h["Cache-Control"] = streamHeaders[0:1:1]
+	h["X-Accel-Buffering"] = streamHeaders[1:2:2]
 	x.w.WriteHeader(a.resp.StatusCode)
-	x.out = http.NewResponseController(x.w)
+	x.out = *http.NewResponseController(x.w)
 	if !x.send(a.head, a.headEvents) {
 		a.clientLeft()
 		return false

@@ -28,6 +28,9 @@ func (x *exchange) finish() {
 	// reservation given back) and no key header is left for the access
 	// log, on every path: a read that failed never reached identify.
 	defer x.redactKeys()
+	if x.held != nil {
+		defer x.held.Release()
+	}
 	released := false
 	defer func() {
 		if !released && x.admission != nil {
@@ -372,7 +375,8 @@ func (a *attempt) end() {
 	default:
 		a.cancel(errLostRace)
 	}
-	rep := &AttemptReport{
+	rep := &a.report
+	*rep = AttemptReport{
 		Upstream:  a.up.Addr,
 		Model:     a.x.res.Info.Model,
 		Outcome:   a.outcome,

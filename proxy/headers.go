@@ -39,6 +39,8 @@ func removeHopHeaders(h http.Header) {
 // setForwarded sets X-Forwarded-For/-Proto/-Host the way Caddy's
 // reverse_proxy does: values from a trusted proxy are kept and extended,
 // values from anyone else are replaced.
+//
+// The values share one backing array (one allocation for the three).
 func setForwarded(out *http.Request, in *http.Request, trusted bool) {
 	h := out.Header
 	clientIP, _, err := net.SplitHostPort(in.RemoteAddr)
@@ -50,25 +52,37 @@ func setForwarded(out *http.Request, in *http.Request, trusted bool) {
 			clientIP = strings.Join(prior, ", ") + ", " + clientIP
 		}
 	}
-	h.Set("X-Forwarded-For", clientIP)
+	vals := make([]string, 3)
+	vals[0] = clientIP
+	h["X-Forwarded-For"] = vals[0:1:1]
 
 	if !trusted || h.Get("X-Forwarded-Proto") == "" {
-		proto := "http"
+		vals[1] = "http"
 		if in.TLS != nil {
-			proto = "https"
+			vals[1] = "https"
 		}
-		h.Set("X-Forwarded-Proto", proto)
+		h["X-Forwarded-Proto"] = vals[1:2:2]
 	}
 	if !trusted || h.Get("X-Forwarded-Host") == "" {
-		h.Set("X-Forwarded-Host", in.Host)
+		vals[2] = in.Host
+		h["X-Forwarded-Host"] = vals[2:3:3]
 	}
 }
 
 // copyResponseHeader copies an upstream response header to the client,
-// without hop-by-hop headers.
+// without hop-by-hop headers. The copied values share one backing array
+// (one allocation, however many headers); each key's slice is capped at
+// its length, so appending to one never overwrites another.
 func copyResponseHeader(dst, src http.Header) {
+	n := 0
+	for _, vv := range src {
+		n += len(vv)
+	}
+	vals := make([]string, 0, n)
 	for k, vv := range src {
-		dst[k] = append(dst[k][:0:0], vv...)
+		at := len(vals)
+		vals = append(vals, vv...)
+		dst[k] = vals[at:len(vals):len(vals)]
 	}
 	removeHopHeaders(dst)
 }

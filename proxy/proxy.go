@@ -38,6 +38,7 @@ type Upstream struct {
 	// Done, when set, is called exactly once when the attempt ends, on
 	// every path, with the attempt's report (the balancer releases its
 	// in-flight count and records the outcome on the upstream's breaker).
+	// The report belongs to the attempt: it must not be kept after the call.
 	Done func(*AttemptReport)
 	// Saturation is the upstream's saturation score when it was picked
 	// (1 is saturated), 0 when the balancer does not score.
@@ -157,7 +158,8 @@ const (
 // from the request's goroutines; implementations must be safe for
 // concurrent use and cheap.
 type Observer interface {
-	// AttemptDone reports one finished attempt.
+	// AttemptDone reports one finished attempt; a must not be kept after
+	// the call.
 	AttemptDone(a *AttemptReport)
 	// EventRelayed is called once per SSE event written to the client.
 	EventRelayed()
@@ -482,7 +484,8 @@ func New(cfg Config) (*Proxy, error) {
 // also reported to Observer.RequestDone. A panic in a step is re-raised
 // after the request is finished and reported.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) *Result {
-	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), res: &Result{}, rung: rung{index: -1, pool: &p.primary}}
+	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), rung: rung{index: -1, pool: &p.primary}}
+	x.res = &x.result
 	x.api = p.cfg.API
 	if x.api == nil {
 		x.api = api.ForPath(r.URL.Path)
@@ -500,7 +503,10 @@ type exchange struct {
 	r     *http.Request
 	start time.Time
 	res   *Result
-	body  []byte
+	// result is where res points: one allocation for the exchange and
+	// the Result it reports.
+	result Result
+	body   []byte
 	// api is what the request's API means (read chooses it).
 	api api.API
 	// stripUsage: read asked the upstream for usage on the client's
@@ -509,6 +515,9 @@ type exchange struct {
 	// discardAfter: the body was refused unread (the body budget), and is
 	// read to nowhere once the refusal is written.
 	discardAfter bool
+	// held is the body read (and charged) by read, given back by finish;
+	// nil when the matcher read it.
+	held *Body
 	// outHeader is the outbound request header, prepared once and shared
 	// (read-only) by every attempt.
 	outHeader http.Header
@@ -521,8 +530,10 @@ type exchange struct {
 	// it as a HeaderAdmission, if it is one.
 	admission Admission
 	admHeader HeaderAdmission
-	// out flushes the client's response once a stream is committed.
-	out *http.ResponseController
+	// out flushes the client's response once a stream is committed (a
+	// value, not the pointer NewResponseController returns: one
+	// allocation less per stream).
+	out http.ResponseController
 
 	// Facts for finish, each set by the step that saw it.
 	readErr  error    // read: the body could not be read

@@ -18,9 +18,9 @@ import (
 // acts on. A body the llm_model matcher already read (a *Body in r.Body)
 // is taken as it is, neither read nor charged again. It records why it
 // could not go on (finish answers 400, 408, 413, or 503 when the body
-// budget has no room) and reports whether to go on. The body's charge is
-// given back when the request's context ends, which run's deferred cancel
-// does after finish, on every path.
+// budget has no room) and reports whether to go on. The charge of a body
+// read here is given back by finish, on every path; a matcher's body is
+// given back when the request's context ends.
 func (x *exchange) read() bool {
 	if d := x.p.cfg.StreamTimeout; d > 0 {
 		// stream_timeout runs from the request's arrival: a body that
@@ -31,7 +31,10 @@ func (x *exchange) read() bool {
 			defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
 		}
 	}
-	body, err := BufferBody(x.ctx, x.r, BodyLimits{Limit: x.p.cfg.MaxRequestBody, Budget: x.p.cfg.BodyBudget, Clock: x.p.clock})
+	body, fresh, err := bufferBody(x.ctx, x.r, BodyLimits{Limit: x.p.cfg.MaxRequestBody, Budget: x.p.cfg.BodyBudget, Clock: x.p.clock})
+	if fresh {
+		x.held = body // finish gives its charge back
+	}
 	if errors.Is(err, ErrBodyBudget) {
 		x.refusal = &GatewayError{Status: http.StatusServiceUnavailable, Type: TypeServer,
 			Code: "body_memory_exhausted", RetryAfter: 1,

@@ -6,9 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"mime"
 	"net/http"
 	"net/http/httptrace"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -117,6 +117,12 @@ type attempt struct {
 	// drain asks end() to read the rest of a finished response (the
 	// chunked terminator after [DONE]) so the connection can be reused.
 	drain bool
+	// body is the request body this attempt sends (its GetBody's bytes),
+	// nil once the attempt is committed: nothing sends it again.
+	body []byte
+	// report is what end() reports to Upstream.Done and the Observer
+	// (held here: no allocation of its own).
+	report AttemptReport
 }
 
 // failKind is where an attempt's pre-commit phase failed.
@@ -270,11 +276,52 @@ func (a *attempt) request(trace *httptrace.ClientTrace) *http.Request {
 	if len(x.body) == 0 {
 		out.Body, out.GetBody = http.NoBody, nil
 	} else {
-		body := x.body
-		out.Body = io.NopCloser(bytes.NewReader(body))
-		out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+		a.body = x.body
+		out.Body = newBodyReader(a.body)
+		out.GetBody = a.getBody
 	}
 	return out
+}
+
+// getBody is the outbound request's GetBody: the transport calls it only
+// within a round trip, to send the body again on a fresh connection.
+func (a *attempt) getBody() (io.ReadCloser, error) { return newBodyReader(a.body), nil }
+
+// bodyReader is an outbound request body over the kept bytes: one
+// allocation where io.NopCloser(bytes.NewReader(b)) took two. Once read to
+// its end it lets go of the bytes: the transport holds the request (and so
+// its Body) for as long as the response streams.
+type bodyReader struct{ bytes.Reader }
+
+func newBodyReader(b []byte) *bodyReader {
+	r := &bodyReader{}
+	r.Reset(b)
+	return r
+}
+
+// Read reads the body; at its end the bytes are let go.
+func (r *bodyReader) Read(p []byte) (int, error) {
+	n, err := r.Reader.Read(p)
+	if err == io.EOF {
+		r.Reset(nil)
+	}
+	return n, err
+}
+
+// WriteTo writes the body to w (io.Copy's path); then the bytes are let go.
+func (r *bodyReader) WriteTo(w io.Writer) (int64, error) {
+	n, err := r.Reader.WriteTo(w)
+	if err == nil {
+		r.Reset(nil)
+	}
+	return n, err
+}
+
+// Close lets go of the bytes (they are the exchange's, which keeps them
+// while an attempt may still need them).
+func (r *bodyReader) Close() error {
+	r.Reset(nil)
+	return nil
 }
 
 // readErrorResponse keeps an upstream error response for passing through.
@@ -388,8 +435,14 @@ func (a *attempt) errWithCause(err error) error {
 	return err
 }
 
-// isEventStream reports whether a response is text/event-stream.
+// isEventStream reports whether a response is text/event-stream: its
+// Content-Type's media type, case-insensitive, before any parameters. It
+// reads the header in place (mime.ParseMediaType allocated a map of the
+// parameters per request).
 func isEventStream(h http.Header) bool {
-	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
-	return err == nil && mt == "text/event-stream"
+	ct := h.Get("Content-Type")
+	if i := strings.IndexByte(ct, ';'); i >= 0 {
+		ct = ct[:i]
+	}
+	return strings.EqualFold(strings.TrimSpace(ct), "text/event-stream")
 }

@@ -349,32 +349,67 @@ var (
 // the limit, what remains (never below 0) and the time until it is fully
 // available again as a Go duration rounded up to whole seconds ("1s",
 // "6m0s").
+//
+// Two allocations whatever the limits: the values are formatted into one
+// string and sliced from it, in one backing array of slices.
 func setRateLimitHeaders(h http.Header, lim admission.Limits) {
-	n := 0
-	if lim.Requests != nil {
-		n += 3
+	var (
+		buf  [128]byte
+		keys [6]string
+		ends [6]int
+		n    int
+	)
+	b := buf[:0]
+	end := func(key string) {
+		keys[n], ends[n] = key, len(b)
+		n++
 	}
-	if lim.Tokens != nil {
-		n += 3
+	if l := lim.Requests; l != nil {
+		b = strconv.AppendInt(b, int64(l.Limit), 10)
+		end(hdrLimitRequests)
+		b = strconv.AppendInt(b, int64(max(l.Remaining, 0)), 10)
+		end(hdrRemainingRequests)
+		b = appendSeconds(b, ceilSeconds(l.Reset))
+		end(hdrResetRequests)
+	}
+	if l := lim.Tokens; l != nil {
+		b = strconv.AppendInt(b, int64(l.Limit), 10)
+		end(hdrLimitTokens)
+		b = strconv.AppendInt(b, int64(max(l.Remaining, 0)), 10)
+		end(hdrRemainingTokens)
+		b = appendSeconds(b, ceilSeconds(l.Reset))
+		end(hdrResetTokens)
 	}
 	if n == 0 {
 		return
 	}
-	vals := make([]string, 0, n) // one backing array for every value
-	set := func(key, v string) {
-		vals = append(vals, v)
-		h[key] = vals[len(vals)-1 : len(vals) : len(vals)]
+	s := string(b)
+	vals := make([]string, n)
+	from := 0
+	for i := range n {
+		vals[i] = s[from:ends[i]]
+		h[keys[i]] = vals[i : i+1 : i+1]
+		from = ends[i]
 	}
-	if l := lim.Requests; l != nil {
-		set(hdrLimitRequests, strconv.Itoa(l.Limit))
-		set(hdrRemainingRequests, strconv.Itoa(max(l.Remaining, 0)))
-		set(hdrResetRequests, ceilSeconds(l.Reset).String())
+}
+
+// appendSeconds appends d as time.Duration.String formats it ("0s", "59s",
+// "6m0s", "1h0m0s"), without allocating when d is whole seconds.
+func appendSeconds(b []byte, d time.Duration) []byte {
+	if d < 0 || d%time.Second != 0 {
+		return append(b, d.String()...)
 	}
-	if l := lim.Tokens; l != nil {
-		set(hdrLimitTokens, strconv.Itoa(l.Limit))
-		set(hdrRemainingTokens, strconv.Itoa(max(l.Remaining, 0)))
-		set(hdrResetTokens, ceilSeconds(l.Reset).String())
+	s := int64(d / time.Second)
+	if s >= 3600 {
+		b = strconv.AppendInt(b, s/3600, 10)
+		b = append(b, 'h')
 	}
+	if s >= 60 {
+		b = strconv.AppendInt(b, s%3600/60, 10)
+		b = append(b, 'm')
+	}
+	b = strconv.AppendInt(b, s%60, 10)
+	return append(b, 's')
 }
 
 // The anthropic-ratelimit-* header keys, canonical, each beside the

@@ -590,3 +590,13 @@ func TestSettlement(t *testing.T) {
 		}
 	}
 }
+
+// appendSeconds formats a reset as time.Duration.String does.
+func TestAppendSecondsFormatsAsDurationString(t *testing.T) {
+	for _, d := range []time.Duration{0, time.Second, 59 * time.Second, time.Minute, 61 * time.Second, 6 * time.Minute,
+		time.Hour, time.Hour + time.Second, 25*time.Hour + 59*time.Minute + 59*time.Second, 1500 * time.Millisecond, -time.Second} {
+		if got, want := string(appendSeconds(nil, d)), d.String(); got != want {
+			t.Errorf("appendSeconds(%v) = %q, want %q", d, got, want)
+		}
+	}
+}
