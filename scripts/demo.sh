@@ -170,8 +170,9 @@ What to look for:
 - Outside the outage, 127.0.0.1:9103 answers 503 to about 30% of what it gets
   (gateway "attempts"), yet no client sees those: each failed attempt came
   before the first token, so the gateway failed over to another replica
-  ("failovers"). Three 503s in a row open its breaker, which keeps it out of
-  rotation until a probe succeeds, so it gets only a small share of the traffic.
+  ("failovers"). Its failure ratio stands out against its peers', so the pool
+  ejects it as an outlier (statistical evidence) until a probe succeeds at the
+  pool's usual rate; it gets only a small share of the traffic.
 - The few streams cut by 127.0.0.1:9102 after 8 tokens had already been
   committed to the client: no retry is possible, so the client got an in-band
   error event ("error_event") instead of a silent truncation.
@@ -181,10 +182,14 @@ What to look for:
   token, so a replica that fails before it is failed over unseen; a cut
   stream ends with the API's own error event; the gold Messages run's outage
   503s carry Anthropic's error body (overloaded_error).
-- During the outage every primary replica fails and their breakers open: free
-  requests are served by mock-llama-small (X-LLM-Proxy-Degraded, "served by
-  fallback" above) and none fails; gold requests get 503 (circuit_open, with
-  Retry-After), whose message says that their tier may not degrade — the
-  gold run's http_503 count is the outage, as the gateway saw it.
+- During the outage every primary replica answers 503. A 503 amid successes
+  is statistical evidence, and no replica is worse than another, so the
+  breakers stay closed (they open on a near-total ratio, or after a whole
+  30 s window without a success, longer than this outage): the retry budget
+  keeps the extra attempts to about 10%. Free requests are served by
+  mock-llama-small (X-LLM-Proxy-Degraded, "served by fallback" above) and
+  none fails; gold requests get the upstream's 503, whose message says that
+  their tier may not degrade — the gold run's http_503 count is the outage,
+  as the gateway saw it.
 Logs and the JSON report: $logdir
 EOF
