@@ -118,7 +118,27 @@ func (e *Entry) maybeProbe() {
 // started and stopped with the llm_proxy app (only a started config's
 // prober runs), and only while a breaker is not closed.
 func (e *Entry) probeWantedLocked() bool {
-	return !e.destroyed && e.eff != nil && e.eff.active.Load() && e.eff.prober != nil && e.anyOpenLocked()
+	return !e.destroyed && e.proberLocked() != nil && e.anyOpenLocked()
+}
+
+// proberLocked returns the Prober the entry's loop uses: the effective
+// claim's when it has started and probes actively, else the newest started
+// claim's that does (a handler with breakers off, or passive recovery,
+// never stops another handler's probes); nil when none does.
+func (e *Entry) proberLocked() *Prober {
+	if e.eff != nil && e.eff.active.Load() && e.eff.prober != nil {
+		return e.eff.prober
+	}
+	var best *claim
+	for _, c := range e.claims {
+		if c.settings != nil && c.prober != nil && c.active.Load() && (best == nil || c.gen > best.gen) {
+			best = c
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	return best.prober
 }
 
 func (e *Entry) anyOpenLocked() bool {
@@ -145,7 +165,7 @@ func (e *Entry) probeLoop() {
 			e.mu.Unlock()
 			return
 		}
-		p := e.eff.prober
+		p := e.proberLocked()
 		e.mu.Unlock()
 		t := time.NewTimer(min(p.interval(), probePoll))
 		select {
@@ -159,7 +179,7 @@ func (e *Entry) probeLoop() {
 		}
 		spaced := time.Since(last) >= p.interval()
 		var permits []breaker.Permit
-		for _, b := range e.Breakers() {
+		for _, b := range e.breakerMap() {
 			if !spaced && b.State() != breaker.Open || !b.ProbeDue() {
 				continue
 			}

@@ -9,6 +9,7 @@
 package upstream
 
 import (
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -165,6 +166,15 @@ type BreakerView struct {
 	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
+	// Policy is "" for the breakers of the upstream's primary policy (the
+	// newest started handler with breakers on, and every handler with the
+	// same settings), else the fingerprint of the settings of the handlers
+	// it serves ("b" or "s" for saturation, then 8 hex digits); the
+	// breaker's key (Snapshot.Key) is "addr~policy" then.
+	Policy string `json:"policy,omitempty"`
+	// Pools are the keys of the pools (handlers) whose requests this
+	// breaker governs, sorted. The admin API shows them as pool labels.
+	Pools []string `json:"pools"`
 	// Scope is "fleet" when the breaker's counts and state are shared with
 	// the fleet (its store is the fleet's, in fleet mode, and it is not
 	// open by its own rules alone, see Snapshot.Local), else "local".
@@ -179,32 +189,45 @@ type BreakerView struct {
 func (r *Registry) Breakers() []BreakerView {
 	var out []BreakerView
 	for _, e := range r.Entries() {
-		for k, b := range e.Breakers() {
-			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k, Inflight: e.Inflight()})
+		for k, b := range e.breakerMap() {
+			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(),
+				Policy: k.pol, Pools: e.poolsOf(k.pol)})
 		}
 	}
 	sortViews(out)
 	return out
 }
 
-// Breaker returns the breaker under key ("addr", or "addr|model" under
-// scope model), nil if none.
+// Breaker returns the breaker under key ("addr", "addr~policy", then
+// "|model" under scope model), nil if none.
 func (r *Registry) Breaker(key string) (*breaker.Breaker, *Entry) {
 	for _, e := range r.Entries() {
 		if len(key) < len(e.addr) || key[:len(e.addr)] != e.addr {
 			continue
 		}
-		model := key[len(e.addr):]
+		rest := key[len(e.addr):]
+		var k bkey
+		if strings.HasPrefix(rest, "~") {
+			pol, after, found := strings.Cut(rest[1:], "|")
+			k.pol, rest = pol, ""
+			if found {
+				rest = "|" + after
+			}
+		}
 		switch {
-		case model == "":
-		case model[0] == '|':
-			model = model[1:]
+		case rest == "":
+		case rest[0] == '|':
+			k.model = rest[1:]
 		default:
 			continue
 		}
-		if b := e.lookupBreaker(model); b != nil {
+		if b := e.breakerMap()[k]; b != nil {
 			return b, e
 		}
 	}
 	return nil, nil
 }
+
+// NextGeneration returns a new config generation for Config.Generation,
+// greater than every generation and pool numbered before it.
+func (r *Registry) NextGeneration() uint64 { return r.gen.Add(1) }

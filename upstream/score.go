@@ -187,7 +187,7 @@ func (p *Pool) Saturated() bool {
 // saturationTripped reports whether m's breaker is open by the saturation
 // rules: it still counts for the pool signal (it is saturated, not down).
 func (p *Pool) saturationTripped(m *member) bool {
-	b := m.e.lookupBreaker("")
+	b := m.e.lookupFor(p.claim, "")
 	return b != nil && b.Observed()
 }
 

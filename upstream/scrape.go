@@ -318,11 +318,17 @@ func (e *Entry) epochReset(success bool) {
 }
 
 // judge runs the saturation breaker: a rule held for its duration trips
-// every breaker of the entry (the server's queue is every model's queue);
-// breakers it tripped are fed this scrape's verdict (recovery by
-// observation).
+// every breaker of the entry whose policy reads saturation signals (the
+// server's queue is every model's queue; a handler without a saturation
+// block is never refused for it); breakers it tripped are fed this
+// scrape's verdict (recovery by observation).
 func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s signalsNow) {
-	bs := e.breakerMap()
+	var bs []*breaker.Breaker
+	for k, b := range e.breakerMap() {
+		if e.satPolicy(k.pol) {
+			bs = append(bs, b)
+		}
+	}
 	if len(bs) == 0 {
 		return
 	}

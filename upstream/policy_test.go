@@ -1,0 +1,93 @@
+package upstream
+
+import (
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// Two handlers of one config in front of one failing upstream: site A
+// (consecutive_failures 2) stops reaching it after two failures, while site
+// B, declared after A, keeps reaching it — with breakers off, or with
+// settings of its own that two failures do not trip. Before per-handler
+// policy the newest claim's settings applied to both (B off switched A's
+// breaker off; B's 5 kept A's breaker closed).
+func TestHandlersObeyTheirOwnBreakerPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		b    *breaker.Settings
+	}{
+		{"off", nil},
+		{"consecutive_failures 5", &breaker.Settings{ConsecutiveFailures: 5, OpenFor: time.Minute, MinOpen: time.Minute}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := NewRegistry(nil)
+			gen := reg.NextGeneration()
+			const addr = "10.7.1.1:8000"
+			a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr),
+				Breaker: &breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Minute, MinOpen: time.Minute}})
+			b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: tc.b})
+			fail(mustPick(t, a, ""))
+			fail(mustPick(t, a, ""))
+			var ue *proxy.UnavailableError
+			if _, err := pickModel(a, ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+				t.Fatalf("site A after 2 failures: pick error %v, want circuit open", err)
+			}
+			for i := range 3 {
+				up, err := pickModel(b, "")
+				if err != nil {
+					t.Fatalf("site B's request %d refused by site A's breaker: %v", i+1, err)
+				}
+				fail(up)
+			}
+			if _, err := pickModel(a, ""); err == nil {
+				t.Fatal("site B's traffic closed site A's breaker")
+			}
+			want := ""
+			if tc.b != nil {
+				want = "closed"
+			}
+			if got := b.BreakerState(addr, ""); got != want {
+				t.Fatalf("site B's breaker %q, want %q", got, want)
+			}
+			if got := a.BreakerState(addr, ""); got != "open" {
+				t.Fatalf("site A's breaker %q, want open", got)
+			}
+			// The admin view lists each breaker with the pools it serves.
+			views := reg.Breakers()
+			if want := 1 + len(b.Breakers(b.static[0].e)); len(views) != want {
+				t.Fatalf("%d breakers listed, want %d: %+v", len(views), want, views)
+			}
+			for _, v := range views {
+				own := v.State == breaker.Open
+				if wantPools := map[bool]string{true: "a", false: "b"}[own]; !slices.Equal(v.Pools, []string{wantPools}) {
+					t.Fatalf("breaker %s (%v) serves %v, want [%s]", v.Key, v.State, v.Pools, wantPools)
+				}
+			}
+		})
+	}
+}
+
+// Same settings in front of one upstream: one breaker, both pools listed.
+func TestHandlersWithOneBreakerPolicyShareTheBreaker(t *testing.T) {
+	reg := NewRegistry(nil)
+	gen := reg.NextGeneration()
+	const addr = "10.7.1.2:8000"
+	s := breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Minute, MinOpen: time.Minute}
+	a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr), Breaker: &s})
+	s2 := s
+	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: &s2})
+	fail(mustPick(t, a, ""))
+	fail(mustPick(t, b, ""))
+	if _, err := pickModel(b, ""); err == nil {
+		t.Fatal("one failure from each site did not open the shared breaker")
+	}
+	views := reg.Breakers()
+	if len(views) != 1 || views[0].Key != addr || !slices.Equal(views[0].Pools, []string{"a", "b"}) {
+		t.Fatalf("breakers %+v, want one %q serving [a b]", views, addr)
+	}
+}
