@@ -70,3 +70,42 @@ func TestTwoSitesOneUpstreamEachObeyTheirBreaker(t *testing.T) {
 		t.Fatalf("site B's 3 requests: server hit %d times in all, want 5", n)
 	}
 }
+
+// Defect 2 of issue 20: a saturation trip decided for site A (which has a
+// saturation block) must not refuse site B (none) with 503 circuit_open.
+func TestSaturationTripSteersOnlyThePoolsThatAskedForIt(t *testing.T) {
+	m := newMockVLLM(t) // KV cache 50%
+	dial := strings.TrimPrefix(m.URL, "http://")
+	listen := freePort(t)
+	route := func(path, extra string) string {
+		return `{"match":[{"path":["` + path + `"]}],"handle":[` +
+			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}]` + extra + `}]}`
+	}
+	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
+		`"],"automatic_https":{"disable":true},"routes":[` +
+		route("/a/*", `,"saturation":{"interval":100000000,"trip":{"kv_usage":0.4,"kv_for":100000000}}`) + `,` +
+		route("/b/*", ``) + `]}}}}}`
+	if err := caddy.Load([]byte(cfg), true); err != nil {
+		t.Fatalf("loading config: %v", err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	waitFor(t, "site A's saturation trip", func() bool {
+		for _, v := range shared.upstreams.Breakers() {
+			if v.Upstream == dial && v.Observed {
+				return true
+			}
+		}
+		return false
+	})
+	for i := range 3 {
+		resp, err := http.Post("http://"+listen+"/b/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("site B (no saturation) request %d: status %d, want 200", i+1, resp.StatusCode)
+		}
+	}
+}

@@ -99,8 +99,11 @@ type claim struct {
 	settings *breaker.Settings
 	// fp is the fingerprint of the claim's policy: its breaker settings
 	// and whether it reads saturation signals ("" when breakers are off).
-	fp     string
-	prober *Prober
+	fp string
+	// scopeModel: the pool keys breakers by model, so it holds no
+	// per-upstream breaker ahead of traffic.
+	scopeModel bool
+	prober     *Prober
 	// sat is the config's saturation settings (defaults applied), nil
 	// when it reads no signals.
 	sat *Saturation
@@ -288,9 +291,25 @@ func (e *Entry) reconcile() {
 	for _, k := range drop {
 		e.reg.obs.BreakerGone(e.addr, k.model)
 	}
+	// Every other policy in use where the primary one has breakers holds
+	// its per-upstream breaker too, so that a policy that stopped being the
+	// primary one (a newer handler started) is listed, and tripped by
+	// saturation, before its next request.
+	var hold []*claim
+	_, primHeld := e.breakerMap()[bkey{"", ""}]
+	for _, c := range e.claims {
+		if pol := e.polOf(c); primHeld && c.settings != nil && !c.scopeModel && pol != "" {
+			if _, ok := e.breakerMap()[bkey{pol, ""}]; !ok {
+				hold = append(hold, c)
+			}
+		}
+	}
 	e.mu.Unlock()
 	for _, b := range apply {
 		b.SetSettings(*eff.settings)
+	}
+	for _, c := range hold {
+		e.breakerFor(c, "")
 	}
 	e.maybeProbe()
 	e.maybeScrape()
