@@ -279,7 +279,7 @@ func (p *Pool) members(r *http.Request) ([]*member, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dynamic upstreams: %w", err)
 	}
-	now := time.Now().UnixNano()
+	now := p.reg.now().UnixNano()
 	out := make([]*member, 0, len(ts))
 	for _, t := range ts {
 		m, err := p.dynamicMember(t)

@@ -167,7 +167,7 @@ func (e *Entry) probeLoop() {
 		}
 		p := e.proberLocked()
 		e.mu.Unlock()
-		t := time.NewTimer(min(p.interval(), probePoll))
+		t := e.reg.timers.NewTimer(min(p.interval(), probePoll))
 		select {
 		case <-e.ctx.Done():
 			t.Stop()
@@ -175,9 +175,9 @@ func (e *Entry) probeLoop() {
 			e.probing = false
 			e.mu.Unlock()
 			return
-		case <-t.C:
+		case <-t.C():
 		}
-		spaced := time.Since(last) >= p.interval()
+		spaced := e.reg.now().Sub(last) >= p.interval()
 		var permits []breaker.Permit
 		for _, b := range e.breakerMap() {
 			if !spaced && b.State() != breaker.Open || !b.ProbeDue() {
@@ -190,7 +190,7 @@ func (e *Entry) probeLoop() {
 		if len(permits) == 0 {
 			continue
 		}
-		last = time.Now()
+		last = e.reg.now()
 		err := p.send(e.ctx, e.addr)
 		if e.ctx.Err() != nil {
 			// Released while probing: the answer says nothing.

@@ -16,6 +16,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
 // Observer receives the pool's events for metrics and logs. Calls come from
@@ -81,6 +82,9 @@ type Registry struct {
 	// clock is the time of picks, retry budgets and, through breakerOpts,
 	// breakers (UseClock); breaker.SystemClock by default.
 	clock breaker.Clock
+	// timers paces the probe and scrape loops (UseClock with a
+	// proxy.Clock); wallClock by default.
+	timers proxy.Clock
 	// store is the breaker store of the breakers created now (nil: none);
 	// storeMu serializes SetBreakerStore.
 	store   atomic.Pointer[storeBox]
@@ -124,7 +128,7 @@ func NewRegistry(obs Observer) *Registry {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}}
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}, timers: wallClock{}}
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)
 	return r
@@ -132,12 +136,33 @@ func NewRegistry(obs Observer) *Registry {
 
 // UseClock makes c the clock of picks, of the retry budgets of pools built
 // from now on, and of the breakers created from now on, so that tests and
-// simulations run on a fake clock. Call it before building pools; it is
-// not safe for concurrent use with them.
+// simulations run on a fake clock. When c is also a proxy.Clock (it makes
+// timers), it paces the background loops too: the active prober's
+// interval and the /metrics scrape interval, and the times scrapes are
+// stamped with. Call it before building pools; it is not safe for
+// concurrent use with them.
 func (r *Registry) UseClock(c breaker.Clock) {
 	r.clock = c
 	r.breakerOpts = append(r.breakerOpts, breaker.WithClock(c))
+	if tc, ok := c.(proxy.Clock); ok {
+		r.timers = tc
+	}
 }
+
+// wallClock is the timers of package time, the loops' default clock.
+type wallClock struct{}
+
+func (wallClock) Now() time.Time                       { return time.Now() }
+func (wallClock) NewTimer(d time.Duration) proxy.Timer { return wallTimer{time.NewTimer(d)} }
+func (wallClock) AfterFunc(d time.Duration, f func()) proxy.Timer {
+	return wallTimer{time.AfterFunc(d, f)}
+}
+
+type wallTimer struct{ t *time.Timer }
+
+func (t wallTimer) C() <-chan time.Time        { return t.t.C }
+func (t wallTimer) Stop() bool                 { return t.t.Stop() }
+func (t wallTimer) Reset(d time.Duration) bool { return t.t.Reset(d) }
 
 // now is the registry clock's time.
 func (r *Registry) now() time.Time { return r.clock.Now() }

@@ -161,7 +161,7 @@ func (p *Pool) Saturated() bool {
 	if p.sat == nil {
 		return false
 	}
-	now := time.Now()
+	now := p.reg.now()
 	healthy, saturated := 0, true
 	check := func(m *member) bool {
 		if !p.healthy(m) && !p.saturationTripped(m) {

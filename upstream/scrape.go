@@ -108,7 +108,7 @@ func (e *Entry) scrapeLoop() {
 
 		e.scrapeOnce(cfg, &st)
 
-		t := time.NewTimer(cfg.Interval)
+		t := e.reg.timers.NewTimer(cfg.Interval)
 		select {
 		case <-e.ctx.Done():
 			t.Stop()
@@ -116,16 +116,16 @@ func (e *Entry) scrapeLoop() {
 			e.scraping = false
 			e.mu.Unlock()
 			return
-		case <-t.C:
+		case <-t.C():
 		}
 	}
 }
 
 // scrapeOnce fetches and applies one scrape.
 func (e *Entry) scrapeOnce(cfg *Saturation, st *scrapeState) {
-	start := time.Now()
+	start := e.reg.now()
 	sc, err := e.fetch(cfg)
-	end := time.Now()
+	end := e.reg.now()
 	if e.ctx.Err() != nil {
 		return // released while scraping: say nothing
 	}
@@ -156,7 +156,7 @@ func (e *Entry) fetch(cfg *Saturation) (Scrape, error) {
 		return Scrape{}, fmt.Errorf("GET %s: status %d", cfg.MetricsPath, resp.StatusCode)
 	}
 	body := &limitedReader{r: resp.Body, n: maxScrapeBody}
-	sc, err := ParseScrape(body, resp.Header.Get("Content-Type"), cfg.Names, time.Now())
+	sc, err := ParseScrape(body, resp.Header.Get("Content-Type"), cfg.Names, e.reg.now())
 	if body.over {
 		return Scrape{}, fmt.Errorf("GET %s: body larger than %d bytes", cfg.MetricsPath, maxScrapeBody)
 	}
@@ -168,7 +168,7 @@ func (e *Entry) fetch(cfg *Saturation) (Scrape, error) {
 	}
 	// Stamp the sample when the body was read, so staleness counts from
 	// the newest moment the values can describe.
-	now := time.Now()
+	now := e.reg.now()
 	sc.Server.at = now
 	for k, m := range sc.Models {
 		m.at = now
