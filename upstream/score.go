@@ -63,7 +63,8 @@ func (e *Entry) Score(now time.Time, s *Saturation, model string) (score float64
 			smp = &m
 		}
 	}
-	r := &smp.r
+	rv := smp.Readings()
+	r := &rv
 	if r.Waiting.Known {
 		q := r.Waiting.V + float64(uint32(e.since.Load()))
 		if r.Running.Known {

@@ -169,11 +169,7 @@ func (e *Entry) fetch(cfg *Saturation) (Scrape, error) {
 	// Stamp the sample when the body was read, so staleness counts from
 	// the newest moment the values can describe.
 	now := e.reg.now()
-	sc.Server.at = now
-	for k, m := range sc.Models {
-		m.at = now
-		sc.Models[k] = m
-	}
+	sc.Stamp(now)
 	return sc, nil
 }
 
@@ -224,7 +220,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 	var haveLast bool
 	if err == nil {
 		snap.scrape, snap.ok = sc, true
-		r := sc.Server.r
+		r := sc.Server.Readings()
 		cur = histPoint{at: now, queueTime: r.QueueTime, ttft: r.TTFT, waiting: r.Waiting, kvUsage: r.KVUsage}
 		if n := len(st.points); n > 0 {
 			last, haveLast = st.points[n-1], true
@@ -248,7 +244,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 		qw = QuantileBetween(base.queueTime, cur.queueTime, 0.99)
 		ttft = QuantileBetween(base.ttft, cur.ttft, 0.95)
 	}
-	r := snap.scrape.Server.r
+	r := snap.scrape.Server.Readings()
 	known := [numSignals]Value{r.Waiting, r.Running, r.KVUsage, qw, ttft}
 	present := [numSignals]bool{r.Waiting.Known, r.Running.Known, r.KVUsage.Known, r.QueueTime.Known(), r.TTFT.Known()}
 	for i := range known {
