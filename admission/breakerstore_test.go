@@ -4,7 +4,7 @@ import (
 	"testing"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
-	"github.com/llmproxy/caddy-llm-proxy/internal/breakertest"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // TestTenantBreakerSharedByAFleet: two gateways' controllers share a

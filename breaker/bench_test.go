@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
-	"github.com/llmproxy/caddy-llm-proxy/internal/breakertest"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // BenchmarkClosedAllowDone measures the hot path, a permit and a successful

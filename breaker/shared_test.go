@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
-	"github.com/llmproxy/caddy-llm-proxy/internal/breakertest"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // fleetFixture is n simulated gateways sharing one SharedMemory, each with

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
-	"github.com/llmproxy/caddy-llm-proxy/internal/breakertest"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // The outage discovery simulation (issue 10, docs/benchmarks.md): a fleet

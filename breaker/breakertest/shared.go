@@ -1,6 +1,6 @@
 // Package breakertest holds test and simulation helpers for package
 // breaker: SharedMemory, an in-process fleet of breakers. It is not part of
-// the gateway's production code (issue 20: it moved out of breaker/).
+// the gateway's production code: only tests import it (as net/http/httptest).
 package breakertest
 
 import (
