@@ -2,7 +2,11 @@ package upstream
 
 import (
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -89,5 +93,37 @@ func TestHandlersWithOneBreakerPolicyShareTheBreaker(t *testing.T) {
 	views := reg.Breakers()
 	if len(views) != 1 || views[0].Key != addr || !slices.Equal(views[0].Pools, []string{"a", "b"}) {
 		t.Fatalf("breakers %+v, want one %q serving [a b]", views, addr)
+	}
+}
+
+// Two handlers of one config with breaker settings of their own probe
+// their own breakers with their own Prober (one loop per upstream).
+func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
+	var mu sync.Mutex
+	paths := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		paths[r.URL.Path]++
+		mu.Unlock()
+		w.WriteHeader(http.StatusServiceUnavailable) // the breakers stay open
+	}))
+	t.Cleanup(srv.Close)
+	probesTo := func(path string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return paths[path]
+	}
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	reg := NewRegistry(nil)
+	gen := reg.NextGeneration()
+	sa, sb := activeProbing(), activeProbing()
+	sb.RecoverySuccesses = 3 // another policy
+	a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr), Breaker: sa, Prober: testProber("/a")})
+	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: sb, Prober: testProber("/b")})
+	fail(mustPick(t, a, ""))
+	fail(mustPick(t, b, ""))
+	eventually(t, 5*time.Second, "both handlers' probes", func() bool { return probesTo("/a") >= 2 && probesTo("/b") >= 2 })
+	if n := reg.ProbeLoops(); n != 1 {
+		t.Fatalf("%d probe loops for one upstream, want 1", n)
 	}
 }

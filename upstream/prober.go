@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -30,7 +31,8 @@ const (
 // closed (active probing), so that no user request is risked on it: users
 // are routed elsewhere until the breaker's RecoverySuccesses probes pass.
 // One probe loop runs per upstream entry, however many configs ask for it;
-// the newest started config's Prober is the one used.
+// each breaker policy's breakers are probed with the Prober of the newest
+// started handler that uses the policy (see Entry).
 type Prober struct {
 	// Transport sends the probe (the handler's transport). Required.
 	Transport http.RoundTripper
@@ -178,33 +180,62 @@ func (e *Entry) probeLoop() {
 		case <-t.C():
 		}
 		spaced := e.reg.now().Sub(last) >= p.interval()
-		var permits []breaker.Permit
-		for _, b := range e.breakerMap() {
+		// Each policy's breakers are probed with the Prober of the
+		// handlers that use that policy; one probe answers for every
+		// breaker that shares its Prober.
+		e.mu.Lock()
+		probers := map[string]*Prober{}
+		for k := range e.breakerMap() {
+			if _, ok := probers[k.pol]; !ok {
+				probers[k.pol] = cmp.Or(e.policyProberLocked(k.pol), p)
+			}
+		}
+		e.mu.Unlock()
+		var byProber map[*Prober][]breaker.Permit
+		for k, b := range e.breakerMap() {
 			if !spaced && b.State() != breaker.Open || !b.ProbeDue() {
 				continue
 			}
 			if permit, ok := b.AllowProbe(); ok {
-				permits = append(permits, permit)
+				if byProber == nil {
+					byProber = map[*Prober][]breaker.Permit{}
+				}
+				pr := cmp.Or(probers[k.pol], p)
+				byProber[pr] = append(byProber[pr], permit)
 			}
 		}
-		if len(permits) == 0 {
+		if len(byProber) == 0 {
 			continue
 		}
 		last = e.reg.now()
-		err := p.send(e.ctx, e.addr)
-		if e.ctx.Err() != nil {
-			// Released while probing: the answer says nothing.
+		for pr, permits := range byProber {
+			err := pr.send(e.ctx, e.addr)
 			for i := range permits {
-				permits[i].Done(breaker.Neutral, 0, "")
-			}
-			continue
-		}
-		for i := range permits {
-			if err != nil {
-				permits[i].Done(breaker.Failure, 0, "active probe: "+err.Error())
-			} else {
-				permits[i].Done(breaker.Success, 0, "")
+				switch {
+				case e.ctx.Err() != nil:
+					// Released while probing: the answer says nothing.
+					permits[i].Done(breaker.Neutral, 0, "")
+				case err != nil:
+					permits[i].Done(breaker.Failure, 0, "active probe: "+err.Error())
+				default:
+					permits[i].Done(breaker.Success, 0, "")
+				}
 			}
 		}
 	}
+}
+
+// policyProberLocked returns the Prober of the newest started handler
+// that uses policy key pol and probes actively, nil when none does.
+func (e *Entry) policyProberLocked(pol string) *Prober {
+	var best *claim
+	for _, c := range e.claims {
+		if c.settings != nil && c.prober != nil && c.active.Load() && e.polOf(c) == pol && (best == nil || c.gen > best.gen) {
+			best = c
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	return best.prober
 }
