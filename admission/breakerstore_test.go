@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // TestTenantBreakerSharedByAFleet: two gateways' controllers share a
@@ -15,7 +16,7 @@ func TestTenantBreakerSharedByAFleet(t *testing.T) {
 	a, clk, _ := newCtl(t, cfg)
 	b, _, _ := newCtl(t, cfg)
 	b.clock = clk
-	sm := breaker.NewSharedMemory(clk, 1)
+	sm := breakertest.NewSharedMemory(clk, 1)
 	a.SetBreakerStore(sm.Instance("gw-a"))
 	b.SetBreakerStore(sm.Instance("gw-b"))
 
@@ -55,7 +56,7 @@ func TestTenantBreakerMovesToANewStore(t *testing.T) {
 	if first == nil || first.Key() != "x" {
 		t.Fatalf("local breaker %v, want key x", first)
 	}
-	sm := breaker.NewSharedMemory(clk, 1)
+	sm := breakertest.NewSharedMemory(clk, 1)
 	inst := sm.Instance("gw")
 	c.SetBreakerStore(inst)
 	run(t, c, "x", 10, Usage{Verdict: VerdictFailure}, 0)

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // BenchmarkClosedAllowDone measures the hot path, a permit and a successful
@@ -34,7 +35,7 @@ func BenchmarkClosedAllowDone(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			var opts []breaker.Option
 			if c.fleet {
-				opts = append(opts, breaker.WithStore(breaker.NewSharedMemory(nil, 1).Instance("gw0")))
+				opts = append(opts, breaker.WithStore(breakertest.NewSharedMemory(nil, 1).Instance("gw0")))
 			}
 			br := breaker.New("up1", c.s, opts...)
 			b.ReportAllocs()

@@ -81,7 +81,7 @@
 // store again. A breaker's own trip rules still open it in fleet mode, but
 // locally: that trip, its re-opens and its recovery are not published,
 // while operator actions, Retry-After, observed trips and the probes of a
-// fleet verdict are (see Fleet for the table). SharedMemory is the
+// fleet verdict are (see Fleet for the table). breakertest.SharedMemory (breaker/breakertest) is the
 // in-process Fleet for tests and simulations; fleet/ has the Redis one.
 // Close tells the fleet that a breaker's owner dropped it.
 //

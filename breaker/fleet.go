@@ -10,7 +10,8 @@ import (
 // gateway after its own (DESIGN §9): the number of user requests that
 // discover an outage is then the trip threshold for the whole fleet, not
 // per instance, plus those already in flight. fleet/ implements it on
-// Redis; SharedMemory is the in-process one, for tests and simulations.
+// Redis; breaker/breakertest.SharedMemory is the in-process one, for tests
+// and simulations.
 // A Breaker built WithStore of a Fleet finds it by type assertion.
 //
 // The breaker reports, the fleet decides, and the fleet's decisions come

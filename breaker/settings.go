@@ -177,110 +177,101 @@ func (s Settings) WithDefaults() Settings {
 	return s
 }
 
+// rule is one constraint on Settings, stated once: bad reports a
+// violation (with defaults applied) as the message Validate returns, and
+// fix replaces the offending field with a workable value (sanitize), d
+// being the defaults. Rules are applied in order, so a fix may rely on
+// the fields of the rules before it (open_for's on max_open's).
+type rule struct {
+	bad func(s Settings) string
+	fix func(s *Settings, d Settings)
+}
+
+// rules are every constraint on Settings; Validate reports them and
+// sanitize enforces them, so the two cannot disagree.
+var rules = []rule{
+	{func(s Settings) string {
+		return cond(s.ConsecutiveFailures < -1, "consecutive_failures %d: must be positive, or -1 to disable", s.ConsecutiveFailures)
+	}, func(s *Settings, d Settings) { s.ConsecutiveFailures = d.ConsecutiveFailures }},
+	{func(s Settings) string { return cond(s.Failures < 0, "failures %d: must not be negative", s.Failures) },
+		func(s *Settings, d Settings) { s.Failures = 0 }},
+	{func(s Settings) string {
+		return cond(s.FailuresWindow < 0, "failures window %s: must be positive", s.FailuresWindow)
+	}, func(s *Settings, d Settings) { s.FailuresWindow = d.FailuresWindow }},
+	{func(s Settings) string { // also rejects NaN
+		return cond(!(s.FailureRatio >= 0 && s.FailureRatio <= 1), "failure_ratio %v: must be within [0, 1]", s.FailureRatio)
+	}, func(s *Settings, d Settings) { s.FailureRatio = 0 }},
+	{func(s Settings) string {
+		return cond(!(s.SlowRatio >= 0 && s.SlowRatio <= 1), "slow_ratio %v: must be within [0, 1]", s.SlowRatio)
+	}, func(s *Settings, d Settings) { s.SlowRatio = 0 }},
+	{func(s Settings) string {
+		return cond(s.MinRequests < 1, "min_requests %d: must be positive", s.MinRequests)
+	},
+		func(s *Settings, d Settings) { s.MinRequests = d.MinRequests }},
+	{func(s Settings) string {
+		return cond(s.RatioWindow < 0, "ratio window %s: must be positive", s.RatioWindow)
+	},
+		func(s *Settings, d Settings) { s.RatioWindow = d.RatioWindow }},
+	{func(s Settings) string { return cond(s.SlowTTFT < 0, "slow_ttft %s: must not be negative", s.SlowTTFT) },
+		func(s *Settings, d Settings) { s.SlowTTFT = 0 }},
+	{func(s Settings) string {
+		return cond(s.SlowRatio > 0 && s.SlowTTFT <= 0, "slow_ratio %v: needs slow_ttft", s.SlowRatio)
+	}, func(s *Settings, d Settings) { s.SlowRatio = 0 }},
+	{func(s Settings) string { return cond(s.MaxOpen < 0, "max_open %s: must be positive", s.MaxOpen) },
+		func(s *Settings, d Settings) { s.MaxOpen = d.MaxOpen }},
+	{func(s Settings) string { return cond(s.OpenFor < 0, "open_for %s: must be positive", s.OpenFor) },
+		func(s *Settings, d Settings) { s.OpenFor = min(d.OpenFor, s.MaxOpen) }},
+	{func(s Settings) string {
+		return cond(s.OpenFor > s.MaxOpen, "open_for %s: must not exceed max_open %s", s.OpenFor, s.MaxOpen)
+	}, func(s *Settings, d Settings) { s.OpenFor = min(d.OpenFor, s.MaxOpen) }},
+	{func(s Settings) string {
+		return cond(s.MinOpen > s.MaxOpen, "min_open %s: must not exceed max_open %s", s.MinOpen, s.MaxOpen)
+	}, func(s *Settings, d Settings) { s.MinOpen = s.MaxOpen }},
+	{func(s Settings) string {
+		return cond(s.HalfOpenProbes < 1, "half_open_probes %d: must be positive", s.HalfOpenProbes)
+	}, func(s *Settings, d Settings) { s.HalfOpenProbes = d.HalfOpenProbes }},
+	{func(s Settings) string {
+		return cond(s.RecoverySuccesses < 1, "recovery_successes %d: must be positive", s.RecoverySuccesses)
+	}, func(s *Settings, d Settings) { s.RecoverySuccesses = d.RecoverySuccesses }},
+	{func(s Settings) string {
+		return cond(s.ProbeTimeout < 0, "probe timeout %s: must be positive", s.ProbeTimeout)
+	},
+		func(s *Settings, d Settings) { s.ProbeTimeout = d.ProbeTimeout }},
+}
+
+// cond returns the formatted message when bad, else "".
+func cond(bad bool, format string, args ...any) string {
+	if !bad {
+		return ""
+	}
+	return fmt.Sprintf(format, args...)
+}
+
 // Validate reports every field that is out of range, after defaults are
-// applied. Breakers built from invalid Settings use the default in place of
-// each invalid field; configuration code should call Validate and refuse.
+// applied (one error per rule broken, joined). Breakers built from invalid
+// Settings use the default in place of each invalid field; configuration
+// code should call Validate and refuse.
 func (s Settings) Validate() error {
 	s = s.WithDefaults()
 	var errs []error
-	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	if s.ConsecutiveFailures < -1 {
-		bad("consecutive_failures %d: must be positive, or -1 to disable", s.ConsecutiveFailures)
-	}
-	if s.Failures < 0 {
-		bad("failures %d: must not be negative", s.Failures)
-	}
-	if s.FailuresWindow < 0 {
-		bad("failures window %s: must be positive", s.FailuresWindow)
-	}
-	if !(s.FailureRatio >= 0 && s.FailureRatio <= 1) { // also rejects NaN
-		bad("failure_ratio %v: must be within [0, 1]", s.FailureRatio)
-	}
-	if !(s.SlowRatio >= 0 && s.SlowRatio <= 1) {
-		bad("slow_ratio %v: must be within [0, 1]", s.SlowRatio)
-	}
-	if s.MinRequests < 1 {
-		bad("min_requests %d: must be positive", s.MinRequests)
-	}
-	if s.RatioWindow < 0 {
-		bad("ratio window %s: must be positive", s.RatioWindow)
-	}
-	if s.SlowTTFT < 0 {
-		bad("slow_ttft %s: must not be negative", s.SlowTTFT)
-	}
-	if s.SlowRatio > 0 && s.SlowTTFT == 0 {
-		bad("slow_ratio %v: needs slow_ttft", s.SlowRatio)
-	}
-	if s.OpenFor < 0 {
-		bad("open_for %s: must be positive", s.OpenFor)
-	}
-	if s.MaxOpen < 0 {
-		bad("max_open %s: must be positive", s.MaxOpen)
-	}
-	if s.OpenFor > s.MaxOpen {
-		bad("open_for %s: must not exceed max_open %s", s.OpenFor, s.MaxOpen)
-	}
-	if s.MinOpen > s.MaxOpen {
-		bad("min_open %s: must not exceed max_open %s", s.MinOpen, s.MaxOpen)
-	}
-	if s.HalfOpenProbes < 1 {
-		bad("half_open_probes %d: must be positive", s.HalfOpenProbes)
-	}
-	if s.RecoverySuccesses < 1 {
-		bad("recovery_successes %d: must be positive", s.RecoverySuccesses)
-	}
-	if s.ProbeTimeout < 0 {
-		bad("probe timeout %s: must be positive", s.ProbeTimeout)
+	for _, r := range rules {
+		if msg := r.bad(s); msg != "" {
+			errs = append(errs, errors.New(msg))
+		}
 	}
 	return errors.Join(errs...)
 }
 
 // sanitize returns s with defaults applied and every invalid field replaced
-// by its default, so that a breaker always has workable rules.
+// by its default (the fixes of the rules Validate reports), so that a
+// breaker always has workable rules.
 func (s Settings) sanitize() Settings {
 	s = s.WithDefaults()
 	d := Settings{}.WithDefaults()
-	if s.ConsecutiveFailures < -1 {
-		s.ConsecutiveFailures = d.ConsecutiveFailures
-	}
-	if s.Failures < 0 {
-		s.Failures = 0
-	}
-	if s.FailuresWindow < 0 {
-		s.FailuresWindow = d.FailuresWindow
-	}
-	if !(s.FailureRatio >= 0 && s.FailureRatio <= 1) {
-		s.FailureRatio = 0
-	}
-	if !(s.SlowRatio >= 0 && s.SlowRatio <= 1) || s.SlowTTFT <= 0 {
-		s.SlowRatio = 0
-	}
-	if s.MinRequests < 1 {
-		s.MinRequests = d.MinRequests
-	}
-	if s.RatioWindow < 0 {
-		s.RatioWindow = d.RatioWindow
-	}
-	if s.SlowTTFT < 0 {
-		s.SlowTTFT = 0
-	}
-	if s.MaxOpen < 0 {
-		s.MaxOpen = d.MaxOpen
-	}
-	if s.OpenFor < 0 || s.OpenFor > s.MaxOpen {
-		s.OpenFor = min(d.OpenFor, s.MaxOpen)
-	}
-	if s.MinOpen > s.MaxOpen {
-		s.MinOpen = s.MaxOpen
-	}
-	if s.HalfOpenProbes < 1 {
-		s.HalfOpenProbes = d.HalfOpenProbes
-	}
-	if s.RecoverySuccesses < 1 {
-		s.RecoverySuccesses = d.RecoverySuccesses
-	}
-	if s.ProbeTimeout < 0 {
-		s.ProbeTimeout = d.ProbeTimeout
+	for _, r := range rules {
+		if r.bad(s) != "" {
+			r.fix(&s, d)
+		}
 	}
 	return s
 }

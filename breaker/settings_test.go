@@ -87,3 +87,25 @@ func TestInvalidSettingsTakeDefaults(t *testing.T) {
 		t.Fatalf("sanitized settings invalid: %v", err)
 	}
 }
+
+// Validate and the breaker's sanitizing are one rule set: every setting
+// Validate refuses runs as settings Validate accepts, and valid settings
+// run unchanged.
+func TestSanitizedSettingsAlwaysValidate(t *testing.T) {
+	for _, s := range []breaker.Settings{
+		{ConsecutiveFailures: -2}, {Failures: -1}, {FailuresWindow: -1}, {FailureRatio: math.NaN()},
+		{SlowRatio: 2}, {SlowRatio: 0.5}, {SlowRatio: 0.5, SlowTTFT: -time.Second}, {MinRequests: -3},
+		{RatioWindow: -1}, {MaxOpen: -1, OpenFor: -1}, {MaxOpen: -1, MinOpen: time.Hour}, {OpenFor: time.Hour},
+		{HalfOpenProbes: -1}, {RecoverySuccesses: -1}, {ProbeTimeout: -1},
+		{ConsecutiveFailures: 5, SlowTTFT: time.Second, SlowRatio: 0.5, MaxOpen: time.Minute, OpenFor: 30 * time.Second},
+	} {
+		valid := s.Validate() == nil
+		got := breaker.New("k", s).Settings()
+		if err := got.Validate(); err != nil {
+			t.Errorf("%+v runs as %+v, which Validate refuses: %v", s, got, err)
+		}
+		if valid && got != s.WithDefaults() {
+			t.Errorf("valid %+v runs as %+v", s, got)
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // fleetFixture is n simulated gateways sharing one SharedMemory, each with
@@ -16,14 +17,14 @@ import (
 type fleetFixture struct {
 	t   *testing.T
 	clk *fakeClock
-	sm  *breaker.SharedMemory
+	sm  *breakertest.SharedMemory
 	gw  []*fixture // gw[i].b is gateway i's breaker
 }
 
 func newFleet(t *testing.T, n, minReporters int, s breaker.Settings) *fleetFixture {
 	t.Helper()
 	ff := &fleetFixture{t: t, clk: newClock()}
-	ff.sm = breaker.NewSharedMemory(ff.clk, minReporters)
+	ff.sm = breakertest.NewSharedMemory(ff.clk, minReporters)
 	for i := range n {
 		ff.gw = append(ff.gw, ff.join(i, s))
 	}
@@ -370,7 +371,7 @@ func TestFleetCooldownGrowsWithTheFleetsReopens(t *testing.T) {
 // stops an operator's close reaches every gateway.
 func TestFleetConcurrentUse(t *testing.T) {
 	clk := newClock()
-	sm := breaker.NewSharedMemory(clk, 1)
+	sm := breakertest.NewSharedMemory(clk, 1)
 	const gws = 4
 	var bs []*breaker.Breaker
 	for i := range gws {

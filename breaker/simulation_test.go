@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 )
 
 // The outage discovery simulation (issue 10, docs/benchmarks.md): a fleet
@@ -61,11 +62,11 @@ func simulate(t *testing.T, instances int, mode simMode, seed uint64) simResult 
 	clk := newClock()
 	rng := rand.New(rand.NewPCG(seed, uint64(instances)))
 	s := breaker.Settings{ConsecutiveFailures: simThreshold}
-	var sm *breaker.SharedMemory
+	var sm *breakertest.SharedMemory
 	var ms *breaker.MemoryStore
 	switch mode {
 	case simFleet:
-		sm = breaker.NewSharedMemory(clk, 1)
+		sm = breakertest.NewSharedMemory(clk, 1)
 	case simVerdicts:
 		ms = breaker.NewMemoryStore()
 	}

@@ -162,6 +162,9 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 	st := liveBreakerStore()
 	for i := range views {
 		withScope(&views[i], st)
+		for j, k := range views[i].Pools {
+			views[i].Pools[j] = poolLabel(k)
+		}
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
@@ -297,8 +300,15 @@ func breakerExists(key string) bool {
 
 // view is one breaker as the admin API shows it.
 func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
-	key := strings.TrimPrefix(strings.TrimPrefix(b.Key(), e.Addr()), "|")
-	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: key, Inflight: e.Inflight()}
+	rest, pol := strings.TrimPrefix(b.Key(), e.Addr()), ""
+	if p, ok := strings.CutPrefix(rest, "~"); ok {
+		pol, rest, _ = strings.Cut(p, "|")
+	}
+	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: strings.TrimPrefix(rest, "|"),
+		Inflight: e.Inflight(), Policy: pol, Pools: e.PolicyPools(pol)}
+	for j, k := range v.Pools {
+		v.Pools[j] = poolLabel(k)
+	}
 	withScope(&v, liveBreakerStore())
 	return v
 }

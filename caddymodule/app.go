@@ -84,7 +84,11 @@ type App struct {
 	// Provision to Cleanup (its body budget, the tenant controller).
 	claims *registry.Claims
 
-	pools  []*upstream.Pool
+	pools []*upstream.Pool
+	// gen is the config's generation (upstream.Config.Generation), so
+	// that two handlers of this config in front of one upstream each obey
+	// their own breaker settings.
+	gen    uint64
 	gates  []adoptedGate
 	logger *zap.Logger
 	events *caddyevents.App
@@ -105,6 +109,7 @@ func (App) CaddyModule() caddy.ModuleInfo {
 func (a *App) Provision(ctx caddy.Context) error {
 	a.ctx, a.logger = ctx, ctx.Logger()
 	a.claims = new(registry.Claims)
+	a.gen = a.registry().NextGeneration()
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return err
 	}

@@ -119,7 +119,7 @@ func (c breakerStateCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range runningPools() {
 		pool := poolLabel(p.Key())
 		for _, e := range p.Entries() {
-			for model, b := range e.Breakers() {
+			for model, b := range p.Breakers(e) {
 				k := key{pool, e.Addr(), model}
 				if seen[k] {
 					continue

@@ -313,6 +313,7 @@ func (h *Handler) newPool(ctx caddy.Context, app *App, key string, owner any, up
 		return nil, err
 	}
 	cfg := upstream.Config{
+		Generation: app.gen,
 		Key:        key,
 		Static:     static,
 		Source:     source,

@@ -13,7 +13,7 @@ import (
 // Breakers is the fleet's breaker store on Redis: a breaker.Fleet, so the
 // breakers of every gateway built WithStore of it trip once for the whole
 // fleet, on the fleet's failures (DESIGN §9, issue 10). It is the Redis
-// twin of breaker.SharedMemory, with the same semantics, and follows the
+// twin of breakertest.SharedMemory (breaker/breakertest), with the same semantics, and follows the
 // contract of breaker.Fleet:
 //
 //   - Failure and Success never wait: they queue a report (a bounded queue;

@@ -137,7 +137,7 @@ func (p *Pool) Status() PoolStatus {
 	n := 0
 	p.eachMember(func(m *member) {
 		n++
-		if b := m.e.lookupBreaker(""); b != nil && b.Evidence() == breaker.Statistical {
+		if b := m.e.lookupFor(p.claim, ""); b != nil && b.Evidence() == breaker.Statistical {
 			st.Ejected++
 		}
 	})
@@ -173,7 +173,7 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 		if m.e == self {
 			return
 		}
-		pb := m.e.lookupBreaker(key)
+		pb := m.e.lookupFor(p.claim, key)
 		if pb == nil {
 			return
 		}

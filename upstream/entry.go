@@ -2,7 +2,11 @@ package upstream
 
 import (
 	"context"
+	"fmt"
+	"hash/fnv"
 	"slices"
+	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -16,10 +20,18 @@ import (
 // and config that targets it, so in-flight counts and breaker state are
 // shared between handlers and survive reloads (as Caddy's own Host is).
 //
-// Settings come from the configs that hold the entry (each a claim, see
-// Pool): the newest config that has started wins; a config that is only
-// provisioned (not started, or failed to load) never changes what a running
-// one set (DESIGN §6).
+// Breakers are kept per policy: the handlers (pools) whose breaker
+// settings, and whether they read saturation signals, are identical share
+// one breaker per model key; a handler with other settings has its own
+// (Caddy's reverseproxy keeps per-host counters shared and thresholds per
+// handler, hosts.go). The primary policy is that of the newest started
+// config with breakers on (else the newest provisioned one); its breakers
+// keep the plain names ("addr", "addr|model") and take the new settings
+// when a reload changes them, so their state survives the reload. Another
+// policy's breakers are named "addr~<policy>" ("addr~<policy>|model"). A
+// handler with breakers off uses none and changes nothing for the others.
+// A config that is only provisioned (not started, or failed to load)
+// never changes what a running one set (DESIGN §6).
 type Entry struct {
 	addr string
 	reg  *Registry
@@ -41,15 +53,17 @@ type Entry struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	// breakers by model key ("" for the per-upstream breaker, the model
-	// name under scope model): an immutable map replaced under mu, so the
-	// request path reads it without a lock.
-	breakers atomic.Pointer[map[string]*breaker.Breaker]
+	// breakers by policy and model key: an immutable map replaced under
+	// mu, so the request path reads it without a lock.
+	breakers atomic.Pointer[map[bkey]*breaker.Breaker]
+	// prim is the primary policy; written under mu.
+	prim atomic.Pointer[primary]
 
 	mu sync.Mutex // guards everything below
 	// claims are the configs holding the entry, oldest first.
 	claims []*claim
-	// eff is the claim whose settings apply (nil: none wants breakers).
+	// eff is the claim whose settings the primary policy's breakers take
+	// (nil: no claim has breakers on).
 	eff       *claim
 	probing   bool // a probe loop runs
 	scraping  bool // a scrape loop runs
@@ -58,27 +72,88 @@ type Entry struct {
 	bstore breaker.Store
 }
 
-// claim is one config's wishes for the entries it holds.
+// primary is an entry's primary policy: its fingerprint ("" when no claim
+// has breakers on) and the config generation of the claim it comes from.
+type primary struct {
+	fp   string
+	cgen uint64
+}
+
+// bkey identifies one of an entry's breakers: its policy ("" for the
+// primary policy, else the policy's fingerprint) and its model key ("" for
+// the per-upstream breaker, the model name under scope model).
+type bkey struct{ pol, model string }
+
+// claim is one config's (one pool's) wishes for the entries it holds.
 type claim struct {
-	gen    uint64
+	gen uint64
+	// cgen is the generation of the config the pool belongs to
+	// (Config.Generation, else gen): a claim of an older config than the
+	// primary's uses the primary policy (a reload hands a handler's
+	// breakers to its new settings).
+	cgen   uint64
 	active atomic.Bool
+	// pool is the pool's key (Config.Key), for the admin API.
+	pool string
 	// settings is nil when the config turns breakers off.
 	settings *breaker.Settings
-	prober   *Prober
+	// fp is the fingerprint of the claim's policy: its breaker settings
+	// and whether it reads saturation signals ("" when breakers are off).
+	fp string
+	// scopeModel: the pool keys breakers by model, so it holds no
+	// per-upstream breaker ahead of traffic.
+	scopeModel bool
+	prober     *Prober
 	// sat is the config's saturation settings (defaults applied), nil
 	// when it reads no signals.
 	sat *Saturation
 }
 
+// policyFingerprint identifies a breaker policy: "s" (saturation signals
+// trip its breakers) or "b" (they do not), then 8 hex digits of the FNV-1a
+// hash of the settings.
+func policyFingerprint(s *breaker.Settings, sat bool) string {
+	if s == nil {
+		return ""
+	}
+	h := fnv.New32a()
+	fmt.Fprintf(h, "%+v", *s)
+	kind := "b"
+	if sat {
+		kind = "s"
+	}
+	return fmt.Sprintf("%s%08x", kind, h.Sum32())
+}
+
 func newEntry(reg *Registry, addr string) *Entry {
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Entry{addr: addr, reg: reg, ctx: ctx, cancel: cancel}
-	e.breakers.Store(&map[string]*breaker.Breaker{})
+	e.breakers.Store(&map[bkey]*breaker.Breaker{})
+	e.prim.Store(&primary{})
 	return e
 }
 
 // breakerMap returns the current breakers; do not modify it.
-func (e *Entry) breakerMap() map[string]*breaker.Breaker { return *e.breakers.Load() }
+func (e *Entry) breakerMap() map[bkey]*breaker.Breaker { return *e.breakers.Load() }
+
+// polOf returns the policy key of c's breakers: "" when c shares the
+// primary policy or belongs to an older config than the primary's, else
+// its fingerprint.
+func (e *Entry) polOf(c *claim) string {
+	if p := e.prim.Load(); c.fp == p.fp || c.cgen < p.cgen {
+		return ""
+	}
+	return c.fp
+}
+
+// satPolicy reports whether the saturation rules trip the breakers of
+// policy key pol.
+func (e *Entry) satPolicy(pol string) bool {
+	if pol == "" {
+		pol = e.prim.Load().fp
+	}
+	return strings.HasPrefix(pol, "s")
+}
 
 // Addr returns the entry's dial address ("10.0.0.2:8000", or a socket path).
 func (e *Entry) Addr() string { return e.addr }
@@ -126,13 +201,17 @@ func (e *Entry) dropClaim(c *claim) {
 	e.reconcile()
 }
 
-// effectiveLocked picks the claim whose settings apply: the newest active
+// effectiveLocked picks the claim whose settings the primary policy's
+// breakers take: among the claims with breakers on, the newest active
 // one, else (nothing started yet, e.g. the first config while it starts)
-// the newest. Claims without breakers count too: the newest config turning
-// breakers off forgets their state.
+// the newest. A claim with breakers off never decides anything for
+// another handler.
 func (e *Entry) effectiveLocked() *claim {
 	var best *claim
 	for _, c := range e.claims {
+		if c.settings == nil {
+			continue
+		}
 		ca, ba := c.active.Load(), best != nil && best.active.Load()
 		if best == nil || (ca && !ba) || (ca == ba && c.gen > best.gen) {
 			best = c
@@ -141,9 +220,36 @@ func (e *Entry) effectiveLocked() *claim {
 	return best
 }
 
-// reconcile applies the effective claim: new thresholds to existing
-// breakers, breakers dropped when the effective config has them off, and
-// active probing started when it is on and a breaker is not closed.
+// liveLocked reports whether some claim uses policy key pol.
+func (e *Entry) liveLocked(pol string) bool {
+	for _, c := range e.claims {
+		if c.settings != nil && e.polOf(c) == pol {
+			return true
+		}
+	}
+	return false
+}
+
+// settingsLocked returns the settings of policy key pol.
+func (e *Entry) settingsLocked(pol string) (breaker.Settings, bool) {
+	if pol == "" {
+		if e.eff == nil {
+			return breaker.Settings{}, false
+		}
+		return *e.eff.settings, true
+	}
+	for _, c := range e.claims {
+		if c.settings != nil && c.fp == pol {
+			return *c.settings, true
+		}
+	}
+	return breaker.Settings{}, false
+}
+
+// reconcile applies the claims: the effective claim's thresholds to the
+// primary policy's breakers, breakers of policies no claim uses any more
+// dropped, and active probing started when wanted and a breaker is not
+// closed.
 func (e *Entry) reconcile() {
 	e.mu.Lock()
 	if e.destroyed {
@@ -153,89 +259,142 @@ func (e *Entry) reconcile() {
 	prev := e.eff
 	eff := e.effectiveLocked()
 	e.eff = eff
-	var drop []string
+	prim := &primary{}
+	if eff != nil {
+		prim = &primary{fp: eff.fp, cgen: eff.cgen}
+	}
+	e.prim.Store(prim)
+	var drop []bkey
 	var apply []*breaker.Breaker
-	switch {
-	case eff == nil || eff.settings == nil:
-		for k := range e.breakerMap() {
+	old := e.breakerMap()
+	for k, b := range old {
+		switch {
+		case !e.liveLocked(k.pol):
 			drop = append(drop, k)
-		}
-		defer closeBreakers(e.breakerMap()) // after e.mu is released
-		e.breakers.Store(&map[string]*breaker.Breaker{})
-	case prev != eff:
-		for _, b := range e.breakerMap() {
+		case k.pol == "" && prev != eff:
 			apply = append(apply, b)
 		}
 	}
+	if len(drop) > 0 {
+		m := make(map[bkey]*breaker.Breaker, len(old))
+		gone := make(map[bkey]*breaker.Breaker, len(drop))
+		for k, b := range old {
+			if slices.Contains(drop, k) {
+				gone[k] = b
+			} else {
+				m[k] = b
+			}
+		}
+		e.breakers.Store(&m)
+		defer closeBreakers(gone) // after e.mu is released
+	}
 	for _, k := range drop {
-		e.reg.obs.BreakerGone(e.addr, k)
+		e.reg.obs.BreakerGone(e.addr, k.model)
+	}
+	// Every other policy in use where the primary one has breakers holds
+	// its per-upstream breaker too, so that a policy that stopped being the
+	// primary one (a newer handler started) is listed, and tripped by
+	// saturation, before its next request.
+	var hold []*claim
+	_, primHeld := e.breakerMap()[bkey{"", ""}]
+	for _, c := range e.claims {
+		if pol := e.polOf(c); primHeld && c.settings != nil && !c.scopeModel && pol != "" {
+			if _, ok := e.breakerMap()[bkey{pol, ""}]; !ok {
+				hold = append(hold, c)
+			}
+		}
 	}
 	e.mu.Unlock()
 	for _, b := range apply {
 		b.SetSettings(*eff.settings)
 	}
+	for _, c := range hold {
+		e.breakerFor(c, "")
+	}
 	e.maybeProbe()
 	e.maybeScrape()
 }
 
-// breakerFor returns the breaker for a model key ("" per upstream), creating
-// it with the effective settings and the registry's breaker store; nil when
-// breakers are off or the entry is gone (a request still running on a
-// config that released it).
-func (e *Entry) breakerFor(key string) *breaker.Breaker {
-	if b, ok := e.breakerMap()[key]; ok {
+// breakerFor returns c's breaker for a model key ("" per upstream),
+// creating it with c's policy and the registry's breaker store; nil when c
+// has breakers off or no claim uses c's policy any more (a request still
+// running on a config that released the entry), or the entry is gone.
+func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
+	if c == nil || c.settings == nil {
+		return nil
+	}
+	if b, ok := e.breakerMap()[bkey{e.polOf(c), model}]; ok {
 		return b
 	}
 	e.mu.Lock()
-	if e.destroyed || e.eff == nil || e.eff.settings == nil {
+	k := bkey{e.polOf(c), model}
+	if e.destroyed || !e.liveLocked(k.pol) {
 		e.mu.Unlock()
 		return nil
 	}
 	old := e.breakerMap()
-	if b, ok := old[key]; ok {
+	if b, ok := old[k]; ok {
 		e.mu.Unlock()
 		return b
 	}
+	s, _ := e.settingsLocked(k.pol)
 	st := e.reg.BreakerStore()
 	if len(old) == 0 {
 		e.bstore = st
 	} // else a SetBreakerStore is on its way to this entry and builds them all again
-	b, l := e.newBreakerLocked(key, *e.eff.settings, st)
-	m := make(map[string]*breaker.Breaker, len(old)+1)
+	b, l := e.newBreakerLocked(k, s, st)
+	m := make(map[bkey]*breaker.Breaker, len(old)+1)
 	for k, v := range old {
 		m[k] = v
 	}
-	m[key] = b
+	m[k] = b
 	e.breakers.Store(&m)
-	e.reg.obs.BreakerCreated(e.addr, key)
+	e.reg.obs.BreakerCreated(e.addr, model)
 	e.mu.Unlock()
 	l.register(b)
 	return b
 }
 
-// newBreakerLocked builds the breaker for key with store st (nil: none).
+// lookupFor returns c's breaker for a model key without creating one.
+func (e *Entry) lookupFor(c *claim, model string) *breaker.Breaker {
+	if c == nil || c.settings == nil {
+		return nil
+	}
+	return e.breakerMap()[bkey{e.polOf(c), model}]
+}
+
+// breakerName is the breaker's key in logs, the admin API and a fleet
+// store: "addr", "addr~policy", then "|model" under scope model.
+func (e *Entry) breakerName(k bkey) string {
+	name := e.addr
+	if k.pol != "" {
+		name += "~" + k.pol
+	}
+	if k.model != "" {
+		name += "|" + k.model
+	}
+	return name
+}
+
+// newBreakerLocked builds the breaker for k with store st (nil: none).
 // Its transitions wait in the returned listener until register, which the
 // caller calls once the breaker is in the map and e.mu is released: a
 // store that knows the key is open opens the breaker within New, and the
 // entry's listener takes e.mu.
-func (e *Entry) newBreakerLocked(key string, s breaker.Settings, st breaker.Store) (*breaker.Breaker, *heldListener) {
-	name := e.addr
-	if key != "" {
-		name += "|" + key
-	}
-	l := &heldListener{e: e, key: key}
+func (e *Entry) newBreakerLocked(k bkey, s breaker.Settings, st breaker.Store) (*breaker.Breaker, *heldListener) {
+	l := &heldListener{e: e, key: k}
 	opts := []breaker.Option{breaker.WithListener(l.listen)}
 	if st != nil {
 		opts = append(opts, breaker.WithStore(st))
 	}
-	return breaker.New(name, s, append(opts, e.reg.breakerOpts...)...), l
+	return breaker.New(e.breakerName(k), s, append(opts, e.reg.breakerOpts...)...), l
 }
 
 // heldListener is a breaker's listener that holds its transitions until
 // the breaker is registered, then hands them, in order, to the entry.
 type heldListener struct {
 	e   *Entry
-	key string
+	key bkey
 
 	mu   sync.Mutex
 	b    *breaker.Breaker // nil until register
@@ -275,15 +434,19 @@ func (e *Entry) useStore(st breaker.Store) {
 	}
 	e.bstore = st
 	old := e.breakerMap()
-	if len(old) == 0 || e.eff == nil || e.eff.settings == nil {
+	if len(old) == 0 {
 		e.mu.Unlock()
 		return
 	}
-	m := make(map[string]*breaker.Breaker, len(old))
-	ls := make(map[string]*heldListener, len(old))
-	for k := range old {
-		m[k], ls[k] = e.newBreakerLocked(k, *e.eff.settings, st)
-		e.reg.obs.BreakerCreated(e.addr, k) // the new one's state, from closed
+	m := make(map[bkey]*breaker.Breaker, len(old))
+	ls := make(map[bkey]*heldListener, len(old))
+	for k, ob := range old {
+		s, ok := e.settingsLocked(k.pol)
+		if !ok {
+			s = ob.Settings()
+		}
+		m[k], ls[k] = e.newBreakerLocked(k, s, st)
+		e.reg.obs.BreakerCreated(e.addr, k.model) // the new one's state, from closed
 	}
 	e.breakers.Store(&m)
 	e.mu.Unlock()
@@ -299,23 +462,57 @@ func (e *Entry) useStore(st breaker.Store) {
 	e.maybeProbe()
 }
 
-// lookupBreaker returns an existing breaker without creating one.
-func (e *Entry) lookupBreaker(key string) *breaker.Breaker { return e.breakerMap()[key] }
+// lookupBreaker returns an existing breaker of the primary policy without
+// creating one.
+func (e *Entry) lookupBreaker(model string) *breaker.Breaker {
+	return e.breakerMap()[bkey{"", model}]
+}
 
-// Breakers returns the entry's breakers by model key ("" per upstream); do
-// not modify the map.
-func (e *Entry) Breakers() map[string]*breaker.Breaker { return e.breakerMap() }
+// Breakers returns the primary policy's breakers by model key ("" per
+// upstream): those of the newest started handler with breakers on, and of
+// every handler with the same settings. See Pool.Breakers for a given
+// handler's.
+func (e *Entry) Breakers() map[string]*breaker.Breaker { return e.policyBreakers("") }
+
+func (e *Entry) policyBreakers(pol string) map[string]*breaker.Breaker {
+	out := map[string]*breaker.Breaker{}
+	for k, b := range e.breakerMap() {
+		if k.pol == pol {
+			out[k.model] = b
+		}
+	}
+	return out
+}
+
+// PolicyPools returns the sorted keys (Config.Key) of the pools whose
+// requests the breakers of policy key pol (BreakerView.Policy, "" for the
+// primary policy) govern.
+func (e *Entry) PolicyPools(pol string) []string { return e.poolsOf(pol) }
+
+// poolsOf returns the sorted keys of the pools that use policy key pol.
+func (e *Entry) poolsOf(pol string) []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []string
+	for _, c := range e.claims {
+		if c.settings != nil && e.polOf(c) == pol && !slices.Contains(out, c.pool) {
+			out = append(out, c.pool)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
 
 // transition is every breaker's listener. A breaker that is no longer the
 // entry's (dropped, or the entry destroyed) reports nothing: its gauges are
 // gone and must not come back.
-func (e *Entry) transition(key string, b *breaker.Breaker, tr breaker.Transition) {
+func (e *Entry) transition(k bkey, b *breaker.Breaker, tr breaker.Transition) {
 	e.mu.Lock()
 	// Reported under the lock, so that a destroy or a drop cannot slip in
 	// between the check and the report and have its gauge re-created.
-	live := !e.destroyed && e.breakerMap()[key] == b
+	live := !e.destroyed && e.breakerMap()[k] == b
 	if live {
-		e.reg.obs.BreakerTransition(e.addr, key, tr)
+		e.reg.obs.BreakerTransition(e.addr, k.model, tr)
 	}
 	e.mu.Unlock()
 	if !live {
@@ -331,14 +528,11 @@ func (e *Entry) transition(key string, b *breaker.Breaker, tr breaker.Transition
 func (e *Entry) destroy() {
 	e.mu.Lock()
 	e.destroyed = true
-	var keys []string
-	for k := range e.breakerMap() {
-		keys = append(keys, k)
-	}
-	defer closeBreakers(e.breakerMap()) // after e.mu is released
-	e.breakers.Store(&map[string]*breaker.Breaker{})
-	for _, k := range keys {
-		e.reg.obs.BreakerGone(e.addr, k)
+	old := e.breakerMap()
+	defer closeBreakers(old) // after e.mu is released
+	e.breakers.Store(&map[bkey]*breaker.Breaker{})
+	for k := range old {
+		e.reg.obs.BreakerGone(e.addr, k.model)
 	}
 	if e.sat.Load() != nil {
 		e.reg.obs.ScraperGone(e.addr)

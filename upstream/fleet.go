@@ -7,7 +7,7 @@ import "github.com/llmproxy/caddy-llm-proxy/breaker"
 // fleet's verdicts to it. Callers drop the breakers from the entry first
 // and call this without the entry's lock, since a store may push, and a
 // push delivers the breaker's transitions to the entry's listener.
-func closeBreakers(m map[string]*breaker.Breaker) {
+func closeBreakers[K comparable](m map[K]*breaker.Breaker) {
 	for _, b := range m {
 		b.Close()
 	}

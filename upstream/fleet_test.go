@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -12,7 +13,7 @@ import (
 // stop reaching it: when a reload turns breakers off, and when the entry
 // is destroyed.
 func TestDroppedBreakersLeaveTheFleet(t *testing.T) {
-	sm := breaker.NewSharedMemory(nil, 1)
+	sm := breakertest.NewSharedMemory(nil, 1)
 	joined := func(key string) int { return sm.Counts(key).Joined }
 
 	reg := NewRegistry(nil)
@@ -45,7 +46,7 @@ func TestDroppedBreakersLeaveTheFleet(t *testing.T) {
 // created while its store says the key is open starts open, and its
 // transition reaches the observer.
 func TestSetBreakerStoreRebuildsTheBreakers(t *testing.T) {
-	sm := breaker.NewSharedMemory(nil, 1)
+	sm := breakertest.NewSharedMemory(nil, 1)
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
 	const addr = "10.1.12.1:8000"

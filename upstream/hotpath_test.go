@@ -66,6 +66,8 @@ func TestPickAndDoneAllocateLittle(t *testing.T) {
 // fresh scrape on each upstream (one of them saturated).
 func saturatedPool(tb testing.TB) (*Pool, []Candidate) {
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	addrs := []string{"10.78.0.1:8000", "10.78.0.2:8000", "10.78.0.3:8000"}
 	p, err := reg.NewPool(Config{Key: "hotpath-sat", Static: targets(addrs...), Selector: LeastQueue{},
 		Saturation: &Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
@@ -74,12 +76,13 @@ func saturatedPool(tb testing.TB) (*Pool, []Candidate) {
 	}
 	tb.Cleanup(p.Release)
 	p.Activate()
-	now := time.Now()
+	clk.awaitArmed(tb, len(addrs)) // each loop's first, failing, scrape is done
+	now := clk.Now()
 	var cs []Candidate
 	for i, a := range addrs {
 		e, _ := reg.Entry(a)
-		for e.sat.Load() == nil {
-			time.Sleep(time.Millisecond) // the loop's first, failing, scrape
+		if e.sat.Load() == nil {
+			tb.Fatalf("no snapshot of %s after its first scrape", a)
 		}
 		var st scrapeState
 		r := Readings{Waiting: Known(float64(2 * i * i)), Running: Known(4), KVUsage: Known(0.3)}

@@ -16,7 +16,7 @@ func TestProbeLoopRunsOnlyForAStartedConfig(t *testing.T) {
 	p := buildPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/health")})
 	b := breakerOf(t, reg, addr, "")
 	b.ForceOpen(time.Millisecond, "test") // due for a probe at once
-	time.Sleep(30 * time.Millisecond)     // six probe intervals
+	// The transition starts a loop synchronously, if it starts one.
 	if n, loops := probes(), reg.ProbeLoops(); n != 0 || loops != 0 {
 		t.Fatalf("before the config started: %d probes, %d loops; want none", n, loops)
 	}

@@ -75,7 +75,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		}
 		c := Candidate{Target: &m.t, Entry: m.e, key: key}
 		if p.cfg.Breaker != nil {
-			c.br = m.e.breakerFor(key)
+			c.br = m.e.breakerFor(p.claim, key)
 		}
 		if c.br != nil {
 			if req.Hedge && c.br.State() != breaker.Closed {

@@ -36,6 +36,14 @@ type Source func(r *http.Request) ([]Target, error)
 
 // Config describes a Pool.
 type Config struct {
+	// Generation identifies the config (Caddy config load) the pool
+	// belongs to: pools of one config share it, a newer config has a
+	// greater one (Registry.NextGeneration). Pools of one generation in
+	// front of one upstream each obey their own breaker settings; a pool
+	// of an older generation uses those of the newest config (a reload
+	// hands the handler's breakers to its new settings). Default 0: a
+	// generation of the pool's own, newer than every earlier pool's.
+	Generation uint64
 	// Key identifies the pool across reloads: its sorted dial addresses,
 	// or its dynamic source's configuration. Retry budgets, hedge caps
 	// and TTFT trackers are kept per pool (and settings) under it.
@@ -127,7 +135,11 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if p.sel == nil {
 		p.sel = LeastConn{}
 	}
-	p.claim = &claim{gen: r.gen.Add(1), settings: cfg.Breaker, prober: cfg.Prober}
+	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, settings: cfg.Breaker, prober: cfg.Prober}
+	p.claim.cgen = cfg.Generation
+	if p.claim.cgen == 0 {
+		p.claim.cgen = p.claim.gen
+	}
 	if cfg.Breaker == nil {
 		p.claim.prober = nil
 	}
@@ -141,6 +153,8 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 		}
 		p.sat, p.claim.sat = &s, &s
 	}
+	p.claim.fp = policyFingerprint(cfg.Breaker, p.sat != nil)
+	p.claim.scopeModel = cfg.ScopeModel
 	_, p.scored = p.sel.(interface{ wantsScores() })
 	p.scored = p.scored || p.sat != nil
 	if err := p.build(); err != nil {
@@ -228,7 +242,7 @@ func (p *Pool) holdBreakers() {
 		return
 	}
 	for _, m := range p.static {
-		m.e.breakerFor("")
+		m.e.breakerFor(p.claim, "")
 	}
 }
 
@@ -265,7 +279,7 @@ func (p *Pool) members(r *http.Request) ([]*member, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dynamic upstreams: %w", err)
 	}
-	now := time.Now().UnixNano()
+	now := p.reg.now().UnixNano()
 	out := make([]*member, 0, len(ts))
 	for _, t := range ts {
 		m, err := p.dynamicMember(t)
@@ -375,11 +389,21 @@ func (p *Pool) BreakerState(addr, model string) string {
 	if !ok {
 		return ""
 	}
-	b := e.lookupBreaker(p.breakerKey(model))
+	b := e.lookupFor(p.claim, p.breakerKey(model))
 	if b == nil {
 		return ""
 	}
 	return b.State().String()
+}
+
+// Breakers returns the breakers of e that govern the pool's requests, by
+// model key ("" per upstream): empty when the pool has breakers off. Do
+// not modify the map.
+func (p *Pool) Breakers(e *Entry) map[string]*breaker.Breaker {
+	if p.claim.settings == nil {
+		return map[string]*breaker.Breaker{}
+	}
+	return e.policyBreakers(e.polOf(p.claim))
 }
 
 // Registry returns the registry the pool belongs to.
@@ -420,14 +444,21 @@ func (p *Pool) healthy(m *member) bool {
 	if p.cfg.ScopeModel {
 		// Per-model breakers: the server is unhealthy only when none of
 		// its breakers is closed.
-		bs := m.e.Breakers()
-		for _, b := range bs {
+		if p.claim.settings == nil {
+			return true
+		}
+		pol, n := m.e.polOf(p.claim), 0
+		for k, b := range m.e.breakerMap() {
+			if k.pol != pol {
+				continue
+			}
+			n++
 			if b.State() == breaker.Closed {
 				return true
 			}
 		}
-		return len(bs) == 0
+		return n == 0
 	}
-	b := m.e.lookupBreaker("")
+	b := m.e.lookupFor(p.claim, "")
 	return b == nil || b.State() == breaker.Closed
 }

@@ -47,9 +47,9 @@ func (e *Entry) reportPrefixHits(prev, snap *satSnapshot) {
 	}
 	var before Readings // the latest successful scrape before this one
 	if prev != nil {
-		before = prev.scrape.Server.r
+		before = prev.scrape.Server.Readings()
 	}
-	if r, ok := ServerPrefixHitRatio(before, snap.scrape.Server.r); ok {
+	if r, ok := ServerPrefixHitRatio(before, snap.scrape.Server.Readings()); ok {
 		o.ServerPrefixHitRatio(e.addr, r)
 	}
 }

@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -30,7 +31,8 @@ const (
 // closed (active probing), so that no user request is risked on it: users
 // are routed elsewhere until the breaker's RecoverySuccesses probes pass.
 // One probe loop runs per upstream entry, however many configs ask for it;
-// the newest started config's Prober is the one used.
+// each breaker policy's breakers are probed with the Prober of the newest
+// started handler that uses the policy (see Entry).
 type Prober struct {
 	// Transport sends the probe (the handler's transport). Required.
 	Transport http.RoundTripper
@@ -118,7 +120,27 @@ func (e *Entry) maybeProbe() {
 // started and stopped with the llm_proxy app (only a started config's
 // prober runs), and only while a breaker is not closed.
 func (e *Entry) probeWantedLocked() bool {
-	return !e.destroyed && e.eff != nil && e.eff.active.Load() && e.eff.prober != nil && e.anyOpenLocked()
+	return !e.destroyed && e.proberLocked() != nil && e.anyOpenLocked()
+}
+
+// proberLocked returns the Prober the entry's loop uses: the effective
+// claim's when it has started and probes actively, else the newest started
+// claim's that does (a handler with breakers off, or passive recovery,
+// never stops another handler's probes); nil when none does.
+func (e *Entry) proberLocked() *Prober {
+	if e.eff != nil && e.eff.active.Load() && e.eff.prober != nil {
+		return e.eff.prober
+	}
+	var best *claim
+	for _, c := range e.claims {
+		if c.settings != nil && c.prober != nil && c.active.Load() && (best == nil || c.gen > best.gen) {
+			best = c
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	return best.prober
 }
 
 func (e *Entry) anyOpenLocked() bool {
@@ -145,9 +167,9 @@ func (e *Entry) probeLoop() {
 			e.mu.Unlock()
 			return
 		}
-		p := e.eff.prober
+		p := e.proberLocked()
 		e.mu.Unlock()
-		t := time.NewTimer(min(p.interval(), probePoll))
+		t := e.reg.timers.NewTimer(min(p.interval(), probePoll))
 		select {
 		case <-e.ctx.Done():
 			t.Stop()
@@ -155,36 +177,65 @@ func (e *Entry) probeLoop() {
 			e.probing = false
 			e.mu.Unlock()
 			return
-		case <-t.C:
+		case <-t.C():
 		}
-		spaced := time.Since(last) >= p.interval()
-		var permits []breaker.Permit
-		for _, b := range e.Breakers() {
+		spaced := e.reg.now().Sub(last) >= p.interval()
+		// Each policy's breakers are probed with the Prober of the
+		// handlers that use that policy; one probe answers for every
+		// breaker that shares its Prober.
+		e.mu.Lock()
+		probers := map[string]*Prober{}
+		for k := range e.breakerMap() {
+			if _, ok := probers[k.pol]; !ok {
+				probers[k.pol] = cmp.Or(e.policyProberLocked(k.pol), p)
+			}
+		}
+		e.mu.Unlock()
+		var byProber map[*Prober][]breaker.Permit
+		for k, b := range e.breakerMap() {
 			if !spaced && b.State() != breaker.Open || !b.ProbeDue() {
 				continue
 			}
 			if permit, ok := b.AllowProbe(); ok {
-				permits = append(permits, permit)
+				if byProber == nil {
+					byProber = map[*Prober][]breaker.Permit{}
+				}
+				pr := cmp.Or(probers[k.pol], p)
+				byProber[pr] = append(byProber[pr], permit)
 			}
 		}
-		if len(permits) == 0 {
+		if len(byProber) == 0 {
 			continue
 		}
-		last = time.Now()
-		err := p.send(e.ctx, e.addr)
-		if e.ctx.Err() != nil {
-			// Released while probing: the answer says nothing.
+		last = e.reg.now()
+		for pr, permits := range byProber {
+			err := pr.send(e.ctx, e.addr)
 			for i := range permits {
-				permits[i].Done(breaker.Neutral, 0, "")
-			}
-			continue
-		}
-		for i := range permits {
-			if err != nil {
-				permits[i].Done(breaker.Failure, 0, "active probe: "+err.Error())
-			} else {
-				permits[i].Done(breaker.Success, 0, "")
+				switch {
+				case e.ctx.Err() != nil:
+					// Released while probing: the answer says nothing.
+					permits[i].Done(breaker.Neutral, 0, "")
+				case err != nil:
+					permits[i].Done(breaker.Failure, 0, "active probe: "+err.Error())
+				default:
+					permits[i].Done(breaker.Success, 0, "")
+				}
 			}
 		}
 	}
+}
+
+// policyProberLocked returns the Prober of the newest started handler
+// that uses policy key pol and probes actively, nil when none does.
+func (e *Entry) policyProberLocked(pol string) *Prober {
+	var best *claim
+	for _, c := range e.claims {
+		if c.settings != nil && c.prober != nil && c.active.Load() && e.polOf(c) == pol && (best == nil || c.gen > best.gen) {
+			best = c
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	return best.prober
 }

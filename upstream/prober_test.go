@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -118,7 +119,7 @@ func TestNoProbeLoopAfterEntryDestroyed(t *testing.T) {
 		t.Fatal("entry should be gone")
 	}
 	fail(up) // the old config's in-flight attempt fails afterwards
-	time.Sleep(20 * testProber("").Interval)
+	// The open transition would start a loop synchronously.
 	if n, loops := probes(), reg.ProbeLoops(); n > 0 || loops > 0 {
 		t.Fatalf("destroyed entry probed %d times, %d loops running", n, loops)
 	}
@@ -213,7 +214,7 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 			case <-stop:
 				return
 			default:
-				time.Sleep(50 * time.Microsecond)
+				runtime.Gosched()
 			}
 		}
 	})
@@ -231,10 +232,10 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 	if n := reg.ProbeLoops(); n != 1 {
 		t.Fatalf("%d probe loops after the reload", n)
 	}
-	old := probesTo("/old")
-	time.Sleep(10 * testProber("").Interval)
+	old, nw := probesTo("/old"), probesTo("/new")
+	eventually(t, 5*time.Second, "three more probes", func() bool { return probesTo("/new") >= nw+3 })
 	if probesTo("/old") != old {
-		t.Fatal("the released config's prober is still used")
+		t.Fatalf("the released config's prober was used %d times among 3 probes", probesTo("/old")-old)
 	}
 	next.Deactivate()
 	next.Release()
@@ -261,22 +262,26 @@ func TestReloadDisablingProbeStopsLoop(t *testing.T) {
 func TestLongHealthyProbeStreamClosesBreakerViaCommitted(t *testing.T) {
 	const probeTimeout = 20 * time.Millisecond
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	p := startPool(t, reg, Config{Static: targets("10.9.0.1:8000"), Breaker: &breaker.Settings{ConsecutiveFailures: 1,
 		OpenFor: 10 * time.Millisecond, MinOpen: -1, MaxOpen: time.Second, RecoverySuccesses: 1, ProbeTimeout: probeTimeout}})
 	fail(mustPick(t, p, ""))
-	var probe proxy.Upstream
-	eventually(t, 5*time.Second, "the breaker never half-opened", func() bool {
-		up, err := pickModel(p, "")
-		probe = up
-		return err == nil
-	})
+	if _, err := pickModel(p, ""); err == nil {
+		t.Fatal("picked the upstream whose breaker just opened")
+	}
+	clk.Advance(time.Second) // max_open: the cooldown is over
+	probe, err := pickModel(p, "")
+	if err != nil {
+		t.Fatalf("no half-open probe after the cooldown: %v", err)
+	}
 	if st := p.BreakerState("10.9.0.1:8000", ""); st != "half_open" {
 		t.Fatalf("the probe was picked with the breaker %s", st)
 	}
 	// The first token comes after 5ms (the proxy commits it); the stream
 	// then runs past the probe timeout.
 	probe.Committed(5 * time.Millisecond)
-	time.Sleep(2 * probeTimeout)
+	clk.Advance(2 * probeTimeout)
 	if up, err := pickModel(p, ""); err != nil { // any other request meanwhile
 		t.Fatalf("refused during the healthy probe stream: %v", err)
 	} else {

@@ -9,12 +9,14 @@
 package upstream
 
 import (
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
 // Observer receives the pool's events for metrics and logs. Calls come from
@@ -80,6 +82,9 @@ type Registry struct {
 	// clock is the time of picks, retry budgets and, through breakerOpts,
 	// breakers (UseClock); breaker.SystemClock by default.
 	clock breaker.Clock
+	// timers paces the probe and scrape loops (UseClock with a
+	// proxy.Clock); wallClock by default.
+	timers proxy.Clock
 	// store is the breaker store of the breakers created now (nil: none);
 	// storeMu serializes SetBreakerStore.
 	store   atomic.Pointer[storeBox]
@@ -123,7 +128,7 @@ func NewRegistry(obs Observer) *Registry {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}}
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}, timers: wallClock{}}
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)
 	return r
@@ -131,12 +136,33 @@ func NewRegistry(obs Observer) *Registry {
 
 // UseClock makes c the clock of picks, of the retry budgets of pools built
 // from now on, and of the breakers created from now on, so that tests and
-// simulations run on a fake clock. Call it before building pools; it is
-// not safe for concurrent use with them.
+// simulations run on a fake clock. When c is also a proxy.Clock (it makes
+// timers), it paces the background loops too: the active prober's
+// interval and the /metrics scrape interval, and the times scrapes are
+// stamped with. Call it before building pools; it is not safe for
+// concurrent use with them.
 func (r *Registry) UseClock(c breaker.Clock) {
 	r.clock = c
 	r.breakerOpts = append(r.breakerOpts, breaker.WithClock(c))
+	if tc, ok := c.(proxy.Clock); ok {
+		r.timers = tc
+	}
 }
+
+// wallClock is the timers of package time, the loops' default clock.
+type wallClock struct{}
+
+func (wallClock) Now() time.Time                       { return time.Now() }
+func (wallClock) NewTimer(d time.Duration) proxy.Timer { return wallTimer{time.NewTimer(d)} }
+func (wallClock) AfterFunc(d time.Duration, f func()) proxy.Timer {
+	return wallTimer{time.AfterFunc(d, f)}
+}
+
+type wallTimer struct{ t *time.Timer }
+
+func (t wallTimer) C() <-chan time.Time        { return t.t.C }
+func (t wallTimer) Stop() bool                 { return t.t.Stop() }
+func (t wallTimer) Reset(d time.Duration) bool { return t.t.Reset(d) }
 
 // now is the registry clock's time.
 func (r *Registry) now() time.Time { return r.clock.Now() }
@@ -165,6 +191,15 @@ type BreakerView struct {
 	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
+	// Policy is "" for the breakers of the upstream's primary policy (the
+	// newest started handler with breakers on, and every handler with the
+	// same settings), else the fingerprint of the settings of the handlers
+	// it serves ("b" or "s" for saturation, then 8 hex digits); the
+	// breaker's key (Snapshot.Key) is "addr~policy" then.
+	Policy string `json:"policy,omitempty"`
+	// Pools are the keys of the pools (handlers) whose requests this
+	// breaker governs, sorted. The admin API shows them as pool labels.
+	Pools []string `json:"pools"`
 	// Scope is "fleet" when the breaker's counts and state are shared with
 	// the fleet (its store is the fleet's, in fleet mode, and it is not
 	// open by its own rules alone, see Snapshot.Local), else "local".
@@ -179,32 +214,45 @@ type BreakerView struct {
 func (r *Registry) Breakers() []BreakerView {
 	var out []BreakerView
 	for _, e := range r.Entries() {
-		for k, b := range e.Breakers() {
-			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k, Inflight: e.Inflight()})
+		for k, b := range e.breakerMap() {
+			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(),
+				Policy: k.pol, Pools: e.poolsOf(k.pol)})
 		}
 	}
 	sortViews(out)
 	return out
 }
 
-// Breaker returns the breaker under key ("addr", or "addr|model" under
-// scope model), nil if none.
+// Breaker returns the breaker under key ("addr", "addr~policy", then
+// "|model" under scope model), nil if none.
 func (r *Registry) Breaker(key string) (*breaker.Breaker, *Entry) {
 	for _, e := range r.Entries() {
 		if len(key) < len(e.addr) || key[:len(e.addr)] != e.addr {
 			continue
 		}
-		model := key[len(e.addr):]
+		rest := key[len(e.addr):]
+		var k bkey
+		if strings.HasPrefix(rest, "~") {
+			pol, after, found := strings.Cut(rest[1:], "|")
+			k.pol, rest = pol, ""
+			if found {
+				rest = "|" + after
+			}
+		}
 		switch {
-		case model == "":
-		case model[0] == '|':
-			model = model[1:]
+		case rest == "":
+		case rest[0] == '|':
+			k.model = rest[1:]
 		default:
 			continue
 		}
-		if b := e.lookupBreaker(model); b != nil {
+		if b := e.breakerMap()[k]; b != nil {
 			return b, e
 		}
 	}
 	return nil, nil
 }
+
+// NextGeneration returns a new config generation for Config.Generation,
+// greater than every generation and pool numbered before it.
+func (r *Registry) NextGeneration() uint64 { return r.gen.Add(1) }

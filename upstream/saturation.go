@@ -121,7 +121,7 @@ func (s Saturation) Defaults() Saturation {
 	if s.StaleAfter <= 0 {
 		s.StaleAfter = 3 * s.Interval
 	}
-	if s.Names.empty() {
+	if s.Names.Empty() {
 		s.Names = VLLMSignals
 	}
 	if s.QueueThreshold <= 0 {
@@ -184,10 +184,6 @@ func (s Saturation) Validate() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-func (n SignalNames) empty() bool {
-	return len(n.Waiting) == 0 && len(n.Running) == 0 && len(n.KVUsage) == 0 && len(n.QueueTime) == 0 && len(n.TTFT) == 0
 }
 
 // Signal names one saturation signal, for metrics labels and the admin API.

@@ -180,11 +180,13 @@ func TestSinceScrapeConcurrentNeverNegative(t *testing.T) {
 	reg := NewRegistry(nil)
 	p := satPool(t, reg, nil, nil, "10.9.2.2:8000")
 	f := newFeeder(t, p, "10.9.2.2:8000")
-	var wg sync.WaitGroup
+	var wg, resetter sync.WaitGroup
 	var stop atomic.Bool
-	wg.Go(func() {
+	var resets atomic.Int64
+	resetter.Go(func() {
 		for !stop.Load() {
 			f.e.epochReset(true)
+			resets.Add(1)
 		}
 	})
 	for range 4 {
@@ -198,9 +200,12 @@ func TestSinceScrapeConcurrentNeverNegative(t *testing.T) {
 			}
 		})
 	}
-	time.Sleep(50 * time.Millisecond)
+	wg.Wait() // the workers' 8000 picks, with scrapes resetting the epoch throughout
 	stop.Store(true)
-	wg.Wait()
+	resetter.Wait()
+	if resets.Load() == 0 {
+		t.Fatal("no epoch reset ran alongside the picks")
+	}
 	if n := f.e.SinceScrape(); n != 0 {
 		t.Fatalf("since scrape = %d with nothing in flight, want 0", n)
 	}
@@ -590,19 +595,26 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.5
 func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
+	const interval = 20 * time.Millisecond
 	cfg := func() Config {
-		return Config{Key: "loop", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 20 * time.Millisecond}}
+		return Config{Key: "loop", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
 	}
 	p := buildPool(t, reg, cfg())
-	time.Sleep(50 * time.Millisecond)
-	if n, _ := m.counts(); n != 0 || reg.ScrapeLoops() != 0 {
-		t.Fatalf("a config that has not started scraped %d times (%d loops)", n, reg.ScrapeLoops())
+	// A loop starts (and scrapes) synchronously with maybeScrape: none
+	// may exist before the config starts.
+	if n, _ := m.counts(); n != 0 || reg.ScrapeLoops() != 0 || clk.Armed() != 0 {
+		t.Fatalf("a config that has not started scraped %d times (%d loops, %d timers)", n, reg.ScrapeLoops(), clk.Armed())
 	}
 	p.Activate()
 	e, _ := reg.Entry(m.addr)
-	eventually(t, 5*time.Second, "a scrape", func() bool { return e.sat.Load() != nil && e.sat.Load().ok })
-	if s, known := e.Score(time.Now(), p.sat, ""); !known || s != max(3.0/5, 0.5/0.8) {
+	clk.awaitArmed(t, 1) // the first scrape is done, the next one waits
+	if e.sat.Load() == nil || !e.sat.Load().ok {
+		t.Fatal("no snapshot after the first scrape")
+	}
+	if s, known := e.Score(clk.Now(), p.sat, ""); !known || s != max(3.0/5, 0.5/0.8) {
 		t.Fatalf("score from the old KV name = %v known=%v, want 0.625", s, known)
 	}
 	q := p
@@ -615,16 +627,25 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	if e2, _ := reg.Entry(m.addr); e2 != e || e.sat.Load() == nil {
 		t.Fatal("the reload lost the upstream's snapshot")
 	}
+	// Ten intervals: one loop scrapes exactly ten times, one at a time.
 	before, _ := m.counts()
-	time.Sleep(200 * time.Millisecond)
+	for i := range 10 {
+		clk.awaitArmed(t, 1)
+		if n := clk.Armed(); n != 1 {
+			t.Fatalf("interval %d: %d scrape timers armed, want 1 (one loop)", i, n)
+		}
+		clk.Advance(interval)
+	}
+	clk.awaitArmed(t, 1)
 	after, maxIn := m.counts()
-	if rate := after - before; rate > 14 {
-		t.Fatalf("%d scrapes in 200ms at a 20ms interval: more than one loop", rate)
+	if n := after - before; n != 10 {
+		t.Fatalf("%d scrapes in 10 intervals, want 10", n)
 	}
 	if maxIn != 1 {
 		t.Fatalf("%d scrapes in flight at once, want 1", maxIn)
 	}
 	q.Deactivate()
+	clk.Advance(interval) // the loop wakes, and sees no started config
 	eventually(t, 5*time.Second, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
 }
 

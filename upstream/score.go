@@ -63,7 +63,8 @@ func (e *Entry) Score(now time.Time, s *Saturation, model string) (score float64
 			smp = &m
 		}
 	}
-	r := &smp.r
+	rv := smp.Readings()
+	r := &rv
 	if r.Waiting.Known {
 		q := r.Waiting.V + float64(uint32(e.since.Load()))
 		if r.Running.Known {
@@ -161,7 +162,7 @@ func (p *Pool) Saturated() bool {
 	if p.sat == nil {
 		return false
 	}
-	now := time.Now()
+	now := p.reg.now()
 	healthy, saturated := 0, true
 	check := func(m *member) bool {
 		if !p.healthy(m) && !p.saturationTripped(m) {
@@ -187,7 +188,7 @@ func (p *Pool) Saturated() bool {
 // saturationTripped reports whether m's breaker is open by the saturation
 // rules: it still counts for the pool signal (it is saturated, not down).
 func (p *Pool) saturationTripped(m *member) bool {
-	b := m.e.lookupBreaker("")
+	b := m.e.lookupFor(p.claim, "")
 	return b != nil && b.Observed()
 }
 

@@ -108,7 +108,7 @@ func (e *Entry) scrapeLoop() {
 
 		e.scrapeOnce(cfg, &st)
 
-		t := time.NewTimer(cfg.Interval)
+		t := e.reg.timers.NewTimer(cfg.Interval)
 		select {
 		case <-e.ctx.Done():
 			t.Stop()
@@ -116,16 +116,16 @@ func (e *Entry) scrapeLoop() {
 			e.scraping = false
 			e.mu.Unlock()
 			return
-		case <-t.C:
+		case <-t.C():
 		}
 	}
 }
 
 // scrapeOnce fetches and applies one scrape.
 func (e *Entry) scrapeOnce(cfg *Saturation, st *scrapeState) {
-	start := time.Now()
+	start := e.reg.now()
 	sc, err := e.fetch(cfg)
-	end := time.Now()
+	end := e.reg.now()
 	if e.ctx.Err() != nil {
 		return // released while scraping: say nothing
 	}
@@ -156,7 +156,7 @@ func (e *Entry) fetch(cfg *Saturation) (Scrape, error) {
 		return Scrape{}, fmt.Errorf("GET %s: status %d", cfg.MetricsPath, resp.StatusCode)
 	}
 	body := &limitedReader{r: resp.Body, n: maxScrapeBody}
-	sc, err := ParseScrape(body, resp.Header.Get("Content-Type"), cfg.Names, time.Now())
+	sc, err := ParseScrape(body, resp.Header.Get("Content-Type"), cfg.Names, e.reg.now())
 	if body.over {
 		return Scrape{}, fmt.Errorf("GET %s: body larger than %d bytes", cfg.MetricsPath, maxScrapeBody)
 	}
@@ -168,12 +168,8 @@ func (e *Entry) fetch(cfg *Saturation) (Scrape, error) {
 	}
 	// Stamp the sample when the body was read, so staleness counts from
 	// the newest moment the values can describe.
-	now := time.Now()
-	sc.Server.at = now
-	for k, m := range sc.Models {
-		m.at = now
-		sc.Models[k] = m
-	}
+	now := e.reg.now()
+	sc.Stamp(now)
 	return sc, nil
 }
 
@@ -224,7 +220,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 	var haveLast bool
 	if err == nil {
 		snap.scrape, snap.ok = sc, true
-		r := sc.Server.r
+		r := sc.Server.Readings()
 		cur = histPoint{at: now, queueTime: r.QueueTime, ttft: r.TTFT, waiting: r.Waiting, kvUsage: r.KVUsage}
 		if n := len(st.points); n > 0 {
 			last, haveLast = st.points[n-1], true
@@ -248,7 +244,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 		qw = QuantileBetween(base.queueTime, cur.queueTime, 0.99)
 		ttft = QuantileBetween(base.ttft, cur.ttft, 0.95)
 	}
-	r := snap.scrape.Server.r
+	r := snap.scrape.Server.Readings()
 	known := [numSignals]Value{r.Waiting, r.Running, r.KVUsage, qw, ttft}
 	present := [numSignals]bool{r.Waiting.Known, r.Running.Known, r.KVUsage.Known, r.QueueTime.Known(), r.TTFT.Known()}
 	for i := range known {
@@ -318,11 +314,17 @@ func (e *Entry) epochReset(success bool) {
 }
 
 // judge runs the saturation breaker: a rule held for its duration trips
-// every breaker of the entry (the server's queue is every model's queue);
-// breakers it tripped are fed this scrape's verdict (recovery by
-// observation).
+// every breaker of the entry whose policy reads saturation signals (the
+// server's queue is every model's queue; a handler without a saturation
+// block is never refused for it); breakers it tripped are fed this
+// scrape's verdict (recovery by observation).
 func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s signalsNow) {
-	bs := e.breakerMap()
+	var bs []*breaker.Breaker
+	for k, b := range e.breakerMap() {
+		if e.satPolicy(k.pol) {
+			bs = append(bs, b)
+		}
+	}
 	if len(bs) == 0 {
 		return
 	}

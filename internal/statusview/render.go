@@ -55,13 +55,17 @@ func Render(w io.Writer, s Status, o Options) error {
 
 // upstreams writes one row per upstream (dial address) with its breaker,
 // in-flight count, saturation score and scrape age and its breaker's last
-// failure; breakers per model (scope model) follow as indented rows.
+// failure; breakers per model (scope model), and those of handlers with
+// breaker settings of their own ("~policy"), follow as indented rows, and
+// where an upstream has more than one policy a note names the pools each
+// breaker serves.
 // Notes below name scrape errors and fleet-wide openers.
 func upstreams(b *strings.Builder, s Status, o Options) {
 	type row struct {
 		addr     string
 		own      *Breaker  // the per-upstream breaker
-		models   []Breaker // breakers per model
+		models   []Breaker // breakers per model, and of other policies
+		policies bool      // some breaker has a policy of its own
 		sat      *Saturation
 		inflight int64
 	}
@@ -77,7 +81,8 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 	for i := range s.Breakers {
 		br := &s.Breakers[i]
 		r := get(br.Upstream)
-		if br.Model == "" {
+		r.policies = r.policies || br.Policy != ""
+		if br.Model == "" && br.Policy == "" {
 			r.own = br
 		} else {
 			r.models = append(r.models, *br)
@@ -144,8 +149,20 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 		}
 		t.add(clean(r.addr), state, strconv.FormatInt(r.inflight, 10), score, age, failure)
 		for _, m := range r.models {
-			t.add("  "+clean(m.Model), breakerCell(m.BreakerState, o.Now), "", "", "", withWhy(clean(m.Model), m.BreakerState))
+			label := m.Model
+			if m.Policy != "" {
+				label = strings.TrimSuffix("~"+m.Policy+" "+m.Model, " ")
+			}
+			t.add("  "+clean(label), breakerCell(m.BreakerState, o.Now), "", "", "", withWhy(clean(label), m.BreakerState))
 			notes = appendOpener(notes, m)
+		}
+		if r.policies {
+			for _, br := range r.models {
+				notes = appendPools(notes, br)
+			}
+			if r.own != nil {
+				notes = appendPools(notes, *r.own)
+			}
 		}
 	}
 	w := t.write(b, o.Width)
@@ -161,6 +178,18 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 	for _, n := range append(cutWhy, notes...) {
 		b.WriteString(cut("  "+n, o.Width, false) + "\n")
 	}
+}
+
+// appendPools adds a note naming the pools a breaker serves.
+func appendPools(notes []string, br Breaker) []string {
+	if len(br.Pools) == 0 {
+		return notes
+	}
+	pools := make([]string, len(br.Pools))
+	for i, p := range br.Pools {
+		pools[i] = clean(p)
+	}
+	return append(notes, fmt.Sprintf("%s serves %s", clean(br.Key), strings.Join(pools, "; ")))
 }
 
 // appendOpener adds a note naming the instance that opened br fleet-wide.

@@ -239,3 +239,21 @@ func FuzzParseRender(f *testing.F) {
 		}
 	})
 }
+
+// Two handlers with different breaker settings in front of one upstream:
+// each breaker gets a row, and a note names the pools each serves.
+func TestBreakersOfTwoPoliciesNameTheirPools(t *testing.T) {
+	s := Status{Breakers: []Breaker{
+		{Key: "10.0.0.9:8000", Upstream: "10.0.0.9:8000", BreakerState: BreakerState{State: "closed", Since: fixtureNow.Add(-time.Minute)},
+			Pools: []string{"site-b"}},
+		{Key: "10.0.0.9:8000~b1a2b3c4d", Upstream: "10.0.0.9:8000", Policy: "b1a2b3c4d",
+			BreakerState: BreakerState{State: "open", Since: fixtureNow.Add(-5 * time.Second), OpenUntil: fixtureNow.Add(time.Minute)},
+			Pools:        []string{"site-a"}},
+	}}
+	out := render(t, s, 0)
+	for _, want := range []string{"  ~b1a2b3c4d", "open 5.0s", "10.0.0.9:8000 serves site-b", "10.0.0.9:8000~b1a2b3c4d serves site-a"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -37,11 +37,18 @@ type Status struct {
 // the module's upstream.BreakerView).
 type Breaker struct {
 	// Key is the breaker's key: the upstream's dial address, with
-	// "|<model>" under scope model.
+	// "~<policy>" for a handler whose breaker settings differ from the
+	// upstream's primary ones, then "|<model>" under scope model.
 	Key string `json:"key"`
 	// Upstream is the dial address; Model the model under scope model.
 	Upstream string `json:"upstream"`
 	Model    string `json:"model"`
+	// Policy is "" for the upstream's primary breaker policy, else the
+	// fingerprint of the settings of the handlers the breaker serves.
+	Policy string `json:"policy"`
+	// Pools are the pool labels of the handlers whose requests the
+	// breaker governs.
+	Pools []string `json:"pools"`
 	BreakerState
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`

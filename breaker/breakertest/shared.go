@@ -1,4 +1,7 @@
-package breaker
+// Package breakertest holds test and simulation helpers for package
+// breaker: SharedMemory, an in-process fleet of breakers. It is not part of
+// the gateway's production code: only tests import it (as net/http/httptest).
+package breakertest
 
 import (
 	"fmt"
@@ -6,9 +9,11 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
 
-// SharedMemory is an in-process Fleet: the fleet-shared state of several
+// SharedMemory is an in-process breaker.Fleet: the fleet-shared state of several
 // simulated gateways in one process, for tests and simulations. Each
 // gateway has its own view (Instance) whose id is the reporter id of its
 // failures; its breakers are built WithStore of that view. Everything is
@@ -50,7 +55,7 @@ import (
 // The zero value is not usable; use NewSharedMemory. Safe for concurrent
 // use.
 type SharedMemory struct {
-	clock        Clock
+	clock        breaker.Clock
 	minReporters int
 
 	mu     sync.Mutex
@@ -93,28 +98,28 @@ type sharedFailure struct {
 type sharedMember struct {
 	id       string
 	dirty    atomic.Bool
-	breakers []*Breaker
+	breakers []*breaker.Breaker
 }
 
 type sharedPush struct {
-	b      *Breaker
+	b      *breaker.Breaker
 	open   bool
 	until  time.Time
 	reason string
 }
 
 // NewSharedMemory returns an empty SharedMemory that reads time from clock
-// (nil: SystemClock) and opens a key fleet-wide only on failures from at
+// (nil: breaker.SystemClock) and opens a key fleet-wide only on failures from at
 // least minReporters distinct gateways (the fleet's min_reporters; below 1
 // means 1).
-func NewSharedMemory(clock Clock, minReporters int) *SharedMemory {
+func NewSharedMemory(clock breaker.Clock, minReporters int) *SharedMemory {
 	if clock == nil {
-		clock = SystemClock{}
+		clock = breaker.SystemClock{}
 	}
 	return &SharedMemory{clock: clock, minReporters: max(minReporters, 1), keys: make(map[string]*sharedKey)}
 }
 
-// Instance returns gateway id's view of the fleet, the Fleet its breakers
+// Instance returns gateway id's view of the fleet, the breaker.Fleet its breakers
 // are built with. Views with the same id are the same gateway.
 func (sm *SharedMemory) Instance(id string) *SharedInstance {
 	return &SharedInstance{sm: sm, id: id}
@@ -195,7 +200,7 @@ func (k *sharedKey) setDirtyLocked(v bool) {
 }
 
 // ruleLocked returns why the fleet's counts open the key under s, or "".
-func (k *sharedKey) ruleLocked(s Settings, minReporters int) string {
+func (k *sharedKey) ruleLocked(s breaker.Settings, minReporters int) string {
 	if s.ConsecutiveFailures > 0 && k.consec >= s.ConsecutiveFailures && len(k.run) >= minReporters {
 		return fmt.Sprintf("%d consecutive failures from %s", k.consec, gateways(len(k.run)))
 	}
@@ -264,7 +269,7 @@ func (sm *SharedMemory) flush() {
 	}
 }
 
-// SharedInstance is one gateway's view of a SharedMemory: a Fleet whose
+// SharedInstance is one gateway's view of a SharedMemory: a breaker.Fleet whose
 // failures are reported under its id.
 type SharedInstance struct {
 	sm *SharedMemory
@@ -274,8 +279,8 @@ type SharedInstance struct {
 // ID returns the gateway's id.
 func (v *SharedInstance) ID() string { return v.id }
 
-// Join implements Fleet.
-func (v *SharedInstance) Join(key string, b *Breaker) *atomic.Bool {
+// Join implements breaker.Fleet.
+func (v *SharedInstance) Join(key string, b *breaker.Breaker) *atomic.Bool {
 	sm := v.sm
 	sm.mu.Lock()
 	defer sm.mu.Unlock()
@@ -294,8 +299,8 @@ func (v *SharedInstance) Join(key string, b *Breaker) *atomic.Bool {
 	return &m.dirty
 }
 
-// Leave implements Fleet.
-func (v *SharedInstance) Leave(key string, b *Breaker) {
+// Leave implements breaker.Fleet.
+func (v *SharedInstance) Leave(key string, b *breaker.Breaker) {
 	sm := v.sm
 	sm.mu.Lock()
 	defer sm.mu.Unlock()
@@ -305,15 +310,15 @@ func (v *SharedInstance) Leave(key string, b *Breaker) {
 	}
 	for _, m := range k.members {
 		if m.id == v.id {
-			m.breakers = slices.DeleteFunc(m.breakers, func(x *Breaker) bool { return x == b })
+			m.breakers = slices.DeleteFunc(m.breakers, func(x *breaker.Breaker) bool { return x == b })
 		}
 	}
 }
 
-// Failure implements Fleet. A failure while the key is open fleet-wide is
+// Failure implements breaker.Fleet. A failure while the key is open fleet-wide is
 // not counted: the fleet has decided, and the reporting breaker adopts the
 // open entry (OpenUntil) as with any Store.
-func (v *SharedInstance) Failure(key string, s Settings, at time.Time, reason string) {
+func (v *SharedInstance) Failure(key string, s breaker.Settings, at time.Time, reason string) {
 	sm := v.sm
 	sm.mu.Lock()
 	now := sm.clock.Now()
@@ -339,7 +344,7 @@ func (v *SharedInstance) Failure(key string, s Settings, at time.Time, reason st
 	sm.flush()
 }
 
-// Success implements Fleet.
+// Success implements breaker.Fleet.
 func (v *SharedInstance) Success(key string) {
 	sm := v.sm
 	sm.mu.Lock()
@@ -357,7 +362,7 @@ func (v *SharedInstance) PutOpen(key string, until time.Time, reason string) {
 	v.putOpen(key, until, reason, -1)
 }
 
-// Reopen implements Fleet: PutOpen with the fleet's re-open count.
+// Reopen implements breaker.Fleet: PutOpen with the fleet's re-open count.
 func (v *SharedInstance) Reopen(key string, until time.Time, reason string, reopens int) {
 	v.putOpen(key, until, reason, max(reopens, 0))
 }
@@ -396,10 +401,10 @@ func (v *SharedInstance) ClearOpen(key string) {
 	sm.flush()
 }
 
-// ProbeSuccess implements Fleet: it counts the success while the fleet has
+// ProbeSuccess implements breaker.Fleet: it counts the success while the fleet has
 // the key open (since its last close), and closes the key fleet-wide when
 // the count reaches s.RecoverySuccesses.
-func (v *SharedInstance) ProbeSuccess(key string, s Settings) {
+func (v *SharedInstance) ProbeSuccess(key string, s breaker.Settings) {
 	sm := v.sm
 	sm.mu.Lock()
 	k, ok := sm.keys[key]
@@ -419,7 +424,7 @@ func (v *SharedInstance) ProbeSuccess(key string, s Settings) {
 	sm.flush()
 }
 
-// Reopens implements Fleet.
+// Reopens implements breaker.Fleet.
 func (v *SharedInstance) Reopens(key string) int {
 	sm := v.sm
 	sm.mu.Lock()
@@ -442,4 +447,4 @@ func (v *SharedInstance) OpenUntil(key string, now time.Time) (time.Time, string
 	return k.until, k.reason, true
 }
 
-var _ Fleet = (*SharedInstance)(nil)
+var _ breaker.Fleet = (*SharedInstance)(nil)

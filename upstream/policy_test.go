@@ -1,0 +1,129 @@
+package upstream
+
+import (
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// Two handlers of one config in front of one failing upstream: site A
+// (consecutive_failures 2) stops reaching it after two failures, while site
+// B, declared after A, keeps reaching it — with breakers off, or with
+// settings of its own that two failures do not trip. Before per-handler
+// policy the newest claim's settings applied to both (B off switched A's
+// breaker off; B's 5 kept A's breaker closed).
+func TestHandlersObeyTheirOwnBreakerPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		b    *breaker.Settings
+	}{
+		{"off", nil},
+		{"consecutive_failures 5", &breaker.Settings{ConsecutiveFailures: 5, OpenFor: time.Minute, MinOpen: time.Minute}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := NewRegistry(nil)
+			gen := reg.NextGeneration()
+			const addr = "10.7.1.1:8000"
+			a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr),
+				Breaker: &breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Minute, MinOpen: time.Minute}})
+			b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: tc.b})
+			fail(mustPick(t, a, ""))
+			fail(mustPick(t, a, ""))
+			var ue *proxy.UnavailableError
+			if _, err := pickModel(a, ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+				t.Fatalf("site A after 2 failures: pick error %v, want circuit open", err)
+			}
+			for i := range 3 {
+				up, err := pickModel(b, "")
+				if err != nil {
+					t.Fatalf("site B's request %d refused by site A's breaker: %v", i+1, err)
+				}
+				fail(up)
+			}
+			if _, err := pickModel(a, ""); err == nil {
+				t.Fatal("site B's traffic closed site A's breaker")
+			}
+			want := ""
+			if tc.b != nil {
+				want = "closed"
+			}
+			if got := b.BreakerState(addr, ""); got != want {
+				t.Fatalf("site B's breaker %q, want %q", got, want)
+			}
+			if got := a.BreakerState(addr, ""); got != "open" {
+				t.Fatalf("site A's breaker %q, want open", got)
+			}
+			// The admin view lists each breaker with the pools it serves.
+			views := reg.Breakers()
+			if want := 1 + len(b.Breakers(b.static[0].e)); len(views) != want {
+				t.Fatalf("%d breakers listed, want %d: %+v", len(views), want, views)
+			}
+			for _, v := range views {
+				own := v.State == breaker.Open
+				if wantPools := map[bool]string{true: "a", false: "b"}[own]; !slices.Equal(v.Pools, []string{wantPools}) {
+					t.Fatalf("breaker %s (%v) serves %v, want [%s]", v.Key, v.State, v.Pools, wantPools)
+				}
+			}
+		})
+	}
+}
+
+// Same settings in front of one upstream: one breaker, both pools listed.
+func TestHandlersWithOneBreakerPolicyShareTheBreaker(t *testing.T) {
+	reg := NewRegistry(nil)
+	gen := reg.NextGeneration()
+	const addr = "10.7.1.2:8000"
+	s := breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Minute, MinOpen: time.Minute}
+	a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr), Breaker: &s})
+	s2 := s
+	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: &s2})
+	fail(mustPick(t, a, ""))
+	fail(mustPick(t, b, ""))
+	if _, err := pickModel(b, ""); err == nil {
+		t.Fatal("one failure from each site did not open the shared breaker")
+	}
+	views := reg.Breakers()
+	if len(views) != 1 || views[0].Key != addr || !slices.Equal(views[0].Pools, []string{"a", "b"}) {
+		t.Fatalf("breakers %+v, want one %q serving [a b]", views, addr)
+	}
+}
+
+// Two handlers of one config with breaker settings of their own probe
+// their own breakers with their own Prober (one loop per upstream).
+func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
+	var mu sync.Mutex
+	paths := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		paths[r.URL.Path]++
+		mu.Unlock()
+		w.WriteHeader(http.StatusServiceUnavailable) // the breakers stay open
+	}))
+	t.Cleanup(srv.Close)
+	probesTo := func(path string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return paths[path]
+	}
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	reg := NewRegistry(nil)
+	gen := reg.NextGeneration()
+	sa, sb := activeProbing(), activeProbing()
+	sb.RecoverySuccesses = 3 // another policy
+	a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr), Breaker: sa, Prober: testProber("/a")})
+	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: sb, Prober: testProber("/b")})
+	fail(mustPick(t, a, ""))
+	fail(mustPick(t, b, ""))
+	eventually(t, 5*time.Second, "both handlers' probes", func() bool { return probesTo("/a") >= 2 && probesTo("/b") >= 2 })
+	if n := reg.ProbeLoops(); n != 1 {
+		t.Fatalf("%d probe loops for one upstream, want 1", n)
+	}
+}
