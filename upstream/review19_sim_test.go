@@ -294,3 +294,49 @@ func TestReviewFreshGatewayUniformFailure(t *testing.T) {
 		}
 	}
 }
+
+// Half of one replica's dials are refused, at random, while its other
+// connections answer: no dead upstream. Alone in its pool it must keep
+// serving (the S4 finding: an open breaker refused half of the streams);
+// not held on hard evidence once it has shown that it serves (its first
+// three dials may all be refused: that is a dead server as far as anyone
+// can tell).
+func TestReviewHalfDialsRefused(t *testing.T) {
+	for _, n := range []int{1, 3} {
+		s := runReviewSim(t, n, 70+uint64(n), 120*time.Second, Ejection{}, func(rng *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+			if i == 0 && rng.Float64() < 0.5 {
+				return proxy.AttemptConnectError
+			}
+			return proxy.AttemptSuccess
+		})
+		served, per := s.served(simSettle, 120*time.Second)
+		t.Logf("N=%d: served %.1f%%, %.2f attempts/request; first served at %v, last hard %v, statistical %v", n, 100*served, per, s.firstOK[0], s.lastHard[0], s.statSeen)
+		if h := float64(s.hardAfterOK[0]) / float64(len(s.ok)); h > 0.2 {
+			t.Logf("held on hard evidence for %.0f%% of the requests after it served", 100*h)
+			t.Errorf("N=%d: a replica refusing half its dials while serving the rest was held on hard evidence", n)
+		}
+		if n == 1 && served < 0.5 {
+			t.Errorf("N=1: served %.1f%%, want at least the 50%% a direct connection gets", 100*served)
+		}
+	}
+	// A flaky network path: every replica refuses half its dials.
+	s := runReviewSim(t, 3, 79, 120*time.Second, Ejection{}, func(rng *rand.Rand, _ int, _ time.Duration) proxy.AttemptOutcome {
+		if rng.Float64() < 0.5 {
+			return proxy.AttemptConnectError
+		}
+		return proxy.AttemptSuccess
+	})
+	served, per := s.served(simSettle, 120*time.Second)
+	t.Logf("every replica refusing half its dials: served %.1f%%, %.2f attempts/request; last hard %v, statistical %v", 100*served, per, s.lastHard, s.statSeen)
+	// Three refused dials right after a success, before any success
+	// broke a run, look like a server that just died: that trip is
+	// allowed; being held on hard evidence for long is not.
+	for i := range 3 {
+		if h := float64(s.hardAfterOK[i]) / float64(len(s.ok)); h > 0.2 {
+			t.Errorf("every replica refusing half its dials: %d held on hard evidence for %.0f%% of the requests after it served", i, 100*h)
+		}
+	}
+	if served < 0.5 {
+		t.Errorf("every replica refusing half its dials: served %.1f%%, want ≥ 50%%", 100*served)
+	}
+}
