@@ -60,6 +60,11 @@ func TestDownRunTripsAtOnceAsHardEvidence(t *testing.T) {
 // A first token on another connection (Live), a success, or any answer
 // from the server breaks a run of Down outcomes: a burst of refused
 // connections while other streams of the same server run is no dead server.
+// A sign of life that broke a run also marks the upstream as one that
+// refuses some connections and serves others: for RatioWindow after it, a
+// run of Down outcomes is no hard evidence (an upstream refusing half its
+// dials at random has runs of three every fourteen attempts or so); once
+// RatioWindow passes without a success, a run trips as before.
 func TestSignOfLifeBreaksADownRun(t *testing.T) {
 	for name, between := range map[string]func(f *fixture){
 		"first token": func(f *fixture) { f.b.Live() },
@@ -74,7 +79,21 @@ func TestSignOfLifeBreaksADownRun(t *testing.T) {
 			f.calls(down, down)
 			f.wantState(breaker.Closed)
 			f.calls(down)
+			if name == "http 503" {
+				// An error answer is no sign of life: no flakiness.
+				f.wantState(breaker.Open)
+				return
+			}
+			f.calls(down, down, down, down)
+			f.wantState(breaker.Closed)
+			f.clk.Advance(f.b.Settings().RatioWindow)
+			for i := 0; i < 3 && f.b.State() == breaker.Closed; i++ {
+				f.calls(down)
+			}
 			f.wantState(breaker.Open)
+			if e := f.b.Evidence(); e != breaker.Hard {
+				t.Fatalf("evidence %q, want hard", e)
+			}
 		})
 	}
 }
