@@ -340,3 +340,98 @@ func TestReviewHalfDialsRefused(t *testing.T) {
 		t.Errorf("every replica refusing half its dials: served %.1f%%, want ≥ 50%%", 100*served)
 	}
 }
+
+// A replica that is truly dead (every dial refused): after discovery it
+// receives one probe per cooldown, and the cooldown doubles up to max_open
+// (5 min, jittered down by at most 20%).
+func TestReviewDeadReplicaCooldownGrows(t *testing.T) {
+	s := runReviewSim(t, 3, 91, 15*time.Minute, Ejection{}, func(_ *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+		if i == 0 {
+			return proxy.AttemptConnectError
+		}
+		return proxy.AttemptSuccess
+	})
+	var probes []int
+	for sec := 1; sec < len(s.perSec); sec++ {
+		if s.perSec[sec][0] > 0 {
+			probes = append(probes, sec)
+		}
+	}
+	sn := breakerOf(t, s.reg, s.addrs[0], "").Snapshot()
+	t.Logf("probes of the dead replica at %v s; reopens %d, open until %v", probes, sn.Reopens, sn.OpenUntil.Sub(simT0))
+	if len(probes) > 8 {
+		t.Errorf("%d probes in 15 min, want the cooldown to grow (10, 20, 40, 80, 160, 300 s)", len(probes))
+	}
+	gaps := probes[len(probes)-1] - probes[len(probes)-2]
+	if gaps < 240 || gaps > 300+2 {
+		t.Errorf("last gap between probes %d s, want max_open (240–300 s)", gaps)
+	}
+	if sn.Evidence != breaker.Hard {
+		t.Errorf("the dead replica is held on %q evidence, want hard", sn.Evidence)
+	}
+}
+
+// Ejection cap with N = 2 and N = 1: one upstream may be held on
+// statistics; in a pool of one, statistics alone never refuse (the panic
+// rule routes over it), and panic_threshold off lets it refuse.
+func TestReviewEjectionSmallPools(t *testing.T) {
+	// N = 2: one outlier ejected, the other serves everything.
+	reg, p, addrs, _ := ejectionPool(t, 2, Ejection{})
+	serveOn(t, p, addrs, addrs[1], 40, never)
+	serveOn(t, p, addrs, addrs[0], 40, every(2))
+	if b := breakerOf(t, reg, addrs[0], ""); b.Evidence() != breaker.Statistical || b.State() != breaker.Open {
+		t.Fatalf("N=2 outlier: %+v", b.Snapshot())
+	}
+	for range 50 {
+		up := mustPick(t, p, "")
+		if up.Addr != addrs[1] {
+			t.Fatalf("N=2: picked the ejected upstream outside panic (status %+v)", p.Status())
+		}
+		up.Done(nil)
+	}
+	if st := p.Status(); st.Panic || st.Ejected != 1 || st.MaxEjected != 1 {
+		t.Fatalf("N=2 status %+v", st)
+	}
+
+	// N = 1 failing nearly everything (96%): ejected on statistics, but
+	// still routed over (panic) unless panic_threshold is off.
+	for _, thr := range []float64{0, -1} {
+		reg, p, addrs, _ := ejectionPool(t, 1, Ejection{PanicThreshold: thr})
+		serveOn(t, p, addrs, addrs[0], 25, func(i int) bool { return i != 0 })
+		b := breakerOf(t, reg, addrs[0], "")
+		if b.State() != breaker.Open || b.Evidence() != breaker.Statistical {
+			t.Fatalf("N=1 at 96%%: %+v, want ejected on statistics", b.Snapshot())
+		}
+		_, err := pickModel(p, "")
+		if thr == 0 && err != nil {
+			t.Fatalf("N=1, panic on: %v, want the only upstream routed over", err)
+		}
+		if thr < 0 && err == nil {
+			t.Fatalf("N=1, panic off: picked an upstream held on statistics")
+		}
+	}
+}
+
+// The panic rule under least_queue and prefix_cache-like selectors: the
+// selector still chooses among every upstream not held by hard evidence.
+func TestReviewPanicWithLeastQueue(t *testing.T) {
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	addrs := []string{"10.19.8.1:8000", "10.19.8.2:8000", "10.19.8.3:8000"}
+	p := startPool(t, reg, Config{Key: "lq", Static: targets(addrs...), Breaker: &breaker.Settings{}, Selector: LeastQueue{}})
+	mustPick(t, p, "").Done(nil)
+	breakerOf(t, reg, addrs[0], "").ForceOpen(0, "hard")
+	breakerOf(t, reg, addrs[1], "").Eject("outlier", 0.5)
+	picked := map[string]int{}
+	for range 100 {
+		up := mustPick(t, p, "")
+		picked[up.Addr]++
+		up.Done(nil)
+	}
+	st := p.Status()
+	t.Logf("least_queue in panic: picks %v, status %+v", picked, st)
+	if picked[addrs[0]] != 0 || picked[addrs[1]] == 0 || !st.Panic || st.PanicRequests != 100 {
+		t.Fatalf("least_queue in panic: picks %v, status %+v", picked, st)
+	}
+}
