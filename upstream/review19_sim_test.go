@@ -85,7 +85,7 @@ func runReviewSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejecti
 			case proxy.AttemptHTTP5xx:
 				rep.Status = 503
 			case proxy.AttemptHTTP429:
-				rep.Status = 429
+				rep.Status, rep.RetryAfter = 429, 5*time.Second
 			}
 			up.Done(rep)
 			if o == proxy.AttemptSuccess {
@@ -433,5 +433,69 @@ func TestReviewPanicWithLeastQueue(t *testing.T) {
 	t.Logf("least_queue in panic: picks %v, status %+v", picked, st)
 	if picked[addrs[0]] != 0 || picked[addrs[1]] == 0 || !st.Panic || st.PanicRequests != 100 {
 		t.Fatalf("least_queue in panic: picks %v, status %+v", picked, st)
+	}
+}
+
+// One replica answers every request 429 with Retry-After: 5s while the
+// others are fine: it is kept out for what it asked, and users see nearly
+// everything served.
+func TestReviewRateLimitedReplica(t *testing.T) {
+	s := runReviewSim(t, 3, 95, 60*time.Second, Ejection{}, func(_ *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+		if i == 0 {
+			return proxy.AttemptHTTP429
+		}
+		return proxy.AttemptSuccess
+	})
+	served, per := s.served(0, 60*time.Second)
+	n := s.attemptsOn(0, 0, 60)
+	t.Logf("served %.1f%%, %.3f attempts/request, %d attempts on the 429 replica in 60 s", 100*served, per, n)
+	if served < 0.99 || n > 15 {
+		t.Errorf("served %.1f%% (want ≥ 99%%), %d attempts on the replica asking for 5 s pauses (want ≤ 15: one per pause)", 100*served, n)
+	}
+}
+
+// In-band errors (an error event after the lifecycle events, before the
+// commit point) at 50% on every replica are statistical: nothing is held
+// on hard evidence once the replicas have served, and goodput is at least
+// a direct connection's.
+func TestReviewInbandErrorsUniform(t *testing.T) {
+	s := runReviewSim(t, 3, 97, 120*time.Second, Ejection{}, func(rng *rand.Rand, _ int, _ time.Duration) proxy.AttemptOutcome {
+		if rng.Float64() < 0.5 {
+			return proxy.AttemptInbandError5xx
+		}
+		return proxy.AttemptSuccess
+	})
+	served, per := s.served(simSettle, 120*time.Second)
+	t.Logf("served %.1f%%, %.2f attempts/request; hard after serving %v, statistical %v", 100*served, per, s.hardAfterOK, s.statSeen)
+	if served < 0.5 || s.hardAfterOK[0]+s.hardAfterOK[1]+s.hardAfterOK[2] > 0 {
+		t.Errorf("served %.1f%% (want ≥ 50%%), held on hard evidence %v times after serving (want 0)", 100*served, s.hardAfterOK)
+	}
+}
+
+// Sustained 100% failure (503s) for 30 s after a healthy minute: attempts
+// stay within (1 + ratio) × requests + floor × seconds (+ the floor's one
+// second of reserve) over the outage.
+func TestReviewSustainedFailureBudget(t *testing.T) {
+	const from, to = 60 * time.Second, 90 * time.Second
+	for _, n := range []int{1, 3} {
+		s := runReviewSim(t, n, 99+uint64(n), 100*time.Second, Ejection{}, func(_ *rand.Rand, _ int, at time.Duration) proxy.AttemptOutcome {
+			if at >= from && at < to {
+				return proxy.AttemptHTTP5xx
+			}
+			return proxy.AttemptSuccess
+		})
+		i, j := int(from*simRate/time.Second), int(to*simRate/time.Second)
+		reqs, attempts := j-i, 0
+		for k := i; k < j; k++ {
+			attempts += s.attempts[k]
+		}
+		// The ratio part may also spend what the healthy requests of the
+		// window before the outage earned (0.1 × 300).
+		bound := 1.1*float64(reqs) + 0.1*300 + 3*30 + 3
+		_, late := s.served(from+20*time.Second, to)
+		t.Logf("N=%d: %d attempts for %d requests (bound %.0f), %.2f attempts/request in the outage's last 10 s", n, attempts, reqs, bound, late)
+		if float64(attempts) > bound {
+			t.Errorf("N=%d: %d attempts for %d requests, over %.0f", n, attempts, reqs, bound)
+		}
 	}
 }
