@@ -262,3 +262,38 @@ func TestRecoveryResetsTheDownRun(t *testing.T) {
 	f.calls(down)
 	f.wantState(breaker.Open)
 }
+
+// An upstream held on hard evidence because its first answers were all
+// errors ("no success in the window") that then answers a probe is no
+// longer failing everything: when later probes fail more than its pool's
+// ratio explains, it re-opens as an outlier (statistical evidence, within
+// the pool's cap and panic rule), not as a dead server. Without a probe
+// success it stays hard.
+func TestProbeSuccessTurnsHardIntoStatistical(t *testing.T) {
+	for _, succeeded := range []bool{true, false} {
+		f := newFixture(t, breaker.Settings{})
+		f.calls(bad, bad, bad) // never served: no success in the window
+		f.wantState(breaker.Open)
+		if e := f.b.Evidence(); e != breaker.Hard {
+			t.Fatalf("evidence %q after three errors and no success, want hard", e)
+		}
+		f.b.SetPeerRatio(0.1) // allows 2 failed probes before 2 successes
+		f.clk.Advance(f.openFor())
+		if succeeded {
+			p := f.probe()
+			p.Done(ok, 0, "")
+		}
+		for range 3 {
+			p := f.probe()
+			p.Done(bad, 0, "http 503")
+		}
+		f.wantState(breaker.Open)
+		want := breaker.Hard
+		if succeeded {
+			want = breaker.Statistical
+		}
+		if e := f.b.Evidence(); e != want {
+			t.Fatalf("probe success %v: re-opened on %q evidence, want %q (%+v)", succeeded, e, want, f.b.Snapshot())
+		}
+	}
+}
