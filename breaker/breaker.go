@@ -560,6 +560,11 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 					b.probeFails, allowed, b.PeerRatio(), reason)
 			}
 			ev := b.evidence.Load()
+			if b.successes > 0 {
+				// It answered a probe: not down, nor failing everything,
+				// but failing more than its pool: an outlier.
+				ev = uint32(Statistical)
+			}
 			b.probeFailedLocked(now, reason)
 			b.evidence.Store(ev) // still what it was: an outlier, or down
 			return
