@@ -3,6 +3,7 @@ package upstream
 import (
 	"fmt"
 	"math/rand/v2"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -514,5 +515,25 @@ func TestReviewSustainedFailureBudget(t *testing.T) {
 		if float64(attempts) > bound {
 			t.Errorf("N=%d: %d attempts for %d requests, over %.0f", n, attempts, reqs, bound)
 		}
+	}
+}
+
+// A hedge's pick (which skips every upstream whose breaker is not closed)
+// says nothing about the pool's panic mode: the gauge and the admin API
+// stay in panic while the pool's ordinary picks are made in it.
+func TestReviewHedgePickKeepsPanicMode(t *testing.T) {
+	reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+	breakerOf(t, reg, addrs[0], "").ForceOpen(0, "hard")
+	breakerOf(t, reg, addrs[1], "").Eject("outlier", 0.5)
+	mustPick(t, p, "").Done(nil)
+	if !p.Status().Panic {
+		t.Fatalf("status %+v, want panic", p.Status())
+	}
+	up, err := p.Pick(httptest.NewRecorder(), httptest.NewRequest("POST", "/", nil), proxy.PickRequest{Hedge: true, Tried: []string{addrs[1]}})
+	if err == nil {
+		up.Done(nil)
+	}
+	if st := p.Status(); !st.Panic {
+		t.Fatalf("after a hedge's pick: status %+v, want panic still (the gauge flaps to 0 on every hedge)", st)
 	}
 }
