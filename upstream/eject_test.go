@@ -48,7 +48,7 @@ func serveOn(t *testing.T, p *Pool, addrs []string, addr string, k int, fail fun
 }
 
 func every(n int) func(int) bool { return func(i int) bool { return i%n == 0 } }
-func never(int) bool            { return false }
+func never(int) bool             { return false }
 
 // An upstream failing half its requests in a pool that fails none is an
 // outlier: ejected, on statistical evidence. The same rate across the whole
