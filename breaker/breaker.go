@@ -126,6 +126,11 @@ type Breaker struct {
 	// hardRun is the current run of Down outcomes since the last sign of
 	// life or answer.
 	hardRun atomic.Int64
+	// brokenRun is when a sign of life last broke a run of Down outcomes
+	// (the upstream refuses some connections and serves others), in
+	// nanoseconds since base; noLife before any. Within RatioWindow of
+	// it, a run of Down outcomes is no hard evidence (see doneFailure).
+	brokenRun atomic.Int64
 	// peer is the pool's failure ratio (SetPeerRatio), as float64 bits.
 	peer atomic.Uint64
 	cfg  atomic.Pointer[config]
@@ -198,6 +203,7 @@ func New(key string, s Settings, opts ...Option) *Breaker {
 	}
 	b.cfg.Store(newConfig(s, now, nil))
 	b.lastLife.Store(noLife)
+	b.brokenRun.Store(noLife)
 	b.joinFleet()
 	if b.store != nil {
 		b.mu.Lock()
@@ -380,9 +386,7 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 		// is a failure for the rules, so only a timely success dates the
 		// last success (a first token, slow or not, does through Live).
 		now := b.clock.Now()
-		if b.hardRun.Load() != 0 {
-			b.hardRun.Store(0)
-		}
+		b.breakRun(now)
 		if !slow {
 			b.lastLife.Store(b.mono(now))
 			// The hot path: no lock; one atomic add, and stores only
@@ -420,7 +424,9 @@ func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) strin
 // in order (DESIGN §4, hard and statistical evidence):
 //
 //   - hard: ConsecutiveFailures Down outcomes in a row with no sign of life
-//     or answer between them (a dead or hanging server), or ConsecutiveFailures
+//     or answer between them (a dead or hanging server), unless a sign of
+//     life broke such a run within RatioWindow (an upstream that refuses
+//     some connections and serves others; see breakRun), or ConsecutiveFailures
 //     failures of any kind in a row with no success or first token within
 //     RatioWindow (a server that fails everything);
 //   - statistical: the Failures, FailureRatio and SlowRatio rules when
@@ -449,6 +455,10 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 	c.fails.record(now, true, false)
 	b.lastFailure, b.lastFailureAt = reason, now
 	silent := !b.lifeWithin(now, s.RatioWindow)
+	// An upstream that refuses some connections and serves others (see
+	// breakRun): its runs of Down outcomes are no hard evidence here. (A
+	// Fleet still hears of every Down outcome: its own rules judge them.)
+	flaky := down && b.runBrokenWithin(now, s.RatioWindow)
 	if b.fleet != nil && (down || silent || s.AnyRun) {
 		// Only what may be hard evidence is the fleet's business: its
 		// rules count runs of failures, and a run amid this gateway's
@@ -468,7 +478,7 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 	var why string
 	ev := Hard
 	switch fc := c.fails.sum(now).failures; {
-	case s.ConsecutiveFailures > 0 && hr >= s.ConsecutiveFailures:
+	case s.ConsecutiveFailures > 0 && hr >= s.ConsecutiveFailures && !flaky:
 		why = fmt.Sprintf("%d consecutive connection failures or first-byte timeouts, no sign of life between them", hr)
 	case s.ConsecutiveFailures > 0 && s.AnyRun && n >= s.ConsecutiveFailures:
 		why = fmt.Sprintf("%d consecutive failures", n)
@@ -504,7 +514,10 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 // doneProbe records the outcome of a half-open probe.
 //
 // Recovery is judged against the pool: a Down outcome or a failed synthetic
-// probe re-opens at once (hard evidence, cooldown grown); a user probe that
+// probe re-opens at once (hard evidence, cooldown grown), except a Down
+// outcome of an upstream that refuses only some connections (a probe
+// success in this half-open, or a run broken within RatioWindow: see
+// breakRun), which is judged as an error answer is; a user probe that
 // the upstream answered with an error is tolerated while the failures stay
 // within what an upstream failing like its pool would give before
 // RecoverySuccesses successes (allowedProbeFailures of PeerRatio), so that
@@ -520,18 +533,25 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 	c := b.cfg.Load()
 	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
 	if o == Success {
+		// The run that opened the breaker ends; a probe's success after
+		// a trip is recovery, not the flakiness breakRun dates.
 		b.hardRun.Store(0)
 		if !slow {
 			b.lastLife.Store(b.mono(now))
 		}
 	}
+	// A refused or timed-out probe of an upstream that refuses only some
+	// connections (see breakRun) is judged as any other failed probe.
+	// So is one that follows a probe success of this half-open: the
+	// server answers some connections.
+	down := o == Down && b.successes == 0 && !b.runBrokenWithin(now, c.s.RatioWindow)
 	switch {
 	case o == Neutral:
-	case o == Down || (synthetic && (o == Failure || slow)):
+	case down || (synthetic && (o == Failure || o == Down || slow)):
 		reason = failureReason(slow, ttft, c.s.SlowTTFT, reason)
 		b.probeFailedLocked(now, "probe failed: "+reason)
 		return
-	case o == Failure || slow:
+	case o == Failure || o == Down || slow:
 		b.probeFails++
 		if allowed := allowedProbeFailures(b.PeerRatio(), c.s.RecoverySuccesses); b.probeFails > allowed {
 			reason = "probe failed: " + failureReason(slow, ttft, c.s.SlowTTFT, reason)
@@ -540,6 +560,11 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 					b.probeFails, allowed, b.PeerRatio(), reason)
 			}
 			ev := b.evidence.Load()
+			if b.successes > 0 {
+				// It answered a probe: not down, nor failing everything,
+				// but failing more than its pool: an outlier.
+				ev = uint32(Statistical)
+			}
 			b.probeFailedLocked(now, reason)
 			b.evidence.Store(ev) // still what it was: an outlier, or down
 			return

@@ -108,10 +108,35 @@ func (b *Breaker) Evidence() Evidence {
 // dates the last success that the "no success in the window" rule looks
 // at. Lock-free; allocates nothing.
 func (b *Breaker) Live() {
-	b.lastLife.Store(b.mono(b.clock.Now()))
+	now := b.clock.Now()
+	b.lastLife.Store(b.mono(now))
+	b.breakRun(now)
+}
+
+// breakRun ends a run of Down outcomes at a sign of life, and dates the
+// break: an upstream that refuses some connections while it serves others
+// (runs of Down outcomes broken by successes) is no dead server, and for
+// RatioWindow after such a break a run of Down outcomes is not hard
+// evidence; it counts as failures for the statistical rules, and as hard
+// only once no success came within RatioWindow. Without this, an
+// upstream refusing half its dials at random gave a run of three within
+// about fourteen attempts, was held open on hard evidence, and, needing
+// two probe successes in a row with every refused probe doubling the
+// cooldown, stayed open: alone in its pool it served under 1% of requests
+// instead of the 50% a direct connection gets. A server that dies after
+// serving steadily has no broken run and still trips after three.
+func (b *Breaker) breakRun(now time.Time) {
 	if b.hardRun.Load() != 0 {
 		b.hardRun.Store(0)
+		b.brokenRun.Store(b.mono(now))
 	}
+}
+
+// runBrokenWithin reports whether a sign of life broke a run of Down
+// outcomes within d before now (see breakRun).
+func (b *Breaker) runBrokenWithin(now time.Time, d time.Duration) bool {
+	last := b.brokenRun.Load()
+	return last != noLife && b.mono(now)-last < int64(d)
 }
 
 // SetPeerRatio tells the breaker the failure ratio of the rest of its pool

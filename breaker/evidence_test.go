@@ -60,6 +60,11 @@ func TestDownRunTripsAtOnceAsHardEvidence(t *testing.T) {
 // A first token on another connection (Live), a success, or any answer
 // from the server breaks a run of Down outcomes: a burst of refused
 // connections while other streams of the same server run is no dead server.
+// A sign of life that broke a run also marks the upstream as one that
+// refuses some connections and serves others: for RatioWindow after it, a
+// run of Down outcomes is no hard evidence (an upstream refusing half its
+// dials at random has runs of three every fourteen attempts or so); once
+// RatioWindow passes without a success, a run trips as before.
 func TestSignOfLifeBreaksADownRun(t *testing.T) {
 	for name, between := range map[string]func(f *fixture){
 		"first token": func(f *fixture) { f.b.Live() },
@@ -74,7 +79,21 @@ func TestSignOfLifeBreaksADownRun(t *testing.T) {
 			f.calls(down, down)
 			f.wantState(breaker.Closed)
 			f.calls(down)
+			if name == "http 503" {
+				// An error answer is no sign of life: no flakiness.
+				f.wantState(breaker.Open)
+				return
+			}
+			f.calls(down, down, down, down)
+			f.wantState(breaker.Closed)
+			f.clk.Advance(f.b.Settings().RatioWindow)
+			for i := 0; i < 3 && f.b.State() == breaker.Closed; i++ {
+				f.calls(down)
+			}
 			f.wantState(breaker.Open)
+			if e := f.b.Evidence(); e != breaker.Hard {
+				t.Fatalf("evidence %q, want hard", e)
+			}
 		})
 	}
 }
@@ -242,4 +261,39 @@ func TestRecoveryResetsTheDownRun(t *testing.T) {
 	f.wantState(breaker.Closed)
 	f.calls(down)
 	f.wantState(breaker.Open)
+}
+
+// An upstream held on hard evidence because its first answers were all
+// errors ("no success in the window") that then answers a probe is no
+// longer failing everything: when later probes fail more than its pool's
+// ratio explains, it re-opens as an outlier (statistical evidence, within
+// the pool's cap and panic rule), not as a dead server. Without a probe
+// success it stays hard.
+func TestProbeSuccessTurnsHardIntoStatistical(t *testing.T) {
+	for _, succeeded := range []bool{true, false} {
+		f := newFixture(t, breaker.Settings{})
+		f.calls(bad, bad, bad) // never served: no success in the window
+		f.wantState(breaker.Open)
+		if e := f.b.Evidence(); e != breaker.Hard {
+			t.Fatalf("evidence %q after three errors and no success, want hard", e)
+		}
+		f.b.SetPeerRatio(0.1) // allows 2 failed probes before 2 successes
+		f.clk.Advance(f.openFor())
+		if succeeded {
+			p := f.probe()
+			p.Done(ok, 0, "")
+		}
+		for range 3 {
+			p := f.probe()
+			p.Done(bad, 0, "http 503")
+		}
+		f.wantState(breaker.Open)
+		want := breaker.Hard
+		if succeeded {
+			want = breaker.Statistical
+		}
+		if e := f.b.Evidence(); e != want {
+			t.Fatalf("probe success %v: re-opened on %q evidence, want %q (%+v)", succeeded, e, want, f.b.Snapshot())
+		}
+	}
 }

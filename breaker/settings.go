@@ -44,8 +44,11 @@ const MaxRetryAfter = 24 * time.Hour
 type Settings struct {
 	// ConsecutiveFailures is the hard-evidence rule (see Hard): the
 	// breaker opens after this many Down outcomes in a row with no sign of
-	// life between them (no success, no Live), or after this many failures
-	// of any kind in a row when no success or first token came within
+	// life between them (no success, no Live), unless a sign of life broke
+	// such a run within RatioWindow (an upstream that refuses some
+	// connections while it serves others is no dead server); or after
+	// this many failures of any kind in a row when no success or first
+	// token came within
 	// RatioWindow. Runs of failures amid successes never fire it: under
 	// uniform partial failure every upstream has them (gobreaker's
 	// ConsecutiveFailures and Envoy's consecutive_5xx fire on any run, and

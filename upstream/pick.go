@@ -116,7 +116,11 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			route = len(ejected)
 			p.panicRequest()
 		}
-		p.setPanic(panicking)
+		if !req.Hedge {
+			// A hedge's pick skipped every breaker that is not closed:
+			// it knows nothing of the pool's panic mode.
+			p.setPanic(panicking)
+		}
 		for _, c := range ejected[len(ejected)-route:] {
 			if slices.Contains(req.Tried, c.Target.Addr) {
 				retried = append(retried, c)
