@@ -7,29 +7,54 @@ import (
 )
 
 // The panic rule's collectors (issue 19), registered with the others in
-// registerMetrics. pool is the pool's key: its sorted upstream addresses, or
-// its dynamic source's configuration.
+// registerMetrics. pool is the pool's label (poolLabel): its sorted
+// upstream addresses, or its dynamic source's short hash.
 var (
-	poolPanic = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Namespace: "caddy", Subsystem: "llm_proxy", Name: "pool_panic",
-		Help: "1 while the pool routes over upstreams held open on statistical evidence (fewer than panic_threshold available), else 0.",
-	}, []string{"pool"})
+	// poolPanic is read from the running configs' pools at each scrape, so
+	// every pool has a series (0) from its first scrape and none after it
+	// leaves the last running config. Two handlers over the same upstreams
+	// share one label: the series is 1 while either of them is in panic.
+	poolPanic = poolPanicCollector{prometheus.NewDesc("caddy_llm_proxy_pool_panic",
+		"1 while the pool routes over upstreams held open on statistical evidence (fewer than panic_threshold available), else 0; read from the running configs' pools at each scrape.",
+		[]string{"pool"}, nil)}
 	panicRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "panic_requests_total",
 		Help: "Picks made in panic mode, routed over upstreams held open on statistical evidence.",
 	}, []string{"pool"})
 )
 
-// PoolPanic implements upstream.PanicObserver.
-func (upstreamObserver) PoolPanic(pool string, on bool) {
-	v := 0.0
-	if on {
-		v = 1
+// poolPanicCollector is caddy_llm_proxy_pool_panic{pool}.
+type poolPanicCollector struct{ desc *prometheus.Desc }
+
+func (c poolPanicCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c poolPanicCollector) Collect(ch chan<- prometheus.Metric) {
+	panics := map[string]bool{}
+	var order []string
+	for _, p := range runningPools() {
+		label := poolLabel(p.Key())
+		on, seen := panics[label]
+		if !seen {
+			order = append(order, label)
+		}
+		panics[label] = on || p.Status().Panic
 	}
-	poolPanic.WithLabelValues(pool).Set(v)
+	for _, label := range order {
+		v := 0.0
+		if panics[label] {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, v, label)
+	}
 }
 
+// PoolPanic implements upstream.PanicObserver. The gauge is read from the
+// pools at each scrape (poolPanicCollector), so a change needs no write.
+func (upstreamObserver) PoolPanic(string, bool) {}
+
 // PanicRequest implements upstream.PanicObserver.
-func (upstreamObserver) PanicRequest(pool string) { panicRequests.WithLabelValues(pool).Inc() }
+func (upstreamObserver) PanicRequest(pool string) {
+	panicRequests.WithLabelValues(poolLabel(pool)).Inc()
+}
 
 var _ upstream.PanicObserver = upstreamObserver{}
