@@ -14,9 +14,12 @@ var (
 	// every pool has a series (0) from its first scrape and none after it
 	// leaves the last running config. Two handlers over the same upstreams
 	// share one label: the series is 1 while either of them is in panic.
-	poolPanic = poolPanicCollector{prometheus.NewDesc("caddy_llm_proxy_pool_panic",
-		"1 while the pool routes over upstreams held open on statistical evidence (fewer than panic_threshold available), else 0; read from the running configs' pools at each scrape.",
-		[]string{"pool"}, nil)}
+	poolPanic = func() poolPanicCollector {
+		const ns, sub = "caddy", "llm_proxy"
+		return poolPanicCollector{prometheus.NewDesc(ns+"_"+sub+"_pool_panic",
+			"1 while the pool routes over upstreams held open on statistical evidence (fewer than panic_threshold available), else 0; read from the running configs' pools at each scrape.",
+			[]string{"pool"}, nil)}
+	}()
 	panicRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "panic_requests_total",
 		Help: "Picks made in panic mode, routed over upstreams held open on statistical evidence.",
