@@ -69,7 +69,7 @@ func TestBreakersRecoverySuccessesCountedFleetWide(t *testing.T) {
 			t.Fatalf("success %d: %s is %s, want half-open on its own count (1 of 3)", i+1, w.id, st)
 		}
 		// The next winner comes after this lease runs out.
-		notBefore, wait = won.Add(testLease-50*time.Millisecond), testLease+time.Second
+		notBefore, wait = won.Add(testLease-50*time.Millisecond), testLease+4*time.Second
 	}
 	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
 	last := probed[2]
