@@ -46,8 +46,9 @@ func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
 	if !ok {
 		t.Fatalf("no entry %s", addr)
 	}
-	// Wait for the loop's first (failing) scrape, so it cannot land after ours.
-	eventually(t, 5*time.Second, "first scrape", func() bool { return e.sat.Load() != nil })
+	// Wait for the loop's first (failing) scrape, so it cannot land after
+	// ours: it runs as the loop starts, and the next is an Interval away.
+	settle(t, "first scrape", func() bool { return e.sat.Load() != nil })
 	return &feeder{t: t, e: e, cfg: p.sat, now: time.Now()}
 }
 
@@ -344,7 +345,7 @@ func TestScopeModelScoresTheModelsSeries(t *testing.T) {
 	p := startPool(t, reg, Config{Key: "sat-model", Static: targets("10.9.6.1:8000"), Breaker: &s, ScopeModel: true,
 		Saturation: &Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
 	e, _ := reg.Entry("10.9.6.1:8000")
-	eventually(t, 5*time.Second, "first scrape", func() bool { return e.sat.Load() != nil })
+	settle(t, "first scrape", func() bool { return e.sat.Load() != nil })
 	body := `# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="big"} 10
 vllm:num_requests_waiting{model_name="small"} 1
@@ -646,22 +647,36 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	}
 	q.Deactivate()
 	clk.Advance(interval) // the loop wakes, and sees no started config
-	eventually(t, 5*time.Second, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
+	settle(t, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
+	n, _ := m.counts()
+	clk.Advance(time.Minute)
+	if n2, _ := m.counts(); n2 != n || clk.Armed() != 0 {
+		t.Fatalf("%d scrapes (%d timers armed) after the loop stopped", n2-n, clk.Armed())
+	}
 }
 
 func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
 	m.hang = true
+	const interval = 20 * time.Millisecond
 	p := startPool(t, reg, Config{Key: "hang", Static: targets(m.addr),
-		Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 10 * time.Millisecond}})
+		Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 10 * time.Millisecond}})
 	e, _ := reg.Entry(m.addr)
-	eventually(t, 5*time.Second, "two failed scrapes", func() bool {
-		obs.mu.Lock()
-		defer obs.mu.Unlock()
-		return obs.scrapeErrs[m.addr] >= 2
-	})
+	// Each scrape hangs until its 10ms timeout (a context deadline, real
+	// time), fails, and the loop arms its next interval.
+	clk.awaitArmed(t, 1)
+	clk.Advance(interval)
+	clk.awaitArmed(t, 1)
+	obs.mu.Lock()
+	errs := obs.scrapeErrs[m.addr]
+	obs.mu.Unlock()
+	if errs != 2 {
+		t.Fatalf("%d failed scrapes in two intervals, want 2", errs)
+	}
 	up := mustPick(t, p, "")
 	if s, known := e.Score(time.Now(), p.sat, ""); known || s != 1.0/5 {
 		t.Fatalf("score with a hanging /metrics = %v known=%v, want 0.2 (in-flight) unknown", s, known)
@@ -701,15 +716,22 @@ func TestSaturationConfigDefaultsAndErrors(t *testing.T) {
 func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
-	on := Config{Key: "off", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 20 * time.Millisecond}}
+	const interval = 20 * time.Millisecond
+	on := Config{Key: "off", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
 	p := startPool(t, reg, on)
 	e, _ := reg.Entry(m.addr)
-	eventually(t, 5*time.Second, "a scrape", func() bool { return e.sat.Load() != nil && e.sat.Load().ok })
+	clk.awaitArmed(t, 1) // the first scrape is done
+	if e.sat.Load() == nil || !e.sat.Load().ok {
+		t.Fatal("no snapshot after the first scrape")
+	}
 	off := on
 	off.Saturation = nil
 	reload(t, p, off)
-	eventually(t, 5*time.Second, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
+	clk.Advance(interval) // the loop wakes and sees saturation off
+	settle(t, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
 	if e.sat.Load() != nil || obs.countPrefix("scraper gone "+m.addr) != 1 {
 		t.Fatalf("snapshot kept (%v) or series not dropped once (%d)", e.sat.Load() != nil, obs.countPrefix("scraper gone "+m.addr))
 	}
