@@ -15,6 +15,10 @@ import (
 // serves it, and it is the format the parser knows best.
 const scrapeAccept = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 
+// maxScrapeBody bounds a /metrics response read (a vLLM server with many
+// LoRA adapters exposes a few hundred KB).
+const maxScrapeBody = 8 << 20
+
 // satSnapshot is an entry's saturation state after its latest scrape. It is
 // replaced whole, so the request path reads it with one atomic load.
 type satSnapshot struct {
@@ -30,8 +34,8 @@ type satSnapshot struct {
 	took  time.Duration
 	// values are the last known value of each signal (queue time: recent
 	// p99, TTFT: recent p95, in seconds), states their state.
-	values [numSignals]Value
-	states [numSignals]SignalState
+	values [len(Signals)]Value
+	states [len(Signals)]SignalState
 	// cfg is the settings the scrape ran with (staleness for the admin API).
 	staleAfter time.Duration
 }
@@ -212,7 +216,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 			snap.states[i] = SignalFresh // so that a first missing signal is reported once
 		}
 	}
-	var prevStates [numSignals]SignalState
+	var prevStates [len(Signals)]SignalState
 	if prev != nil {
 		prevStates = prev.states
 	}
@@ -245,8 +249,8 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 		ttft = QuantileBetween(base.ttft, cur.ttft, 0.95)
 	}
 	r := snap.scrape.Server.Readings()
-	known := [numSignals]Value{r.Waiting, r.Running, r.KVUsage, qw, ttft}
-	present := [numSignals]bool{r.Waiting.Known, r.Running.Known, r.KVUsage.Known, r.QueueTime.Known(), r.TTFT.Known()}
+	known := [len(Signals)]Value{r.Waiting, r.Running, r.KVUsage, qw, ttft}
+	present := [len(Signals)]bool{r.Waiting.Known, r.Running.Known, r.KVUsage.Known, r.QueueTime.Known(), r.TTFT.Known()}
 	for i := range known {
 		switch {
 		case !snap.ok:
