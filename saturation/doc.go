@@ -4,8 +4,10 @@
 // staleness, and the quantiles of histogram deltas between two scrapes;
 // and the Saturation config (scrape interval, thresholds, trip rules,
 // with their defaults) with the Signal and SignalState labels of metrics
-// and the admin API. It is pure Go: no goroutines, no timers, no I/O
+// and the admin API; and the saturation breaker's trip rules (TripMonitor:
+// how long each rule has held; Verdict: one scrape's observation for a
+// tripped breaker). It is pure Go: no goroutines, no timers, no I/O
 // beyond the io.Reader it is given; times are passed in. Package upstream
-// scrapes, scores and trips breakers with it (the scrape loop, score and
-// trip rules still live in upstream).
+// scrapes, scores and trips breakers with it (the scrape loop and the
+// score still live in upstream, on its entries and pools).
 package saturation
