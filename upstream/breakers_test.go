@@ -97,15 +97,22 @@ func Test4xxDoesNotResetARunOfFailures(t *testing.T) {
 // A half-open probe answered with a 4xx proves the server is back.
 func Test4xxAnsweringAProbeClosesBreaker(t *testing.T) {
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	p := startPool(t, reg, Config{Static: targets("10.1.8.1:8000"),
 		Breaker: &breaker.Settings{ConsecutiveFailures: 1, OpenFor: 10 * time.Millisecond, MinOpen: -1, RecoverySuccesses: 1}})
 	fail(mustPick(t, p, ""))
-	var probe proxy.Upstream
-	eventually(t, 2*time.Second, "the breaker never let a probe in", func() bool {
-		up, err := pickModel(p, "")
-		probe = up
-		return err == nil
-	})
+	if _, err := pickModel(p, ""); err == nil {
+		t.Fatal("picked the upstream whose breaker just opened")
+	}
+	clk.Advance(100 * time.Millisecond) // past the 10ms cooldown, however jittered
+	probe, err := pickModel(p, "")
+	if err != nil {
+		t.Fatalf("the breaker let no probe in after its cooldown: %v", err)
+	}
+	if st := p.BreakerState("10.1.8.1:8000", ""); st != "half_open" {
+		t.Fatalf("the probe was picked with the breaker %s", st)
+	}
 	finish(probe, proxy.AttemptHTTP4xx)
 	if st := p.BreakerState("10.1.8.1:8000", ""); st != "closed" {
 		t.Fatalf("a probe answered 400 left the breaker %s", st)

@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -134,4 +135,35 @@ func (c *loopClock) awaitArmed(t testing.TB, n int) {
 			t.Fatalf("%d timers armed after 5s, want %d", c.Armed(), n)
 		}
 	}
+}
+
+// settle waits until cond holds, yielding the processor between looks
+// (never sleeping: no time passes on a loopClock meanwhile), failing the
+// test after 5s of real time. It is for handoffs between goroutines that
+// take no clock time: a loop exiting, a probe's answer landing.
+func settle(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 5s: %s", what)
+		}
+		runtime.Gosched()
+	}
+}
+
+// awaitIdle waits until the probe loops of reg are idle: one timer armed
+// (the loop waits for its next tick, its probe done) or no loop running.
+func (c *loopClock) awaitIdle(t testing.TB, reg *Registry) {
+	t.Helper()
+	settle(t, "the probe loop neither armed its timer nor stopped", func() bool { return c.Armed() >= 1 || reg.ProbeLoops() == 0 })
+}
+
+// step advances the clock by d (the loop's tick fires) and waits until the
+// probe loops are idle again.
+func (c *loopClock) step(t testing.TB, reg *Registry, d time.Duration) {
+	t.Helper()
+	c.awaitIdle(t, reg)
+	c.Advance(d)
+	c.awaitIdle(t, reg)
 }

@@ -218,18 +218,6 @@ func breakerOf(t *testing.T, reg *Registry, addr, key string) *breaker.Breaker {
 	return b
 }
 
-// eventually polls cond until it holds or the deadline passes.
-func eventually(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %s", within, what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // httpTransport sends probes over plain HTTP (the prober leaves the scheme
 // to the transport, as Caddy's does).
 type httpTransport struct{}

@@ -13,6 +13,8 @@ import (
 func TestProbeLoopRunsOnlyForAStartedConfig(t *testing.T) {
 	addr, probes := probeServer(t, 503) // keeps the breaker open
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	p := buildPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/health")})
 	b := breakerOf(t, reg, addr, "")
 	b.ForceOpen(time.Millisecond, "test") // due for a probe at once
@@ -20,10 +22,23 @@ func TestProbeLoopRunsOnlyForAStartedConfig(t *testing.T) {
 	if n, loops := probes(), reg.ProbeLoops(); n != 0 || loops != 0 {
 		t.Fatalf("before the config started: %d probes, %d loops; want none", n, loops)
 	}
+	clk.Advance(time.Minute)
+	if n, loops := probes(), reg.ProbeLoops(); n != 0 || loops != 0 {
+		t.Fatalf("a minute later, before the config started: %d probes, %d loops; want none", n, loops)
+	}
 	p.Activate()
-	eventually(t, 5*time.Second, "no probe after the config started", func() bool { return probes() > 0 })
+	clk.step(t, reg, 5*time.Millisecond)
+	if n := probes(); n != 1 {
+		t.Fatalf("%d probes in the first interval after the config started, want 1", n)
+	}
 	p.Deactivate()
-	eventually(t, 5*time.Second, "the probe loop outlived its config's stop", func() bool { return reg.ProbeLoops() == 0 })
+	clk.step(t, reg, 5*time.Millisecond) // the loop wakes and sees no started config
+	settle(t, "the probe loop outlived its config's stop", func() bool { return reg.ProbeLoops() == 0 })
+	n := probes()
+	clk.Advance(time.Minute)
+	if m := probes(); m != n {
+		t.Fatalf("%d probes after the config stopped and its loop ended", m-n)
+	}
 }
 
 // TestClosedUpstreamsCountsModelBreakers: under scope model an upstream

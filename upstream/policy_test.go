@@ -115,6 +115,8 @@ func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
 	}
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	gen := reg.NextGeneration()
 	sa, sb := activeProbing(), activeProbing()
 	sb.RecoverySuccesses = 3 // another policy
@@ -122,7 +124,14 @@ func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
 	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: sb, Prober: testProber("/b")})
 	fail(mustPick(t, a, ""))
 	fail(mustPick(t, b, ""))
-	eventually(t, 5*time.Second, "both handlers' probes", func() bool { return probesTo("/a") >= 2 && probesTo("/b") >= 2 })
+	// The cooldowns back off to max_open (20ms): 40 ticks of 5ms see
+	// several probes of each policy.
+	for i := 0; probesTo("/a") < 2 || probesTo("/b") < 2; i++ {
+		if i == 40 {
+			t.Fatalf("probes after 40 intervals: /a %d, /b %d; want 2 each", probesTo("/a"), probesTo("/b"))
+		}
+		clk.step(t, reg, 5*time.Millisecond)
+	}
 	if n := reg.ProbeLoops(); n != 1 {
 		t.Fatalf("%d probe loops for one upstream, want 1", n)
 	}

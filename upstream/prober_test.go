@@ -58,6 +58,8 @@ func TestActiveProbesCloseBreakerAndStop(t *testing.T) {
 			t.Cleanup(srv.Close)
 			addr := strings.TrimPrefix(srv.URL, "http://")
 			reg := NewRegistry(nil)
+			clk := newLoopClock()
+			reg.UseClock(clk)
 			s := activeProbing()
 			s.RecoverySuccesses = 2
 			p := startPool(t, reg, Config{Static: targets(addr), Breaker: s, Prober: tc.prober})
@@ -66,12 +68,21 @@ func TestActiveProbesCloseBreakerAndStop(t *testing.T) {
 			if _, err := pickModel(p, ""); !errors.As(err, &ue) || !ue.CircuitOpen {
 				t.Fatalf("a user request was let onto a breaker that probes actively: %v", err)
 			}
-			eventually(t, 5*time.Second, "active probes never closed the breaker", func() bool {
-				return p.BreakerState(addr, "") == "closed"
-			})
-			eventually(t, 5*time.Second, "the probe loop outlived the open breaker", func() bool { return reg.ProbeLoops() == 0 })
-			if n := probes.Load(); n < 2 {
-				t.Fatalf("%d probes closed a breaker that wants 2 successes", n)
+			// One probe per interval: the first half-opens the breaker,
+			// the second closes it, and the loop stops.
+			for i := 1; i <= 2; i++ {
+				clk.step(t, reg, tc.prober.Interval)
+				if n := probes.Load(); n != int64(i) {
+					t.Fatalf("%d probes after %d intervals, want %d", n, i, i)
+				}
+			}
+			if st := p.BreakerState(addr, ""); st != "closed" {
+				t.Fatalf("two successful probes left the breaker %s, want closed", st)
+			}
+			settle(t, "the probe loop outlived the open breaker", func() bool { return reg.ProbeLoops() == 0 })
+			clk.Advance(time.Minute)
+			if n := probes.Load(); n != 2 {
+				t.Fatalf("%d probes after the breaker closed, want none", n-2)
 			}
 			if n := bad.Load(); n > 0 {
 				t.Fatalf("%d probes were not the configured request", n)
@@ -87,22 +98,41 @@ func TestActiveProbesCloseBreakerAndStop(t *testing.T) {
 func TestReloadEnablingProbeRecoversOpenBreaker(t *testing.T) {
 	addr, probes := probeServer(t, http.StatusOK)
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	s := breaker.Settings{ConsecutiveFailures: 1, OpenFor: 30 * time.Millisecond, MinOpen: 30 * time.Millisecond}
 	old := startPool(t, reg, Config{Static: targets(addr), Breaker: &s})
 	fail(mustPick(t, old, "")) // open
+	if n := reg.ProbeLoops(); n != 0 {
+		t.Fatalf("%d probe loops under passive recovery", n)
+	}
 	ns := s
 	ns.ActiveProbing = true
 	next := reload(t, old, Config{Static: targets(addr), Breaker: &ns, Prober: testProber("/")})
-	eventually(t, 5*time.Second, "the healthy upstream is still refused long after its cooldown", func() bool {
-		up, err := pickModel(next, "")
-		if err == nil {
-			finish(up, proxy.AttemptSuccess)
-		}
-		return err == nil
-	})
-	if probes() == 0 {
-		t.Fatal("recovered without an active probe")
+	clk.awaitArmed(t, 1) // the new config started a probe loop
+	if _, err := pickModel(next, ""); err == nil {
+		t.Fatal("a user request was let onto the open breaker")
 	}
+	// The cooldown (30ms, jittered upward) ends at one of the loop's
+	// ticks; the breaker closes after its 2 recovery successes (the
+	// default), one probe a tick, and users are refused until then.
+	for i := 0; next.BreakerState(addr, "") != "closed"; i++ {
+		if i == 40 {
+			t.Fatalf("the breaker is %s 200ms after a 30ms cooldown (%d probes)", next.BreakerState(addr, ""), probes())
+		}
+		if _, err := pickModel(next, ""); err == nil {
+			t.Fatalf("a user request was let onto the %s breaker after %d ticks", next.BreakerState(addr, ""), i)
+		}
+		clk.step(t, reg, 5*time.Millisecond)
+	}
+	if n := probes(); n != breaker.DefaultRecoverySuccesses {
+		t.Fatalf("%d active probes closed the breaker, want %d", n, breaker.DefaultRecoverySuccesses)
+	}
+	up, err := pickModel(next, "")
+	if err != nil {
+		t.Fatalf("the healthy upstream is still refused after its probe: %v", err)
+	}
+	finish(up, proxy.AttemptSuccess)
 }
 
 // Regression: a breaker that opened after its entry was destroyed (an
@@ -145,9 +175,13 @@ func TestActiveProbeInFlightIsCancelledWhenEntryReleased(t *testing.T) {
 	t.Cleanup(srv.Close)
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	pr := testProber("/health")
 	p := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: pr})
 	fail(mustPick(t, p, ""))
+	clk.awaitArmed(t, 1)
+	clk.Advance(pr.Interval) // the probe is sent, and hangs
 	select {
 	case <-started:
 	case <-time.After(5 * time.Second):
@@ -164,7 +198,7 @@ func TestActiveProbeInFlightIsCancelledWhenEntryReleased(t *testing.T) {
 	case <-time.After(pr.Timeout / 2):
 		t.Fatalf("the probe in flight was not cancelled within %v of its entry's release", pr.Timeout/2)
 	}
-	eventually(t, 5*time.Second, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
+	settle(t, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
 }
 
 // One probe loop runs per upstream however many pools hold it, and a
@@ -187,6 +221,19 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 	}
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
+	// tick advances the clock until probesTo(path) reaches n, failing
+	// after 20 intervals (the cooldown backs off to max_open, 20ms).
+	tick := func(path string, n int) {
+		t.Helper()
+		for i := 0; probesTo(path) < n; i++ {
+			if i == 20 {
+				t.Fatalf("%d probes to %s after 20 intervals, want %d", probesTo(path), path, n)
+			}
+			clk.step(t, reg, 5*time.Millisecond)
+		}
+	}
 	oldCfg := Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/old")}
 	a := startPool(t, reg, oldCfg)
 	b := startPool(t, reg, oldCfg)
@@ -194,7 +241,7 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 	if _, err := pickModel(b, ""); err == nil {
 		t.Fatal("the other pool picked the open upstream")
 	}
-	eventually(t, 5*time.Second, "no probe sent", func() bool { return probesTo("/old") >= 2 })
+	tick("/old", 2)
 
 	// Sample the loop count through the reload.
 	var lo, hi atomic.Int64
@@ -223,7 +270,7 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 		old.Deactivate()
 		old.Release()
 	}
-	eventually(t, 5*time.Second, "the new config's prober was never used", func() bool { return probesTo("/new") >= 3 })
+	tick("/new", 3)
 	close(stop)
 	wg.Wait()
 	if lo.Load() != 1 || hi.Load() != 1 {
@@ -233,26 +280,45 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 		t.Fatalf("%d probe loops after the reload", n)
 	}
 	old, nw := probesTo("/old"), probesTo("/new")
-	eventually(t, 5*time.Second, "three more probes", func() bool { return probesTo("/new") >= nw+3 })
+	tick("/new", nw+3)
 	if probesTo("/old") != old {
 		t.Fatalf("the released config's prober was used %d times among 3 probes", probesTo("/old")-old)
 	}
 	next.Deactivate()
 	next.Release()
-	eventually(t, 5*time.Second, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
+	settle(t, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
 }
 
 // A reload that turns active probing off stops the loop.
 func TestReloadDisablingProbeStopsLoop(t *testing.T) {
-	addr, _ := probeServer(t, http.StatusServiceUnavailable)
+	addr, probes := probeServer(t, http.StatusServiceUnavailable)
 	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	old := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/")})
 	fail(mustPick(t, old, ""))
-	eventually(t, 5*time.Second, "no probe loop started", func() bool { return reg.ProbeLoops() == 1 })
+	if n := reg.ProbeLoops(); n != 1 {
+		t.Fatalf("%d probe loops for an open breaker, want 1", n)
+	}
+	clk.step(t, reg, 5*time.Millisecond)
+	if n := probes(); n != 1 {
+		t.Fatalf("%d probes in the first interval, want 1", n)
+	}
 	s := activeProbing()
 	s.ActiveProbing = false
 	reload(t, old, Config{Static: targets(addr), Breaker: s})
-	eventually(t, 5*time.Second, "the probe loop outlived active probing", func() bool { return reg.ProbeLoops() == 0 })
+	// The loop wakes at the tick it armed before the reload; that tick
+	// may still send the probe it was armed for, then the loop stops.
+	clk.step(t, reg, time.Second)
+	settle(t, "the probe loop outlived active probing", func() bool { return reg.ProbeLoops() == 0 })
+	n := probes()
+	if n > 2 {
+		t.Fatalf("%d probes at the first tick after active probing was turned off, want at most 1", n-1)
+	}
+	clk.Advance(time.Minute)
+	if m := probes(); m != n {
+		t.Fatalf("%d probes after the loop stopped", m-n)
+	}
 }
 
 // Regression: a half-open probe that is a healthy user stream (first token

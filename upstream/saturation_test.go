@@ -46,8 +46,9 @@ func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
 	if !ok {
 		t.Fatalf("no entry %s", addr)
 	}
-	// Wait for the loop's first (failing) scrape, so it cannot land after ours.
-	eventually(t, 5*time.Second, "first scrape", func() bool { return e.sat.Load() != nil })
+	// Wait for the loop's first (failing) scrape, so it cannot land after
+	// ours: it runs as the loop starts, and the next is an Interval away.
+	settle(t, "first scrape", func() bool { return e.sat.Load() != nil })
 	return &feeder{t: t, e: e, cfg: p.sat, now: time.Now()}
 }
 
@@ -344,7 +345,7 @@ func TestScopeModelScoresTheModelsSeries(t *testing.T) {
 	p := startPool(t, reg, Config{Key: "sat-model", Static: targets("10.9.6.1:8000"), Breaker: &s, ScopeModel: true,
 		Saturation: &Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
 	e, _ := reg.Entry("10.9.6.1:8000")
-	eventually(t, 5*time.Second, "first scrape", func() bool { return e.sat.Load() != nil })
+	settle(t, "first scrape", func() bool { return e.sat.Load() != nil })
 	body := `# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="big"} 10
 vllm:num_requests_waiting{model_name="small"} 1
@@ -360,46 +361,6 @@ vllm:num_requests_waiting{model_name="small"} 1
 		if s, _ := e.Score(now, p.sat, model); math.Abs(s-want) > 1e-9 {
 			t.Errorf("score for model %q = %v, want %v", model, s, want)
 		}
-	}
-}
-
-func TestTripMonitorHoldsForItsDuration(t *testing.T) {
-	rules := &TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: 60 * time.Second}
-	var m tripMonitor
-	t0 := time.Unix(1000, 0)
-	above := signalsNow{ok: true, queueWait: Known(7), queueWaitOver: overness{known: true, over: true}}
-	for i := 0; i < 30; i++ {
-		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, above); trip {
-			t.Fatalf("tripped after %ds of a 30s rule", i)
-		}
-	}
-	reason, trip := m.update(t0.Add(30*time.Second), rules, above)
-	if !trip || !strings.Contains(reason, "queue wait p99 7s above 5s for 30s") {
-		t.Fatalf("at 30s: trip=%v reason=%q", trip, reason)
-	}
-	// Unknown restarts the count; unknown never trips.
-	m = tripMonitor{}
-	m.update(t0, rules, above)
-	m.update(t0.Add(20*time.Second), rules, signalsNow{ok: true})
-	if _, trip := m.update(t0.Add(40*time.Second), rules, above); trip {
-		t.Fatal("tripped across an unknown reading")
-	}
-	for i := 0; i <= 120; i++ {
-		if _, trip := m.update(t0.Add(time.Duration(i)*time.Second), rules, signalsNow{ok: false, queueWait: Known(100), queueWaitOver: overness{true, true}, kv: Known(1)}); trip {
-			t.Fatal("a failed scrape tripped the breaker")
-		}
-	}
-	// KV has its own duration.
-	m = tripMonitor{}
-	kv := signalsNow{ok: true, kv: Known(0.95)}
-	if _, trip := m.update(t0, rules, kv); trip {
-		t.Fatal("kv tripped at once")
-	}
-	if _, trip := m.update(t0.Add(59*time.Second), rules, kv); trip {
-		t.Fatal("kv tripped before 60s")
-	}
-	if r, trip := m.update(t0.Add(60*time.Second), rules, kv); !trip || !strings.Contains(r, "KV-cache usage 0.95 above 0.92") {
-		t.Fatalf("kv at 60s: trip=%v %q", trip, r)
 	}
 }
 
@@ -646,22 +607,36 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	}
 	q.Deactivate()
 	clk.Advance(interval) // the loop wakes, and sees no started config
-	eventually(t, 5*time.Second, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
+	settle(t, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
+	n, _ := m.counts()
+	clk.Advance(time.Minute)
+	if n2, _ := m.counts(); n2 != n || clk.Armed() != 0 {
+		t.Fatalf("%d scrapes (%d timers armed) after the loop stopped", n2-n, clk.Armed())
+	}
 }
 
 func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
 	m.hang = true
+	const interval = 20 * time.Millisecond
 	p := startPool(t, reg, Config{Key: "hang", Static: targets(m.addr),
-		Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 10 * time.Millisecond}})
+		Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 10 * time.Millisecond}})
 	e, _ := reg.Entry(m.addr)
-	eventually(t, 5*time.Second, "two failed scrapes", func() bool {
-		obs.mu.Lock()
-		defer obs.mu.Unlock()
-		return obs.scrapeErrs[m.addr] >= 2
-	})
+	// Each scrape hangs until its 10ms timeout (a context deadline, real
+	// time), fails, and the loop arms its next interval.
+	clk.awaitArmed(t, 1)
+	clk.Advance(interval)
+	clk.awaitArmed(t, 1)
+	obs.mu.Lock()
+	errs := obs.scrapeErrs[m.addr]
+	obs.mu.Unlock()
+	if errs != 2 {
+		t.Fatalf("%d failed scrapes in two intervals, want 2", errs)
+	}
 	up := mustPick(t, p, "")
 	if s, known := e.Score(time.Now(), p.sat, ""); known || s != 1.0/5 {
 		t.Fatalf("score with a hanging /metrics = %v known=%v, want 0.2 (in-flight) unknown", s, known)
@@ -673,43 +648,25 @@ func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
 	}
 }
 
-func TestSaturationConfigDefaultsAndErrors(t *testing.T) {
-	s := Saturation{}.Defaults()
-	if s.MetricsPath != "/metrics" || s.Interval != time.Second || s.Timeout != 500*time.Millisecond || s.StaleAfter != 3*time.Second ||
-		s.QueueThreshold != 5 || s.KVThreshold != 0.8 || s.Window != 30*time.Second || s.Names.KVUsage[0] != "vllm:kv_cache_usage_perc" {
-		t.Fatalf("defaults = %+v", s)
-	}
-	if err := s.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	if tr := (Saturation{Trip: &TripRules{QueueWaitP99: time.Second}}).Defaults().Trip; tr.QueueWaitFor != 30*time.Second || tr.KVUsage != 0 {
-		t.Fatalf("trip defaults = %+v", tr)
-	}
-	for _, bad := range []Saturation{
-		{Interval: time.Second, StaleAfter: 1500 * time.Millisecond},
-		{Interval: time.Second, Timeout: 2 * time.Second},
-		{MetricsPath: "metrics"},
-		{KVThreshold: 1.5},
-		{Interval: time.Second, Window: time.Second},
-	} {
-		if err := bad.Defaults().Validate(); err == nil {
-			t.Errorf("%+v: no error", bad)
-		}
-	}
-}
-
 func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
+	clk := newLoopClock()
+	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
-	on := Config{Key: "off", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: 20 * time.Millisecond, Timeout: 20 * time.Millisecond}}
+	const interval = 20 * time.Millisecond
+	on := Config{Key: "off", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
 	p := startPool(t, reg, on)
 	e, _ := reg.Entry(m.addr)
-	eventually(t, 5*time.Second, "a scrape", func() bool { return e.sat.Load() != nil && e.sat.Load().ok })
+	clk.awaitArmed(t, 1) // the first scrape is done
+	if e.sat.Load() == nil || !e.sat.Load().ok {
+		t.Fatal("no snapshot after the first scrape")
+	}
 	off := on
 	off.Saturation = nil
 	reload(t, p, off)
-	eventually(t, 5*time.Second, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
+	clk.Advance(interval) // the loop wakes and sees saturation off
+	settle(t, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
 	if e.sat.Load() != nil || obs.countPrefix("scraper gone "+m.addr) != 1 {
 		t.Fatalf("snapshot kept (%v) or series not dropped once (%d)", e.sat.Load() != nil, obs.countPrefix("scraper gone "+m.addr))
 	}

@@ -9,11 +9,16 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // scrapeAccept asks for the Prometheus text format: every inference server
 // serves it, and it is the format the parser knows best.
 const scrapeAccept = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+
+// maxScrapeBody bounds a /metrics response read (a vLLM server with many
+// LoRA adapters exposes a few hundred KB).
+const maxScrapeBody = 8 << 20
 
 // satSnapshot is an entry's saturation state after its latest scrape. It is
 // replaced whole, so the request path reads it with one atomic load.
@@ -30,8 +35,8 @@ type satSnapshot struct {
 	took  time.Duration
 	// values are the last known value of each signal (queue time: recent
 	// p99, TTFT: recent p95, in seconds), states their state.
-	values [numSignals]Value
-	states [numSignals]SignalState
+	values [len(Signals)]Value
+	states [len(Signals)]SignalState
 	// cfg is the settings the scrape ran with (staleness for the admin API).
 	staleAfter time.Duration
 }
@@ -52,7 +57,7 @@ type histPoint struct {
 // histogram points over the window and the trip rules' running counts.
 type scrapeState struct {
 	points []histPoint
-	trip   tripMonitor
+	trip   saturation.TripMonitor
 }
 
 // satClaimLocked returns the newest started claim that wants saturation
@@ -212,7 +217,7 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 			snap.states[i] = SignalFresh // so that a first missing signal is reported once
 		}
 	}
-	var prevStates [numSignals]SignalState
+	var prevStates [len(Signals)]SignalState
 	if prev != nil {
 		prevStates = prev.states
 	}
@@ -245,8 +250,8 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 		ttft = QuantileBetween(base.ttft, cur.ttft, 0.95)
 	}
 	r := snap.scrape.Server.Readings()
-	known := [numSignals]Value{r.Waiting, r.Running, r.KVUsage, qw, ttft}
-	present := [numSignals]bool{r.Waiting.Known, r.Running.Known, r.KVUsage.Known, r.QueueTime.Known(), r.TTFT.Known()}
+	known := [len(Signals)]Value{r.Waiting, r.Running, r.KVUsage, qw, ttft}
+	present := [len(Signals)]bool{r.Waiting.Known, r.Running.Known, r.KVUsage.Known, r.QueueTime.Known(), r.TTFT.Known()}
 	for i := range known {
 		switch {
 		case !snap.ok:
@@ -282,17 +287,17 @@ func (e *Entry) applyScrape(cfg *Saturation, st *scrapeState, sc Scrape, err err
 	e.mu.Unlock()
 
 	if t := cfg.Trip; t != nil {
-		sn := signalsNow{ok: snap.ok, queueWait: qw, ttft: ttft}
+		sn := saturation.TripInput{OK: snap.ok, QueueWait: qw, TTFT: ttft}
 		if snap.ok {
-			sn.kv, sn.waiting = r.KVUsage, r.Waiting
+			sn.KV, sn.Waiting = r.KVUsage, r.Waiting
 			if len(st.points) > 1 {
 				base := st.points[0]
-				sn.queueWaitOver = over(base.queueTime, cur.queueTime, 0.99, t.QueueWaitP99)
-				sn.ttftOver = over(base.ttft, cur.ttft, 0.95, t.TTFTP95)
+				sn.QueueWaitOver = saturation.Over(base.queueTime, cur.queueTime, 0.99, t.QueueWaitP99)
+				sn.TTFTOver = saturation.Over(base.ttft, cur.ttft, 0.95, t.TTFTP95)
 			}
 			if haveLast {
-				sn.intervalQueueWaitOver = over(last.queueTime, cur.queueTime, 0.99, t.QueueWaitP99)
-				sn.intervalTTFTOver = over(last.ttft, cur.ttft, 0.95, t.TTFTP95)
+				sn.IntervalQueueWaitOver = saturation.Over(last.queueTime, cur.queueTime, 0.99, t.QueueWaitP99)
+				sn.IntervalTTFTOver = saturation.Over(last.ttft, cur.ttft, 0.95, t.TTFTP95)
 			}
 		}
 		e.judge(cfg, st, now, sn)
@@ -318,7 +323,7 @@ func (e *Entry) epochReset(success bool) {
 // server's queue is every model's queue; a handler without a saturation
 // block is never refused for it); breakers it tripped are fed this
 // scrape's verdict (recovery by observation).
-func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s signalsNow) {
+func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s saturation.TripInput) {
 	var bs []*breaker.Breaker
 	for k, b := range e.breakerMap() {
 		if e.satPolicy(k.pol) {
@@ -333,10 +338,10 @@ func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s signals
 		recovering = recovering || b.Observed()
 	}
 	if recovering {
-		// Tripped: recovery is judged scrape by scrape (verdictOf), and
+		// Tripped: recovery is judged scrape by scrape (saturation.Verdict), and
 		// the trip rules wait until it is closed again.
-		st.trip.reset()
-	} else if reason, trip := st.trip.update(now, cfg.Trip, s); trip {
+		st.trip.Reset()
+	} else if reason, trip := st.trip.Update(now, cfg.Trip, s); trip {
 		for _, b := range bs {
 			b.TripObserved(reason) // an already open breaker keeps its own reason
 		}
@@ -345,7 +350,7 @@ func (e *Entry) judge(cfg *Saturation, st *scrapeState, now time.Time, s signals
 		st.restartWindow()
 		return
 	}
-	verdict, why := verdictOf(cfg, s)
+	verdict, why := saturation.Verdict(cfg, s)
 	closed := false
 	for _, b := range bs {
 		if b.Observed() {
@@ -366,7 +371,7 @@ func (st *scrapeState) restartWindow() {
 	if n := len(st.points); n > 1 {
 		st.points = append(st.points[:0], st.points[n-1])
 	}
-	st.trip.reset()
+	st.trip.Reset()
 }
 
 // ScrapeLoops returns the number of scrape loops running.

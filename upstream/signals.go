@@ -27,6 +27,56 @@ type (
 	Scrape = saturation.Scrape
 )
 
+// The saturation config and its signal names live in package saturation
+// too (see there for fields, units and defaults).
+type (
+	// Saturation is saturation.Saturation: scraping each upstream's
+	// /metrics and acting on its signals.
+	Saturation = saturation.Saturation
+	// TripRules is saturation.TripRules: the saturation breaker's rules.
+	TripRules = saturation.TripRules
+	// Signal is saturation.Signal: one signal's label.
+	Signal = saturation.Signal
+	// SignalState is saturation.SignalState: fresh, stale or missing.
+	SignalState = saturation.SignalState
+)
+
+// The defaults of Saturation, as in package saturation.
+const (
+	DefaultMetricsPath      = saturation.DefaultMetricsPath      // "/metrics"
+	DefaultScrapeInterval   = saturation.DefaultScrapeInterval   // 1s
+	DefaultScrapeTimeout    = saturation.DefaultScrapeTimeout    // 500ms
+	DefaultQueueThreshold   = saturation.DefaultQueueThreshold   // 5 waiting requests
+	DefaultKVThreshold      = saturation.DefaultKVThreshold      // 0.8
+	DefaultSaturationWindow = saturation.DefaultSaturationWindow // 30s
+	DefaultTripQueueWaitP99 = saturation.DefaultTripQueueWaitP99 // 5s
+	DefaultTripQueueWaitFor = saturation.DefaultTripQueueWaitFor // 30s
+	DefaultTripKVUsage      = saturation.DefaultTripKVUsage      // 0.92
+	DefaultTripKVFor        = saturation.DefaultTripKVFor        // 60s
+)
+
+// The signals and their states, as in package saturation.
+const (
+	SignalQueueDepth = saturation.SignalQueueDepth
+	SignalRunning    = saturation.SignalRunning
+	SignalKVUsage    = saturation.SignalKVUsage
+	SignalQueueTime  = saturation.SignalQueueTime
+	SignalTTFT       = saturation.SignalTTFT
+	SignalFresh      = saturation.SignalFresh
+	SignalStale      = saturation.SignalStale
+	SignalMissing    = saturation.SignalMissing
+)
+
+// Signals lists every signal (saturation.Signals).
+var Signals = saturation.Signals
+
+// DefaultTripRules returns the saturation breaker's default rules
+// (saturation.DefaultTripRules).
+func DefaultTripRules() *TripRules { return saturation.DefaultTripRules() }
+
+// ParseSignal returns the signal named name (saturation.ParseSignal).
+func ParseSignal(name string) (Signal, error) { return saturation.ParseSignal(name) }
+
 // Signal name presets, as in package saturation.
 var (
 	// VLLMSignals is saturation.VLLMSignals.

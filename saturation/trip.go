@@ -1,4 +1,4 @@
-package upstream
+package saturation
 
 import (
 	"fmt"
@@ -7,52 +7,54 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
 
-// signalsNow are the values one scrape gives the saturation breaker.
-type signalsNow struct {
-	// ok is whether the scrape succeeded (else everything is unknown).
-	ok bool
-	// queueWait (p99) and ttft (p95) are recent, over the window: shown
-	// in reasons.
-	queueWait, ttft Value
-	// queueWaitOver and ttftOver say whether the recent quantile is
-	// certainly above its threshold (see over).
-	queueWaitOver, ttftOver overness
-	// intervalQueueWaitOver and intervalTTFTOver judge the last scrape
+// TripInput are the values one scrape gives the saturation breaker.
+type TripInput struct {
+	// OK is whether the scrape succeeded (else everything is unknown).
+	OK bool
+	// QueueWait (p99, seconds) and TTFT (p95, seconds) are recent, over
+	// the window: shown in reasons.
+	QueueWait, TTFT Value
+	// QueueWaitOver and TTFTOver say whether the recent quantile is
+	// certainly above its threshold (see Over).
+	QueueWaitOver, TTFTOver Overness
+	// IntervalQueueWaitOver and IntervalTTFTOver judge the last scrape
 	// interval alone: what recovery looks at.
-	intervalQueueWaitOver, intervalTTFTOver overness
-	kv, waiting                             Value
+	IntervalQueueWaitOver, IntervalTTFTOver Overness
+	// KV is the KV-cache usage ratio (0..1) and Waiting the queue depth
+	// (requests) of the scrape.
+	KV, Waiting Value
 }
 
-// overness is whether a histogram's quantile is above a threshold, when
+// Overness is whether a histogram's quantile is above a threshold, when
 // known (there were observations to judge).
-type overness struct{ known, over bool }
+type Overness struct{ Known, Over bool }
 
-// over reports whether the q-quantile of the observations between prev and
+// Over reports whether the q-quantile of the observations between prev and
 // cur is certainly above thr: more than 1 − q of them fell in buckets that
 // start at or above thr (ShareAboveBetween). Judging by buckets rather than
 // by the interpolated quantile keeps a threshold below the first bucket
 // bound (vLLM's queue-time buckets start at 0.3s) from being crossed by
 // requests that did not wait at all.
-func over(prev, cur Histogram, q float64, thr time.Duration) overness {
+func Over(prev, cur Histogram, q float64, thr time.Duration) Overness {
 	share := ShareAboveBetween(prev, cur, thr.Seconds())
 	if !share.Known {
-		return overness{}
+		return Overness{}
 	}
-	return overness{known: true, over: share.V > 1-q+1e-12}
+	return Overness{Known: true, Over: share.V > 1-q+1e-12}
 }
 
-// tripMonitor counts how long each trip rule has held. Only the entry's
-// scrape loop touches it.
-type tripMonitor struct {
+// TripMonitor counts how long each trip rule has held. Not safe for
+// concurrent use: one scrape loop owns it.
+type TripMonitor struct {
 	// since is when each rule (queue wait, KV, TTFT) was first seen
 	// above its threshold in the current run; zero when it is not.
 	since [3]time.Time
 }
 
-// update records one scrape and reports whether a rule has now held for
+// Update records one scrape and reports whether a rule has now held for
 // its duration, with the reason. An unknown value ends a rule's run:
 // unknown signals never trip the breaker.
-func (m *tripMonitor) update(now time.Time, t *TripRules, s signalsNow) (string, bool) {
+func (m *TripMonitor) Update(now time.Time, t *TripRules, s TripInput) (string, bool) {
 	rules := [3]struct {
 		on   bool
 		over bool
@@ -62,12 +64,12 @@ func (m *tripMonitor) update(now time.Time, t *TripRules, s signalsNow) (string,
 		name string
 		show func(float64) string
 	}{
-		{t.QueueWaitP99 > 0, s.queueWaitOver.known && s.queueWaitOver.over, s.queueWait, t.QueueWaitP99.Seconds(), t.QueueWaitFor, "queue wait p99", seconds},
-		{t.KVUsage > 0, s.kv.Known && s.kv.V > t.KVUsage, s.kv, t.KVUsage, t.KVFor, "KV-cache usage", ratio},
-		{t.TTFTP95 > 0, s.ttftOver.known && s.ttftOver.over, s.ttft, t.TTFTP95.Seconds(), t.TTFTFor, "TTFT p95", seconds},
+		{t.QueueWaitP99 > 0, s.QueueWaitOver.Known && s.QueueWaitOver.Over, s.QueueWait, t.QueueWaitP99.Seconds(), t.QueueWaitFor, "queue wait p99", seconds},
+		{t.KVUsage > 0, s.KV.Known && s.KV.V > t.KVUsage, s.KV, t.KVUsage, t.KVFor, "KV-cache usage", ratio},
+		{t.TTFTP95 > 0, s.TTFTOver.Known && s.TTFTOver.Over, s.TTFT, t.TTFTP95.Seconds(), t.TTFTFor, "TTFT p95", seconds},
 	}
 	for i, r := range rules {
-		if !r.on || !s.ok || !r.over {
+		if !r.on || !s.OK || !r.over {
 			m.since[i] = time.Time{}
 			continue
 		}
@@ -86,8 +88,8 @@ func (m *tripMonitor) update(now time.Time, t *TripRules, s signalsNow) (string,
 	return "", false
 }
 
-// reset forgets the rules' running counts.
-func (m *tripMonitor) reset() { m.since = [3]time.Time{} }
+// Reset forgets the rules' running counts.
+func (m *TripMonitor) Reset() { m.since = [3]time.Time{} }
 
 func seconds(v float64) string {
 	return time.Duration(v * float64(time.Second)).Round(time.Millisecond).String()
@@ -95,7 +97,7 @@ func seconds(v float64) string {
 
 func ratio(v float64) string { return fmt.Sprintf("%.2f", v) }
 
-// verdictOf judges one scrape for a breaker the saturation rules tripped:
+// Verdict judges one scrape for a breaker the saturation rules tripped:
 //   - unhealthy when a rule's signal is certainly over its threshold in the
 //     last interval (or KV usage is over it);
 //   - unknown when the scrape failed, when requests still queue at or past
@@ -106,21 +108,21 @@ func ratio(v float64) string { return fmt.Sprintf("%.2f", v) }
 //
 // A signal the server does not expose does not hold the breaker open (a
 // server without a KV gauge recovers on its queue alone).
-func verdictOf(cfg *Saturation, s signalsNow) (breaker.Observation, string) {
+func Verdict(cfg *Saturation, s TripInput) (breaker.Observation, string) {
 	t := cfg.Trip
-	if !s.ok {
+	if !s.OK {
 		return breaker.ObservedUnknown, "saturation signals unknown"
 	}
 	switch {
-	case t.QueueWaitP99 > 0 && s.intervalQueueWaitOver.known && s.intervalQueueWaitOver.over:
+	case t.QueueWaitP99 > 0 && s.IntervalQueueWaitOver.Known && s.IntervalQueueWaitOver.Over:
 		return breaker.ObservedUnhealthy, fmt.Sprintf("saturation: queue wait p99 above %s", t.QueueWaitP99)
-	case t.KVUsage > 0 && s.kv.Known && s.kv.V > t.KVUsage:
-		return breaker.ObservedUnhealthy, fmt.Sprintf("saturation: KV-cache usage %s above %s", ratio(s.kv.V), ratio(t.KVUsage))
-	case t.TTFTP95 > 0 && s.intervalTTFTOver.known && s.intervalTTFTOver.over:
+	case t.KVUsage > 0 && s.KV.Known && s.KV.V > t.KVUsage:
+		return breaker.ObservedUnhealthy, fmt.Sprintf("saturation: KV-cache usage %s above %s", ratio(s.KV.V), ratio(t.KVUsage))
+	case t.TTFTP95 > 0 && s.IntervalTTFTOver.Known && s.IntervalTTFTOver.Over:
 		return breaker.ObservedUnhealthy, fmt.Sprintf("saturation: TTFT p95 above %s", t.TTFTP95)
-	case s.waiting.Known && s.waiting.V >= cfg.QueueThreshold:
-		return breaker.ObservedUnknown, fmt.Sprintf("saturation: %v requests still waiting", s.waiting.V)
-	case t.QueueWaitP99 > 0 && !s.intervalQueueWaitOver.known && !(s.waiting.Known && s.waiting.V == 0):
+	case s.Waiting.Known && s.Waiting.V >= cfg.QueueThreshold:
+		return breaker.ObservedUnknown, fmt.Sprintf("saturation: %v requests still waiting", s.Waiting.V)
+	case t.QueueWaitP99 > 0 && !s.IntervalQueueWaitOver.Known && !(s.Waiting.Known && s.Waiting.V == 0):
 		return breaker.ObservedUnknown, "saturation: no request left the queue this interval"
 	}
 	return breaker.ObservedHealthy, "saturation signals under their thresholds"

@@ -1,4 +1,4 @@
-package upstream
+package saturation
 
 import (
 	"context"
@@ -35,9 +35,6 @@ const (
 	// stays above 0.92 for 60s.
 	DefaultTripKVUsage = 0.92
 	DefaultTripKVFor   = 60 * time.Second
-	// maxScrapeBody bounds a /metrics response read (a vLLM server with
-	// many LoRA adapters exposes a few hundred KB).
-	maxScrapeBody = 8 << 20
 )
 
 // Saturation configures reading each upstream's load signals from its
