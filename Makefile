@@ -48,10 +48,14 @@ bench-saturation:
 	scripts/bench-saturation.sh
 
 # Installs what the tests need (scripts/setup-test.sh), then every test
-# with the race detector, end-to-end tests against the real caddy included.
+# with the race detector, end-to-end tests against the real caddy included,
+# then the allocation-count tests without it.
 test:
 	scripts/setup-test.sh
 	go test -race -count=1 -timeout 30m ./...
+	# Allocation counts, which the race detector inflates (those tests skip
+	# under -race): per request and per relayed event (issue 22).
+	go test -count=1 -run 'Alloc' ./proxy/ ./sse/ ./api/
 
 # Keeps .cache (the cached caddy builds): a cold build takes minutes.
 clean:

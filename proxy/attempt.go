@@ -8,9 +8,10 @@ import (
 
 // attempt is step 5: it runs attempts until one reaches its commit point
 // and returns it, or returns nil with x.failure saying why none did.
-// Attempts run in their own goroutines, with their own contexts, and report
-// on a channel, so the loop can wait at once on them, on the hedge timer
-// and on the client. A retryable failure asks the retry budget, backs off
+// Attempts have their own contexts and report on a channel; with hedging
+// they run in their own goroutines, so the loop can wait at once on them,
+// on the hedge timer and on the client; without, one runs at a time, on
+// the request's goroutine (startAttempt). A retryable failure asks the retry budget, backs off
 // and picks again; when no first event has arrived after the hedge delay, a
 // backup starts.
 //
@@ -54,6 +55,13 @@ func (x *exchange) attempt() *attempt {
 		var hedgeC <-chan time.Time
 		if rc.hedgeArmed {
 			hedgeC = rc.hedgeTimer.C()
+		}
+		if rc.inflight > 0 && !rc.hedging && x.ctx.Err() != nil {
+			// An inline attempt ended with the request: the client is
+			// gone (or stream_timeout passed), whatever the attempt saw.
+			rc.abandon()
+			x.failure = &failure{last: rc.last, ctxErr: context.Cause(x.ctx)}
+			return nil
 		}
 		select {
 		case a := <-rc.results:
@@ -160,7 +168,8 @@ func (rc *race) launch(up Upstream, hedge bool) {
 			rc.armHedge()
 		}
 	}
-	a := x.startAttempt(up, rc.results)
+	// Without hedging no attempt runs beside another: it runs inline.
+	a := x.startAttempt(up, rc.results, !rc.hedging)
 	a.hedge = hedge
 	rc.running = append(rc.running, a)
 	rc.inflight++

@@ -145,8 +145,16 @@ const (
 	drainLimit   = 64 << 10
 )
 
-// startAttempt launches an attempt on up; its result arrives on results.
-func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
+// startAttempt launches an attempt on up; its result arrives on results
+// (buffered: it never blocks). With inline the attempt runs to its commit
+// point on the calling goroutine and its result is on results when
+// startAttempt returns: without hedging nothing else runs beside an
+// attempt, and a goroutine of its own would cost two scheduler hand-offs
+// before the first byte, which at saturated cores is where the tail of
+// time to first token came from (issue 22). Everything that must
+// interrupt it (the client leaving, stream_timeout, first_byte_timeout)
+// does so through its context, as in its own goroutine.
+func (x *exchange) startAttempt(up Upstream, results chan<- *attempt, inline bool) *attempt {
 	// The attempt's context carries the request's values but is cancelled
 	// only through the link below, which end() may cut: a finished
 	// stream's connection can then be drained after the request is over.
@@ -154,18 +162,26 @@ func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
 	unlink := context.AfterFunc(x.ctx, func() { cancel(context.Cause(x.ctx)) })
 	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: x.p.clock.Now()}
 	a.fbTimer = x.p.clock.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
-	go func() {
-		defer func() {
-			if v := recover(); v != nil {
-				a.ok = false
-				a.failAt(failPanic, fmt.Errorf("upstream %s: panic in attempt: %v", up.Addr, v))
-				x.p.log.Error("attempt panicked", zap.String("upstream", up.Addr), zap.Any("panic", v), zap.Stack("stack"))
-			}
-			results <- a
-		}()
-		a.preCommit()
-	}()
+	if inline {
+		a.run(results)
+	} else {
+		go a.run(results)
+	}
 	return a
+}
+
+// run runs the attempt to its commit point and reports it on results, a
+// panic included (as a failed attempt).
+func (a *attempt) run(results chan<- *attempt) {
+	defer func() {
+		if v := recover(); v != nil {
+			a.ok = false
+			a.failAt(failPanic, fmt.Errorf("upstream %s: panic in attempt: %v", a.up.Addr, v))
+			a.x.p.log.Error("attempt panicked", zap.String("upstream", a.up.Addr), zap.Any("panic", v), zap.Stack("stack"))
+		}
+		results <- a
+	}()
+	a.preCommit()
 }
 
 // preCommit runs the attempt up to its commit point: the first generated
