@@ -117,6 +117,29 @@ func (c *loopClock) Armed() int {
 	return n
 }
 
+// Tickers returns the number of NewTimer timers waiting to fire: a scrape
+// loop waiting for its next tick holds one; a scrape in flight holds
+// none, only its timeout (an AfterFunc timer).
+func (c *loopClock) Tickers() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, t := range c.timers {
+		if t.active && t.ch != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// awaitTickers waits until n NewTimer timers are armed (n scrape loops
+// have scraped and wait for their next tick), failing the test after 5s
+// of real time.
+func (c *loopClock) awaitTickers(t testing.TB, n int) {
+	t.Helper()
+	settle(t, "scrape loops waiting for their next tick", func() bool { return c.Tickers() >= n })
+}
+
 // awaitArmed waits (on the clock's own signal, never a sleep) until n
 // timers are armed, failing the test after 5s of real time.
 func (c *loopClock) awaitArmed(t testing.TB, n int) {
