@@ -12,6 +12,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -139,7 +140,7 @@ func (adminAPI) saturation(w http.ResponseWriter, r *http.Request) error {
 	addr, one := strings.CutPrefix(r.URL.Path, "/llm_proxy/saturation/")
 	if !one {
 		if views == nil {
-			views = []upstream.SaturationView{}
+			views = []saturation.View{}
 		}
 		return writeJSON(w, views)
 	}

@@ -83,8 +83,8 @@ func (p gatePump) BreakerTransition(addr, key string, tr breaker.Transition) {
 	}
 }
 
-// Scraped pumps the gates after each scrape (on the entry's scrape loop,
-// outside its lock).
+// Scraped pumps the gates after each scrape (on the upstream's scrape
+// loop, under the scraper's lock, outside the entry's).
 func (p gatePump) Scraped(addr string, took time.Duration, err error) {
 	p.upstreamObserver.Scraped(addr, took, err)
 	pumpGates()

@@ -10,7 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
-	"github.com/llmproxy/caddy-llm-proxy/upstream"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // llmHandler returns the first llm_proxy handler of an adapted config.
@@ -122,10 +122,10 @@ func TestSaturationDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := upstream.Saturation{
+	want := saturation.Saturation{
 		MetricsPath: "/metrics", Interval: time.Second, Timeout: 500 * time.Millisecond, StaleAfter: 3 * time.Second,
-		Names: upstream.VLLMSignals, QueueThreshold: 5, KVThreshold: 0.8, Window: 30 * time.Second,
-		Trip: &upstream.TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: time.Minute},
+		Names: saturation.VLLMSignals, QueueThreshold: 5, KVThreshold: 0.8, Window: 30 * time.Second,
+		Trip: &saturation.TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: time.Minute},
 	}
 	if !reflect.DeepEqual(*got, want) {
 		t.Fatalf("defaults\n got %+v (trip %+v)\nwant %+v (trip %+v)", *got, *got.Trip, want, *want.Trip)
@@ -139,7 +139,7 @@ func TestSaturationDefaults(t *testing.T) {
 	if got.StaleAfter != 6*time.Second || got.Timeout != 500*time.Millisecond {
 		t.Errorf("interval 2s: stale_after %v, timeout %v", got.StaleAfter, got.Timeout)
 	}
-	wantTrip := upstream.TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: time.Minute,
+	wantTrip := saturation.TripRules{QueueWaitP99: 5 * time.Second, QueueWaitFor: 30 * time.Second, KVUsage: 0.92, KVFor: time.Minute,
 		TTFTP95: 3 * time.Second, TTFTFor: 30 * time.Second}
 	if *got.Trip != wantTrip {
 		t.Errorf("trip ttft_p95 3s: %+v, want %+v", *got.Trip, wantTrip)
@@ -156,7 +156,7 @@ func TestSaturationDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantNames := upstream.SGLangSignals
+	wantNames := saturation.SGLangSignals
 	wantNames.KVUsage = []string{"my:kv"}
 	if !reflect.DeepEqual(got.Names, wantNames) {
 		t.Errorf("names %+v, want %+v", got.Names, wantNames)

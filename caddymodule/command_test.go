@@ -23,6 +23,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
 	"github.com/llmproxy/caddy-llm-proxy/internal/statusview"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -38,7 +39,7 @@ func statusFixture(now time.Time) map[string]any {
 				OpenUntil: now.Add(19 * time.Second), Forced: true, LastFailure: "http_5xx", LastFailureAt: since},
 			Upstream: "10.0.0.2:8000", Inflight: 3, Scope: "fleet", OpenedBy: "gw-2",
 		}},
-		"saturation": []upstream.SaturationView{{
+		"saturation": []saturation.View{{
 			Upstream: "10.0.0.2:8000", ScrapedAt: &since, AgeSeconds: 1.5, LastError: "dial tcp: refused",
 			Score: 0.82, ScoreKnown: true, Inflight: 3,
 		}},

@@ -12,6 +12,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -348,8 +349,8 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 	}
 }
 
-// Scraped records one scrape. It runs on the entry's scrape loop, outside
-// its lock.
+// Scraped records one scrape. It runs on the upstream's scrape loop
+// (saturation.Scraper), under the scraper's lock, outside the entry's.
 func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
 	initMetrics()
 	metrics.scrapeDuration.WithLabelValues(addr).Observe(took.Seconds())
@@ -361,7 +362,7 @@ func (upstreamObserver) Scraped(addr string, took time.Duration, err error) {
 
 // SignalUpdated sets a signal's gauges and logs a change of its state once:
 // warn when it goes stale or missing, info when it is fresh again.
-func (upstreamObserver) SignalUpdated(addr string, sig upstream.Signal, last upstream.Value, state, prev upstream.SignalState) {
+func (upstreamObserver) SignalUpdated(addr string, sig saturation.Signal, last saturation.Value, state, prev saturation.SignalState) {
 	initMetrics()
 	name := sig.String()
 	if last.Known {
@@ -376,7 +377,7 @@ func (upstreamObserver) SignalUpdated(addr string, sig upstream.Signal, last ups
 		return
 	}
 	level := zapcore.WarnLevel
-	if state == upstream.SignalFresh {
+	if state == saturation.SignalFresh {
 		level = zapcore.InfoLevel
 	}
 	if ce := app.logger.Check(level, "saturation signal "+state.String()); ce != nil {
@@ -396,7 +397,7 @@ func (upstreamObserver) SignalUpdated(addr string, sig upstream.Signal, last ups
 // ScraperGone deletes the upstream's saturation series.
 func (upstreamObserver) ScraperGone(addr string) {
 	initMetrics()
-	for _, sig := range upstream.Signals {
+	for _, sig := range saturation.Signals {
 		metrics.saturation.DeleteLabelValues(addr, sig.String())
 		metrics.signalState.DeleteLabelValues(addr, sig.String())
 	}

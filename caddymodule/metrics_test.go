@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -39,16 +40,16 @@ func TestSignalStateChangeIsLoggedOnce(t *testing.T) {
 	const addr = "10.1.9.1:8000"
 	o := upstreamObserver{}
 	t.Cleanup(func() { o.ScraperGone(addr) })
-	fresh, stale := upstream.SignalFresh, upstream.SignalStale
+	fresh, stale := saturation.SignalFresh, saturation.SignalStale
 
-	o.SignalUpdated(addr, upstream.SignalQueueDepth, upstream.Known(3), fresh, fresh)
-	o.SignalUpdated(addr, upstream.SignalQueueDepth, upstream.Known(3), stale, fresh)
-	o.SignalUpdated(addr, upstream.SignalQueueDepth, upstream.Known(3), stale, stale)
-	o.SignalUpdated(addr, upstream.SignalQueueDepth, upstream.Known(3), stale, stale)
+	o.SignalUpdated(addr, saturation.SignalQueueDepth, saturation.Known(3), fresh, fresh)
+	o.SignalUpdated(addr, saturation.SignalQueueDepth, saturation.Known(3), stale, fresh)
+	o.SignalUpdated(addr, saturation.SignalQueueDepth, saturation.Known(3), stale, stale)
+	o.SignalUpdated(addr, saturation.SignalQueueDepth, saturation.Known(3), stale, stale)
 	if v := testutil.ToFloat64(metrics.signalState.WithLabelValues(addr, "queue_depth")); v != 1 {
 		t.Fatalf("signal_state = %v, want 1 (stale)", v)
 	}
-	o.SignalUpdated(addr, upstream.SignalQueueDepth, upstream.Known(7), fresh, stale)
+	o.SignalUpdated(addr, saturation.SignalQueueDepth, saturation.Known(7), fresh, stale)
 	if v := testutil.ToFloat64(metrics.saturation.WithLabelValues(addr, "queue_depth")); v != 7 {
 		t.Fatalf("upstream_saturation = %v, want 7", v)
 	}
@@ -73,7 +74,7 @@ func TestUnknownSignalHasNoValueSeries(t *testing.T) {
 	const addr = "10.1.9.2:8000"
 	o := upstreamObserver{}
 	t.Cleanup(func() { o.ScraperGone(addr) })
-	o.SignalUpdated(addr, upstream.SignalKVUsage, upstream.Value{}, upstream.SignalMissing, upstream.SignalFresh)
+	o.SignalUpdated(addr, saturation.SignalKVUsage, saturation.Value{}, saturation.SignalMissing, saturation.SignalFresh)
 	if v := testutil.ToFloat64(metrics.signalState.WithLabelValues(addr, "kv_usage")); v != 2 {
 		t.Fatalf("signal_state = %v, want 2 (missing)", v)
 	}
@@ -107,7 +108,7 @@ func TestScrapeErrorsStartAtZeroAndGoWithTheScraper(t *testing.T) {
 	if v := testutil.ToFloat64(metrics.scrapeErrors.WithLabelValues(addr)); v != 1 {
 		t.Fatalf("scrape_errors_total = %v, want 1", v)
 	}
-	o.SignalUpdated(addr, upstream.SignalRunning, upstream.Known(2), upstream.SignalFresh, upstream.SignalFresh)
+	o.SignalUpdated(addr, saturation.SignalRunning, saturation.Known(2), saturation.SignalFresh, saturation.SignalFresh)
 	o.ScraperGone(addr)
 	for name, del := range map[string]func(prometheus.Labels) int{
 		"upstream_saturation":     metrics.saturation.DeletePartialMatch,

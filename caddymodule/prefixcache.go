@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -165,10 +166,10 @@ func prefixCollectors() []prometheus.Collector {
 	return []prometheus.Collector{prefixMatchBlocks, prefixPromptBlocks, prefixRouted}
 }
 
-// ServerPrefixHitRatio implements upstream.PrefixHitObserver: the
+// ServerPrefixHitRatio implements saturation.PrefixHitObserver: the
 // scraped upstream's own hit ratio.
 func (upstreamObserver) ServerPrefixHitRatio(addr string, ratio float64) {
 	prefixServerHitRatio.WithLabelValues(addr).Set(ratio)
 }
 
-var _ upstream.PrefixHitObserver = upstreamObserver{}
+var _ saturation.PrefixHitObserver = upstreamObserver{}

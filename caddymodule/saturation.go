@@ -11,7 +11,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
-	"github.com/llmproxy/caddy-llm-proxy/upstream"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // SaturationConfig turns on reading each upstream's load from its
@@ -127,10 +127,10 @@ type SaturationTrip struct {
 }
 
 // The values of SaturationConfig.Preset.
-var saturationPresets = map[string]upstream.SignalNames{
-	"vllm":   upstream.VLLMSignals,
-	"sglang": upstream.SGLangSignals,
-	"tgi":    upstream.TGISignals,
+var saturationPresets = map[string]saturation.SignalNames{
+	"vllm":   saturation.VLLMSignals,
+	"sglang": saturation.SGLangSignals,
+	"tgi":    saturation.TGISignals,
 }
 
 // metricName is a Prometheus metric name (the classic charset, which
@@ -138,7 +138,7 @@ var saturationPresets = map[string]upstream.SignalNames{
 var metricName = regexp.MustCompile(`^[a-zA-Z_:][a-zA-Z0-9_:]*$`)
 
 // names returns the signal names of the preset with the overrides applied.
-func (c *SaturationConfig) names() (upstream.SignalNames, error) {
+func (c *SaturationConfig) names() (saturation.SignalNames, error) {
 	preset := c.Preset
 	if preset == "" {
 		preset = "vllm"
@@ -177,8 +177,8 @@ func (c *SaturationConfig) names() (upstream.SignalNames, error) {
 }
 
 func signalLabels() []string {
-	out := make([]string, len(upstream.Signals))
-	for i, s := range upstream.Signals {
+	out := make([]string, len(saturation.Signals))
+	for i, s := range saturation.Signals {
 		out[i] = s.String()
 	}
 	return out
@@ -186,8 +186,8 @@ func signalLabels() []string {
 
 // rules returns the saturation breaker's rules: the defaults with the
 // rules set in t, nil when off.
-func (t *SaturationTrip) rules() (*upstream.TripRules, error) {
-	r := upstream.DefaultTripRules()
+func (t *SaturationTrip) rules() (*saturation.TripRules, error) {
+	r := saturation.DefaultTripRules()
 	if t == nil {
 		return r, nil
 	}
@@ -227,7 +227,7 @@ func (t *SaturationTrip) rules() (*upstream.TripRules, error) {
 // upstreamConfig returns the pool's saturation settings with defaults
 // applied and validated (nil when saturation is off); Provision adds the
 // transport. The Caddyfile parser calls it too, so both get the same errors.
-func (c *SaturationConfig) upstreamConfig() (*upstream.Saturation, error) {
+func (c *SaturationConfig) upstreamConfig() (*saturation.Saturation, error) {
 	if c == nil {
 		return nil, nil
 	}
@@ -250,7 +250,7 @@ func (c *SaturationConfig) upstreamConfig() (*upstream.Saturation, error) {
 	if c.QueueThreshold < 0 || c.KVThreshold < 0 {
 		return nil, errors.New("saturation: queue_threshold and kv_threshold must not be negative")
 	}
-	s := upstream.Saturation{
+	s := saturation.Saturation{
 		MetricsPath:    c.MetricsPath,
 		Interval:       time.Duration(c.Interval),
 		Timeout:        time.Duration(c.Timeout),

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -81,7 +82,7 @@ func newMockVLLM(t *testing.T) *mockVLLM {
 	return m
 }
 
-// satJSON is upstream.SaturationView as a client reads it.
+// satJSON is saturation.View as a client reads it.
 type satJSON struct {
 	Upstream   string     `json:"upstream"`
 	ScrapedAt  *time.Time `json:"scraped_at"`
@@ -319,7 +320,7 @@ func TestPoolSignalKeepsTheGateAllocationFree(t *testing.T) {
 	m := newMockVLLM(t)
 	m.waiting.Store(10)
 	addr := strings.TrimPrefix(m.URL, "http://")
-	sat := &upstream.Saturation{Interval: 100 * time.Millisecond, Transport: httpScheme{}}
+	sat := &saturation.Saturation{Interval: 100 * time.Millisecond, Transport: httpScheme{}}
 	pool, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Saturation: sat, Selector: upstream.LeastQueue{}})
 	if err != nil {
 		t.Fatal(err)

@@ -117,6 +117,29 @@ func (c *loopClock) Armed() int {
 	return n
 }
 
+// Tickers returns the number of NewTimer timers waiting to fire: a probe
+// or scrape loop waiting for its next tick holds one; a probe or scrape
+// in flight holds none, only its timeout (an AfterFunc timer).
+func (c *loopClock) Tickers() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, t := range c.timers {
+		if t.active && t.ch != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// awaitTickers waits until n NewTimer timers are armed (n scrape loops
+// have scraped and wait for their next tick), failing the test after 5s
+// of real time.
+func (c *loopClock) awaitTickers(t testing.TB, n int) {
+	t.Helper()
+	settle(t, "scrape loops waiting for their next tick", func() bool { return c.Tickers() >= n })
+}
+
 // awaitArmed waits (on the clock's own signal, never a sleep) until n
 // timers are armed, failing the test after 5s of real time.
 func (c *loopClock) awaitArmed(t testing.TB, n int) {
@@ -152,11 +175,13 @@ func settle(t testing.TB, what string, cond func() bool) {
 	}
 }
 
-// awaitIdle waits until the probe loops of reg are idle: one timer armed
-// (the loop waits for its next tick, its probe done) or no loop running.
+// awaitIdle waits until the probe loops of reg are idle: one NewTimer
+// timer armed (the loop waits for its next tick, its probe done; a probe
+// in flight holds only its timeout, an AfterFunc timer) or no loop
+// running.
 func (c *loopClock) awaitIdle(t testing.TB, reg *Registry) {
 	t.Helper()
-	settle(t, "the probe loop neither armed its timer nor stopped", func() bool { return c.Armed() >= 1 || reg.ProbeLoops() == 0 })
+	settle(t, "the probe loop neither armed its timer nor stopped", func() bool { return c.Tickers() >= 1 || reg.ProbeLoops() == 0 })
 }
 
 // step advances the clock by d (the loop's tick fires) and waits until the

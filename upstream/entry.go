@@ -12,6 +12,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/prefix"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // Entry is the gateway's state for one upstream server, identified by its
@@ -38,12 +39,11 @@ type Entry struct {
 
 	// inflight counts this gateway's attempts in progress to the server.
 	inflight atomic.Int64
-	// since counts the attempts started since the latest successful
-	// scrape that are still in flight: the scrape epoch in the high 32
-	// bits, the count in the low 32 (see score.go).
-	since atomic.Uint64
-	// sat is the latest scrape's snapshot, nil before the first.
-	sat atomic.Pointer[satSnapshot]
+	// scraper scrapes the server's /metrics while a started config reads
+	// its saturation signals, and holds its snapshot and the attempts
+	// started since it (saturation.Scraper); created with the entry,
+	// stopped by destroy.
+	scraper *saturation.Scraper
 	// prefix is the index of the prompt prefixes recently sent to the
 	// server (lb_policy prefix_cache), nil until that policy uses it.
 	prefix atomic.Pointer[prefix.Index]
@@ -66,7 +66,6 @@ type Entry struct {
 	// (nil: no claim has breakers on).
 	eff       *claim
 	probing   bool // a probe loop runs
-	scraping  bool // a scrape loop runs
 	destroyed bool
 	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
 	bstore breaker.Store
@@ -106,7 +105,7 @@ type claim struct {
 	prober     *Prober
 	// sat is the config's saturation settings (defaults applied), nil
 	// when it reads no signals.
-	sat *Saturation
+	sat *saturation.Saturation
 }
 
 // policyFingerprint identifies a breaker policy: "s" (saturation signals
@@ -128,6 +127,7 @@ func policyFingerprint(s *breaker.Settings, sat bool) string {
 func newEntry(reg *Registry, addr string) *Entry {
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Entry{addr: addr, reg: reg, ctx: ctx, cancel: cancel}
+	e.scraper = reg.scrapers.New(addr, scrapeHost{e})
 	e.breakers.Store(&map[bkey]*breaker.Breaker{})
 	e.prim.Store(&primary{})
 	return e
@@ -264,6 +264,7 @@ func (e *Entry) reconcile() {
 		prim = &primary{fp: eff.fp, cgen: eff.cgen}
 	}
 	e.prim.Store(prim)
+	e.configureScraperLocked()
 	var drop []bkey
 	var apply []*breaker.Breaker
 	old := e.breakerMap()
@@ -312,7 +313,6 @@ func (e *Entry) reconcile() {
 		e.breakerFor(c, "")
 	}
 	e.maybeProbe()
-	e.maybeScrape()
 }
 
 // breakerFor returns c's breaker for a model key ("" per upstream),
@@ -534,9 +534,7 @@ func (e *Entry) destroy() {
 	for k := range old {
 		e.reg.obs.BreakerGone(e.addr, k.model)
 	}
-	if e.sat.Load() != nil {
-		e.reg.obs.ScraperGone(e.addr)
-	}
+	e.scraper.Stop() // reports ScraperGone under e.mu, as BreakerGone
 	e.mu.Unlock()
 	e.cancel()
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // fakeObserver keeps what the pool reports: the breaker gauges as a
@@ -29,8 +30,8 @@ type fakeObserver struct {
 }
 
 type signalReport struct {
-	last        Value
-	state, prev SignalState
+	last        saturation.Value
+	state, prev saturation.SignalState
 }
 
 func (o *fakeObserver) Scraped(upstream string, _ time.Duration, err error) {
@@ -42,7 +43,7 @@ func (o *fakeObserver) Scraped(upstream string, _ time.Duration, err error) {
 	}
 }
 
-func (o *fakeObserver) SignalUpdated(upstream string, sig Signal, last Value, state, prev SignalState) {
+func (o *fakeObserver) SignalUpdated(upstream string, sig saturation.Signal, last saturation.Value, state, prev saturation.SignalState) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.signals[upstream+"|"+sig.String()] = signalReport{last, state, prev}

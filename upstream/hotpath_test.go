@@ -7,6 +7,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // TestHedgerHotPathAllocatesNothing: Delay and Observe run on every hedged
@@ -70,23 +71,22 @@ func saturatedPool(tb testing.TB) (*Pool, []Candidate) {
 	reg.UseClock(clk)
 	addrs := []string{"10.78.0.1:8000", "10.78.0.2:8000", "10.78.0.3:8000"}
 	p, err := reg.NewPool(Config{Key: "hotpath-sat", Static: targets(addrs...), Selector: LeastQueue{},
-		Saturation: &Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
+		Saturation: &saturation.Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(p.Release)
 	p.Activate()
-	clk.awaitArmed(tb, len(addrs)) // each loop's first, failing, scrape is done
+	clk.awaitTickers(tb, len(addrs)) // each loop's first, failing, scrape is done
 	now := clk.Now()
 	var cs []Candidate
 	for i, a := range addrs {
 		e, _ := reg.Entry(a)
-		if e.sat.Load() == nil {
+		if published, _ := e.scraper.Scraped(); !published {
 			tb.Fatalf("no snapshot of %s after its first scrape", a)
 		}
-		var st scrapeState
-		r := Readings{Waiting: Known(float64(2 * i * i)), Running: Known(4), KVUsage: Known(0.3)}
-		e.applyScrape(p.sat, &st, Scrape{Server: NewSample(now, r)}, nil, now, 0)
+		r := saturation.Readings{Waiting: saturation.Known(float64(2 * i * i)), Running: saturation.Known(4), KVUsage: saturation.Known(0.3)}
+		e.scraper.Apply(p.sat, saturation.Scrape{Server: saturation.NewSample(now, r)}, nil, now, 0)
 		cs = append(cs, Candidate{Target: &p.static[i].t, Entry: e})
 	}
 	return p, cs

@@ -12,6 +12,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // Target is one upstream server as the glue hands it to a Pool.
@@ -69,7 +70,7 @@ type Config struct {
 	Hedge *HedgeConfig
 	// Saturation reads the upstreams' load signals; nil turns it off.
 	// Defaults are applied by NewPool; Transport is required.
-	Saturation *Saturation
+	Saturation *saturation.Saturation
 }
 
 // Bounds on the dynamic upstreams a pool remembers: addresses a source
@@ -105,7 +106,7 @@ type Pool struct {
 	hedger  *hedger
 	// sat is cfg.Saturation with defaults; scored says Pick computes
 	// Candidate.Score (saturation on, or a selector that reads it).
-	sat    *Saturation
+	sat    *saturation.Saturation
 	scored bool
 
 	// ejection is cfg.Ejection with defaults; panic its panic mode.

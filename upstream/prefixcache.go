@@ -9,6 +9,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/prefix"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // DefaultPrefixLoadFactor is PrefixCache's default LoadFactor: the
@@ -174,7 +175,7 @@ func (p *Pool) choose(cs []Candidate, r *http.Request, w http.ResponseWriter, re
 	if !ok || req.Prompt == nil {
 		return p.sel.Select(cs, r, w)
 	}
-	step := 1.0 / DefaultQueueThreshold
+	step := 1.0 / saturation.DefaultQueueThreshold
 	if p.sat != nil {
 		step = 1 / p.sat.QueueThreshold
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/prefix"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // prefixLog records PrefixCache's decisions.
@@ -240,7 +241,7 @@ func TestPrefixCacheRoutesAroundASaturatedHome(t *testing.T) {
 	up.Done(nil)
 	c.reply()
 	// Home's queue is full (6 waiting ≥ queue_threshold 5): saturated.
-	feeders[home].scrape(time.Second, Readings{Waiting: Known(6), Running: Known(4), KVUsage: Known(0.5)})
+	feeders[home].scrape(time.Second, saturation.Readings{Waiting: saturation.Known(6), Running: saturation.Known(4), KVUsage: saturation.Known(0.5)})
 	for turn := range 3 {
 		up := mustPickPrompt(t, p, c.turn())
 		if up.Addr == home {

@@ -3,6 +3,7 @@ package upstream
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
 // Defaults of Prober.
@@ -58,15 +60,21 @@ func (p *Prober) interval() time.Duration {
 	return DefaultProbeInterval
 }
 
+// errProbeTimeout is the cause of a probe's cancellation at its timeout.
+var errProbeTimeout = errors.New("probe timeout")
+
 // send runs one probe against addr: success is a 2xx with a complete body
-// within Timeout. It ends early when ctx does (the entry was released).
-func (p *Prober) send(ctx context.Context, addr string) error {
+// within Timeout, as clk counts it (the registry's timers). It ends early
+// when ctx does (the entry was released).
+func (p *Prober) send(ctx context.Context, clk proxy.Clock, addr string) error {
 	timeout := p.Timeout
 	if timeout <= 0 {
 		timeout = 60 * time.Second
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	t := clk.AfterFunc(timeout, func() { cancel(errProbeTimeout) })
+	defer t.Stop()
 	if p.Dial != nil {
 		ctx = p.Dial(ctx, addr)
 	}
@@ -86,13 +94,19 @@ func (p *Prober) send(ctx context.Context, addr string) error {
 		req.Header.Set("Content-Type", "application/json")
 	}
 	req.Header.Set("User-Agent", "caddy-llm-proxy-probe")
+	timedOut := func(err error) error {
+		if errors.Is(context.Cause(ctx), errProbeTimeout) {
+			return fmt.Errorf("probe %s %s: no response within %v: %w", method, path, timeout, context.DeadlineExceeded)
+		}
+		return err
+	}
 	resp, err := p.Transport.RoundTrip(req)
 	if err != nil {
-		return err
+		return timedOut(err)
 	}
 	defer resp.Body.Close()
 	if _, err := io.Copy(io.Discard, io.LimitReader(resp.Body, maxProbeBody)); err != nil {
-		return fmt.Errorf("reading probe response: %w", err)
+		return timedOut(fmt.Errorf("reading probe response: %w", err))
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		return fmt.Errorf("probe %s %s: status %d", method, path, resp.StatusCode)
@@ -209,7 +223,7 @@ func (e *Entry) probeLoop() {
 		}
 		last = e.reg.now()
 		for pr, permits := range byProber {
-			err := pr.send(e.ctx, e.addr)
+			err := pr.send(e.ctx, e.reg.timers, e.addr)
 			for i := range permits {
 				switch {
 				case e.ctx.Err() != nil:

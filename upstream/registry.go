@@ -1,8 +1,10 @@
 // Package upstream is the gateway's pool of inference servers: one shared
 // Entry per upstream server (dial address) holding its in-flight count, its
-// circuit breakers and its active prober; the Pool that a handler picks
-// from (candidate filtering by breaker, capacity and what was tried, then
-// the selection policy, then a permit); the recording of each attempt's
+// circuit breakers, its active prober and its saturation.Scraper (which
+// breakers a saturation trip reaches: those of the pools that configured
+// saturation); the Pool that a handler picks from (candidate filtering by
+// breaker, saturation score, capacity and what was tried, then the
+// selection policy, then a permit); the recording of each attempt's
 // outcome on its breaker (DESIGN §4); and the per-pool retry budget, hedge
 // cap and TTFT trackers. It knows HTTP but nothing of Caddy: the Caddy glue
 // adapts Caddy's selection policies, upstream sources and transport to it.
@@ -17,6 +19,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // Observer receives the pool's events for metrics and logs. Calls come from
@@ -36,31 +39,25 @@ type Observer interface {
 	ShortCircuited(upstream string)
 	// HedgeDelay reports the hedge delay computed for a request.
 	HedgeDelay(model string, stream bool, d time.Duration)
-	// Scraped reports one scrape of the upstream's metrics: how long it
-	// took and its error (nil when it succeeded). The pool signal may
-	// have changed with it.
-	Scraped(upstream string, took time.Duration, err error)
-	// SignalUpdated reports a signal after each scrape: its last known
-	// value (Known false: never known) and its state, with the state
-	// after the previous scrape (SignalFresh before the first), so that
-	// a change is logged once, not every scrape.
-	SignalUpdated(upstream string, sig Signal, last Value, state, prev SignalState)
-	// ScraperGone is called when a scraped upstream is released: its
-	// saturation series should go.
-	ScraperGone(upstream string)
+	// Scraped, SignalUpdated and ScraperGone report each upstream's
+	// /metrics scrapes and signals (see saturation.Observer); an Observer
+	// that also implements saturation.PrefixHitObserver gets the servers'
+	// prefix-cache hit ratios.
+	saturation.Observer
 }
 
 // NopObserver discards every event.
 type NopObserver struct{}
 
-func (NopObserver) BreakerCreated(string, string)                                 {}
-func (NopObserver) BreakerTransition(string, string, breaker.Transition)          {}
-func (NopObserver) BreakerGone(string, string)                                    {}
-func (NopObserver) ShortCircuited(string)                                         {}
-func (NopObserver) HedgeDelay(string, bool, time.Duration)                        {}
-func (NopObserver) Scraped(string, time.Duration, error)                          {}
-func (NopObserver) SignalUpdated(string, Signal, Value, SignalState, SignalState) {}
-func (NopObserver) ScraperGone(string)                                            {}
+func (NopObserver) BreakerCreated(string, string)                        {}
+func (NopObserver) BreakerTransition(string, string, breaker.Transition) {}
+func (NopObserver) BreakerGone(string, string)                           {}
+func (NopObserver) ShortCircuited(string)                                {}
+func (NopObserver) HedgeDelay(string, bool, time.Duration)               {}
+func (NopObserver) Scraped(string, time.Duration, error)                 {}
+func (NopObserver) SignalUpdated(string, saturation.Signal, saturation.Value, saturation.SignalState, saturation.SignalState) {
+}
+func (NopObserver) ScraperGone(string) {}
 
 // Registry is the process-wide home of upstream entries and pool state,
 // keyed by identities that do not change across reloads: entries by dial
@@ -75,8 +72,11 @@ type Registry struct {
 	Models *ModelNames
 	// gen numbers pools, newest highest.
 	gen atomic.Uint64
-	// loops counts the probe loops running; scrapers the scrape loops.
-	loops, scrapers atomic.Int64
+	// loops counts the probe loops running.
+	loops atomic.Int64
+	// scrapers are the entries' /metrics scrapers (their clock is the
+	// registry's, see scrapeClock) and the count of their loops.
+	scrapers *saturation.Scrapers
 	// breakerOpts are added to every breaker's options (tests inject a clock).
 	breakerOpts []breaker.Option
 	// clock is the time of picks, retry budgets and, through breakerOpts,
@@ -129,6 +129,7 @@ func NewRegistry(obs Observer) *Registry {
 		obs = NopObserver{}
 	}
 	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}, timers: wallClock{}}
+	r.scrapers = saturation.NewScrapers(scrapeClock{r}, obs)
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)
 	return r
@@ -138,8 +139,8 @@ func NewRegistry(obs Observer) *Registry {
 // from now on, and of the breakers created from now on, so that tests and
 // simulations run on a fake clock. When c is also a proxy.Clock (it makes
 // timers), it paces the background loops too: the active prober's
-// interval and the /metrics scrape interval, and the times scrapes are
-// stamped with. Call it before building pools; it is not safe for
+// interval, the /metrics scrape interval and each scrape's timeout;
+// scrapes are stamped with c's time either way. Call it before building pools; it is not safe for
 // concurrent use with them.
 func (r *Registry) UseClock(c breaker.Clock) {
 	r.clock = c

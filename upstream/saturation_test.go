@@ -6,21 +6,21 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // satPool builds and starts a pool with saturation on (defaults, scraping
 // through a transport that fails: tests feed scrapes with feed).
-func satPool(t *testing.T, reg *Registry, sel Selector, trip *TripRules, addrs ...string) *Pool {
+func satPool(t *testing.T, reg *Registry, sel Selector, trip *saturation.TripRules, addrs ...string) *Pool {
 	t.Helper()
 	s := breaker.Settings{}
 	return startPool(t, reg, Config{Key: "sat|" + strings.Join(addrs, ","), Static: targets(addrs...), Selector: sel, Breaker: &s,
-		Saturation: &Saturation{Transport: refusingTransport{}, Trip: trip, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
+		Saturation: &saturation.Saturation{Transport: refusingTransport{}, Trip: trip, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
 }
 
 // refusingTransport fails every scrape, so the loop's own scrapes never
@@ -31,12 +31,12 @@ func (refusingTransport) RoundTrip(*http.Request) (*http.Response, error) {
 	return nil, http.ErrServerClosed
 }
 
-// feeder applies scrapes to one entry as its loop would, on a test clock.
+// feeder applies scrapes to one entry's scraper as its loop would, on a
+// test clock.
 type feeder struct {
 	t   *testing.T
 	e   *Entry
-	cfg *Saturation
-	st  scrapeState
+	cfg *saturation.Saturation
 	now time.Time
 }
 
@@ -48,22 +48,24 @@ func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
 	}
 	// Wait for the loop's first (failing) scrape, so it cannot land after
 	// ours: it runs as the loop starts, and the next is an Interval away.
-	settle(t, "first scrape", func() bool { return e.sat.Load() != nil })
+	settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
 	return &feeder{t: t, e: e, cfg: p.sat, now: time.Now()}
 }
 
 // scrape applies a successful scrape of r taken d after the previous one.
-func (f *feeder) scrape(d time.Duration, r Readings) {
+func (f *feeder) scrape(d time.Duration, r saturation.Readings) {
 	f.now = f.now.Add(d)
-	f.e.applyScrape(f.cfg, &f.st, Scrape{Server: NewSample(f.now, r)}, nil, f.now, time.Millisecond)
+	f.e.scraper.Apply(f.cfg, saturation.Scrape{Server: saturation.NewSample(f.now, r)}, nil, f.now, time.Millisecond)
 }
 
 func (f *feeder) fail(d time.Duration) {
 	f.now = f.now.Add(d)
-	f.e.applyScrape(f.cfg, &f.st, Scrape{}, http.ErrHandlerTimeout, f.now, f.cfg.Timeout)
+	f.e.scraper.Apply(f.cfg, saturation.Scrape{}, http.ErrHandlerTimeout, f.now, f.cfg.Timeout)
 }
 
-func idle() Readings { return Readings{Waiting: Known(0), Running: Known(0), KVUsage: Known(0)} }
+func idle() saturation.Readings {
+	return saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(0), KVUsage: saturation.Known(0)}
+}
 
 func TestScoreUnknownReadsInflightNeverIdle(t *testing.T) {
 	reg := NewRegistry(nil)
@@ -74,10 +76,10 @@ func TestScoreUnknownReadsInflightNeverIdle(t *testing.T) {
 		ups = append(ups, mustPick(t, p, ""))
 	}
 	// Never scraped successfully: in-flight / queue_threshold.
-	if s, known := f.e.Score(time.Now(), p.sat, ""); known || s != 3.0/DefaultQueueThreshold {
-		t.Fatalf("unscraped score = %v known=%v, want %v unknown", s, known, 3.0/DefaultQueueThreshold)
+	if s, known := f.e.Score(time.Now(), p.sat, ""); known || s != 3.0/saturation.DefaultQueueThreshold {
+		t.Fatalf("unscraped score = %v known=%v, want %v unknown", s, known, 3.0/saturation.DefaultQueueThreshold)
 	}
-	f.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(3), KVUsage: Known(0.2)})
+	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(1), Running: saturation.Known(3), KVUsage: saturation.Known(0.2)})
 	if s, known := f.e.Score(f.now, p.sat, ""); !known || s != max(1.0/5, 0.2/0.8) {
 		t.Fatalf("fresh score = %v known=%v, want 0.25 known", s, known)
 	}
@@ -100,12 +102,12 @@ func TestScoreDropsUnknownKVAndMissingQueue(t *testing.T) {
 	p := satPool(t, reg, nil, nil, "10.9.0.2:8000")
 	f := newFeeder(t, p, "10.9.0.2:8000")
 	// KV unknown (a TGI server): the queue alone.
-	f.scrape(time.Second, Readings{Waiting: Known(4), Running: Known(0)})
+	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(4), Running: saturation.Known(0)})
 	if s, _ := f.e.Score(f.now, p.sat, ""); s != 4.0/5 {
 		t.Fatalf("score without KV = %v, want 0.8", s)
 	}
 	// Queue not exposed but KV known: in-flight (0) and KV.
-	f.scrape(time.Second, Readings{KVUsage: Known(0.4)})
+	f.scrape(time.Second, saturation.Readings{KVUsage: saturation.Known(0.4)})
 	if s, known := f.e.Score(f.now, p.sat, ""); known || s != 0.5 {
 		t.Fatalf("score without a queue signal = %v known=%v, want 0.5 unknown", s, known)
 	}
@@ -150,7 +152,7 @@ func TestSinceScrapeCountsOnlyItsEpochAndNeverGoesNegative(t *testing.T) {
 	if n := f.e.SinceScrape(); n != 2 {
 		t.Fatalf("since scrape = %d, want 2", n)
 	}
-	f.scrape(time.Second, Readings{Waiting: Known(2), Running: Known(0)}) // the server now counts them
+	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(2), Running: saturation.Known(0)}) // the server now counts them
 	if n := f.e.SinceScrape(); n != 0 {
 		t.Fatalf("since scrape after a new scrape = %d, want 0", n)
 	}
@@ -174,41 +176,6 @@ func TestSinceScrapeCountsOnlyItsEpochAndNeverGoesNegative(t *testing.T) {
 	finish(up, proxy.AttemptSuccess)
 	if n := f.e.SinceScrape(); n != 0 || f.e.Inflight() != 0 {
 		t.Fatalf("since=%d inflight=%d, want 0 and 0", n, f.e.Inflight())
-	}
-}
-
-func TestSinceScrapeConcurrentNeverNegative(t *testing.T) {
-	reg := NewRegistry(nil)
-	p := satPool(t, reg, nil, nil, "10.9.2.2:8000")
-	f := newFeeder(t, p, "10.9.2.2:8000")
-	var wg, resetter sync.WaitGroup
-	var stop atomic.Bool
-	var resets atomic.Int64
-	resetter.Go(func() {
-		for !stop.Load() {
-			f.e.epochReset(true)
-			resets.Add(1)
-		}
-	})
-	for range 4 {
-		wg.Go(func() {
-			for range 2000 {
-				up := mustPick(t, p, "")
-				if n := int32(uint32(f.e.since.Load())); n < 0 {
-					t.Errorf("since count %d", n)
-				}
-				finish(up, proxy.AttemptSuccess)
-			}
-		})
-	}
-	wg.Wait() // the workers' 8000 picks, with scrapes resetting the epoch throughout
-	stop.Store(true)
-	resetter.Wait()
-	if resets.Load() == 0 {
-		t.Fatal("no epoch reset ran alongside the picks")
-	}
-	if n := f.e.SinceScrape(); n != 0 {
-		t.Fatalf("since scrape = %d with nothing in flight, want 0", n)
 	}
 }
 
@@ -286,8 +253,8 @@ func TestPickRemovesSaturatedUpstreamsForAnyPolicy(t *testing.T) {
 	addrs := []string{"10.9.4.1:8000", "10.9.4.2:8000"}
 	p := satPool(t, reg, firstSelector{}, nil, addrs...)
 	deep, calm := newFeeder(t, p, addrs[0]), newFeeder(t, p, addrs[1])
-	deep.scrape(time.Second, Readings{Waiting: Known(12), Running: Known(8), KVUsage: Known(0.5)})
-	calm.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(8), KVUsage: Known(0.5)})
+	deep.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(12), Running: saturation.Known(8), KVUsage: saturation.Known(0.5)})
+	calm.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(1), Running: saturation.Known(8), KVUsage: saturation.Known(0.5)})
 	for range 5 {
 		up := mustPick(t, p, "")
 		if up.Addr != addrs[1] {
@@ -299,7 +266,7 @@ func TestPickRemovesSaturatedUpstreamsForAnyPolicy(t *testing.T) {
 		finish(up, proxy.AttemptSuccess)
 	}
 	// Both saturated: the least saturated still gets the request.
-	calm.scrape(time.Second, Readings{Waiting: Known(7), Running: Known(8), KVUsage: Known(0.5)})
+	calm.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(7), Running: saturation.Known(8), KVUsage: saturation.Known(0.5)})
 	up := mustPick(t, p, "")
 	if up.Addr != addrs[1] {
 		t.Fatalf("with every upstream saturated picked %s, want the least saturated %s", up.Addr, addrs[1])
@@ -315,12 +282,12 @@ func TestPoolSaturated(t *testing.T) {
 	if p.Saturated() {
 		t.Fatal("saturated before any good scrape (unknown is not full)")
 	}
-	a.scrape(time.Second, Readings{Waiting: Known(9), Running: Known(8)})
-	b.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(8)})
+	a.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(9), Running: saturation.Known(8)})
+	b.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(1), Running: saturation.Known(8)})
 	if p.Saturated() {
 		t.Fatal("saturated with one upstream under its threshold")
 	}
-	b.scrape(time.Second, Readings{Waiting: Known(0), Running: Known(4), KVUsage: Known(0.85)})
+	b.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(4), KVUsage: saturation.Known(0.85)})
 	if !p.Saturated() {
 		t.Fatal("not saturated with every upstream at its threshold (queue or KV)")
 	}
@@ -343,20 +310,19 @@ func TestScopeModelScoresTheModelsSeries(t *testing.T) {
 	reg := NewRegistry(nil)
 	s := breaker.Settings{}
 	p := startPool(t, reg, Config{Key: "sat-model", Static: targets("10.9.6.1:8000"), Breaker: &s, ScopeModel: true,
-		Saturation: &Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
+		Saturation: &saturation.Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
 	e, _ := reg.Entry("10.9.6.1:8000")
-	settle(t, "first scrape", func() bool { return e.sat.Load() != nil })
+	settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
 	body := `# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="big"} 10
 vllm:num_requests_waiting{model_name="small"} 1
 `
 	now := time.Now()
-	sc, err := ParseScrape(strings.NewReader(body), "", VLLMSignals, now)
+	sc, err := saturation.ParseScrape(strings.NewReader(body), "", saturation.VLLMSignals, now)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var st scrapeState
-	e.applyScrape(p.sat, &st, sc, nil, now, 0)
+	e.scraper.Apply(p.sat, sc, nil, now, 0)
 	for model, want := range map[string]float64{"big": 2, "small": 0.2, "": 11.0 / 5, "other": 11.0 / 5} {
 		if s, _ := e.Score(now, p.sat, model); math.Abs(s-want) > 1e-9 {
 			t.Errorf("score for model %q = %v, want %v", model, s, want)
@@ -366,9 +332,9 @@ vllm:num_requests_waiting{model_name="small"} 1
 
 // queueHist is a vLLM-like queue-time histogram with n observations of
 // about v seconds each, on top of base.
-func queueHist(base Histogram, n float64, v float64) Histogram {
+func queueHist(base saturation.Histogram, n float64, v float64) saturation.Histogram {
 	bounds := []float64{0.3, 0.5, 1, 2.5, 5, 10, 20, math.Inf(1)}
-	out := Histogram{}
+	out := saturation.Histogram{}
 	for i, ub := range bounds {
 		c := 0.0
 		if len(base.Buckets) > 0 {
@@ -377,7 +343,7 @@ func queueHist(base Histogram, n float64, v float64) Histogram {
 		if v <= ub {
 			c += n
 		}
-		out.Buckets = append(out.Buckets, Bucket{UpperBound: ub, Count: c})
+		out.Buckets = append(out.Buckets, saturation.Bucket{UpperBound: ub, Count: c})
 	}
 	return out
 }
@@ -390,7 +356,7 @@ func (c feederClock) Now() time.Time { return (*c.f).now }
 // clockedPool is satPool with the breakers on the clock of the feeder of
 // addrs[0], which it returns with that upstream's breaker; opts are added
 // to the breakers' options.
-func clockedPool(t *testing.T, trip *TripRules, opts []breaker.Option, addrs ...string) (*Registry, *Pool, *feeder, *breaker.Breaker) {
+func clockedPool(t *testing.T, trip *saturation.TripRules, opts []breaker.Option, addrs ...string) (*Registry, *Pool, *feeder, *breaker.Breaker) {
 	t.Helper()
 	reg := NewRegistry(nil)
 	f := &feeder{now: time.Now()}
@@ -401,14 +367,14 @@ func clockedPool(t *testing.T, trip *TripRules, opts []breaker.Option, addrs ...
 }
 
 func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *testing.T) {
-	rules := &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 5 * time.Second}
+	rules := &saturation.TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 5 * time.Second}
 	_, p, f, b := clockedPool(t, rules, nil, "10.9.7.1:8000", "10.9.7.2:8000")
 	f.cfg.Window = 10 * time.Second
-	h := queueHist(Histogram{}, 0, 0)
-	f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+	h := queueHist(saturation.Histogram{}, 0, 0)
+	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(20), Running: saturation.Known(8), QueueTime: h})
 	for i := 0; i < 6 && b.State() == breaker.Closed; i++ {
 		h = queueHist(h, 10, 8) // ten requests a second leave the queue after 8s
-		f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(20), Running: saturation.Known(8), QueueTime: h})
 	}
 	if b.State() != breaker.Open || !b.Observed() {
 		t.Fatalf("breaker %v observed=%v after queue wait p99 8s for over 5s, want open by observation", b.State(), b.Observed())
@@ -424,7 +390,7 @@ func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *
 	// The queue drains: no new queue-time observations, nothing waiting.
 	// Nothing happens before the cooldown (default 10s, ±jitter) is over;
 	// then recovery_successes (2) healthy scrapes close it.
-	drained := Readings{Waiting: Known(0), Running: Known(2), QueueTime: h}
+	drained := saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(2), QueueTime: h}
 	for range 5 {
 		f.scrape(time.Second, drained)
 	}
@@ -433,7 +399,7 @@ func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *
 	}
 	// A scrape with requests still waiting at the threshold is no
 	// verdict, even with no new queue-time observations.
-	f.scrape(20*time.Second, Readings{Waiting: Known(5), Running: Known(8), QueueTime: h})
+	f.scrape(20*time.Second, saturation.Readings{Waiting: saturation.Known(5), Running: saturation.Known(8), QueueTime: h})
 	if b.State() != breaker.HalfOpen {
 		t.Fatalf("breaker %v after its cooldown, want half_open (observing)", b.State())
 	}
@@ -452,8 +418,8 @@ func TestSaturationBreakerTripsWithoutAFailedRequestAndRecoversByObservation(t *
 
 func TestSaturationBreakerReopensWhenStillSaturated(t *testing.T) {
 	// No jitter: the test compares two cooldowns.
-	_, _, f, b := clockedPool(t, &TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, []breaker.Option{breaker.WithRand(func() float64 { return 0 })}, "10.9.7.3:8000")
-	full := Readings{Waiting: Known(0), Running: Known(8), KVUsage: Known(0.97)}
+	_, _, f, b := clockedPool(t, &saturation.TripRules{KVUsage: 0.9, KVFor: 2 * time.Second}, []breaker.Option{breaker.WithRand(func() float64 { return 0 })}, "10.9.7.3:8000")
+	full := saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(8), KVUsage: saturation.Known(0.97)}
 	for range 3 {
 		f.scrape(time.Second, full)
 	}
@@ -477,11 +443,11 @@ func TestSignalStateChangesAreReportedOnce(t *testing.T) {
 	f := newFeeder(t, p, "10.9.8.1:8000")
 	start := obs.count()
 	for range 3 {
-		f.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(1)}) // no KV metric
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(1), Running: saturation.Known(1)}) // no KV metric
 	}
 	f.fail(time.Second)
 	f.fail(time.Second)
-	f.scrape(time.Second, Readings{Waiting: Known(1), Running: Known(1), KVUsage: Known(0.3)})
+	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(1), Running: saturation.Known(1), KVUsage: saturation.Known(0.3)})
 	var got []string
 	for _, ev := range obs.eventsSince(start) {
 		if strings.Contains(ev, "|queue_depth ") || strings.Contains(ev, "|kv_usage ") {
@@ -496,7 +462,7 @@ func TestSignalStateChangesAreReportedOnce(t *testing.T) {
 	if strings.Join(got, "; ") != strings.Join(want, "; ") {
 		t.Errorf("state changes:\n got %q\nwant %q", got, want)
 	}
-	if r := obs.signals["10.9.8.1:8000|kv_usage"]; r.state != SignalFresh || !r.last.Known || r.last.V != 0.3 {
+	if r := obs.signals["10.9.8.1:8000|kv_usage"]; r.state != saturation.SignalFresh || !r.last.Known || r.last.V != 0.3 {
 		t.Errorf("kv_usage report = %+v, want fresh 0.3", r)
 	}
 }
@@ -539,6 +505,13 @@ func newMetricsServer(t *testing.T, body string) *metricsServer {
 	return m
 }
 
+// hanging returns the scrapes in flight at the server now.
+func (m *metricsServer) hanging() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.inflight
+}
+
 func (m *metricsServer) counts() (scrapes, maxInflight int) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -561,18 +534,19 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	m := newMetricsServer(t, vllmBusy)
 	const interval = 20 * time.Millisecond
 	cfg := func() Config {
-		return Config{Key: "loop", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
+		return Config{Key: "loop", Static: targets(m.addr), Saturation: &saturation.Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
 	}
 	p := buildPool(t, reg, cfg())
-	// A loop starts (and scrapes) synchronously with maybeScrape: none
-	// may exist before the config starts.
+	// A loop starts (and scrapes) synchronously with the config's start
+	// (the entry's reconcile configures its scraper): none may exist
+	// before it.
 	if n, _ := m.counts(); n != 0 || reg.ScrapeLoops() != 0 || clk.Armed() != 0 {
 		t.Fatalf("a config that has not started scraped %d times (%d loops, %d timers)", n, reg.ScrapeLoops(), clk.Armed())
 	}
 	p.Activate()
 	e, _ := reg.Entry(m.addr)
-	clk.awaitArmed(t, 1) // the first scrape is done, the next one waits
-	if e.sat.Load() == nil || !e.sat.Load().ok {
+	clk.awaitTickers(t, 1) // the first scrape is done, the next one waits
+	if published, ok := e.scraper.Scraped(); !published || !ok {
 		t.Fatal("no snapshot after the first scrape")
 	}
 	if s, known := e.Score(clk.Now(), p.sat, ""); !known || s != max(3.0/5, 0.5/0.8) {
@@ -585,19 +559,19 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 			t.Fatalf("%d scrape loops after a reload, want 1", n)
 		}
 	}
-	if e2, _ := reg.Entry(m.addr); e2 != e || e.sat.Load() == nil {
+	if e2, _ := reg.Entry(m.addr); e2 != e || !scraped(e) {
 		t.Fatal("the reload lost the upstream's snapshot")
 	}
 	// Ten intervals: one loop scrapes exactly ten times, one at a time.
 	before, _ := m.counts()
 	for i := range 10 {
-		clk.awaitArmed(t, 1)
+		clk.awaitTickers(t, 1)
 		if n := clk.Armed(); n != 1 {
 			t.Fatalf("interval %d: %d scrape timers armed, want 1 (one loop)", i, n)
 		}
 		clk.Advance(interval)
 	}
-	clk.awaitArmed(t, 1)
+	clk.awaitTickers(t, 1)
 	after, maxIn := m.counts()
 	if n := after - before; n != 10 {
 		t.Fatalf("%d scrapes in 10 intervals, want 10", n)
@@ -615,6 +589,16 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	}
 }
 
+// scraped reports whether e's scraper holds a snapshot.
+func scraped(e *Entry) bool {
+	published, _ := e.scraper.Scraped()
+	return published
+}
+
+// TestScrapeThatHangsIsUnknownAndScoredOnInflight: a /metrics that never
+// answers fails each scrape at its timeout, on the registry's clock (an
+// hour here: a timeout on real time would not fire within the test), and
+// leaves the signals unknown: the score is the in-flight count.
 func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
 	obs := newFakeObserver()
 	reg := NewRegistry(obs)
@@ -622,29 +606,38 @@ func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
 	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
 	m.hang = true
-	const interval = 20 * time.Millisecond
+	const interval, timeout = 2 * time.Hour, time.Hour
 	p := startPool(t, reg, Config{Key: "hang", Static: targets(m.addr),
-		Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 10 * time.Millisecond}})
+		Saturation: &saturation.Saturation{Transport: httpTransport{}, Interval: interval, Timeout: timeout}})
 	e, _ := reg.Entry(m.addr)
-	// Each scrape hangs until its 10ms timeout (a context deadline, real
-	// time), fails, and the loop arms its next interval.
-	clk.awaitArmed(t, 1)
-	clk.Advance(interval)
-	clk.awaitArmed(t, 1)
-	obs.mu.Lock()
-	errs := obs.scrapeErrs[m.addr]
-	obs.mu.Unlock()
-	if errs != 2 {
-		t.Fatalf("%d failed scrapes in two intervals, want 2", errs)
+	scrapeErrs := func() int {
+		obs.mu.Lock()
+		defer obs.mu.Unlock()
+		return obs.scrapeErrs[m.addr]
 	}
+	for i := range 2 {
+		if i > 0 {
+			clk.Advance(interval) // the next tick: the next scrape
+		}
+		settle(t, "the scrape reaches /metrics and hangs", func() bool { return m.hanging() == 1 && clk.Armed() == 1 })
+		clk.Advance(timeout - time.Millisecond)
+		if n, pub := scrapeErrs(), scraped(e); n != i || pub != (i > 0) || m.hanging() != 1 {
+			t.Fatalf("scrape %d, 1ms before its timeout: %d failed scrapes, snapshot %v, %d hanging; want %d, %v, 1", i+1, n, pub, m.hanging(), i, i > 0)
+		}
+		clk.Advance(time.Millisecond) // the timeout fires
+		settle(t, "the scrape fails at its timeout and the loop waits for its next tick", func() bool {
+			return scrapeErrs() == i+1 && clk.Tickers() == 1
+		})
+	}
+	settle(t, "the server sees the scrapes go", func() bool { return m.hanging() == 0 })
 	up := mustPick(t, p, "")
-	if s, known := e.Score(time.Now(), p.sat, ""); known || s != 1.0/5 {
+	if s, known := e.Score(clk.Now(), p.sat, ""); known || s != 1.0/5 {
 		t.Fatalf("score with a hanging /metrics = %v known=%v, want 0.2 (in-flight) unknown", s, known)
 	}
 	finish(up, proxy.AttemptSuccess)
-	v := reg.Saturation(time.Now())
-	if len(v) != 1 || v[0].LastError == "" || v[0].ScrapedAt != nil || v[0].Signals[0].State != SignalStale {
-		t.Fatalf("admin view = %+v, want a stale upstream with its error", v)
+	v := reg.Saturation(clk.Now())
+	if len(v) != 1 || !strings.Contains(v[0].LastError, "no response within 1h0m0s") || v[0].ScrapedAt != nil || v[0].Signals[0].State != saturation.SignalStale {
+		t.Fatalf("admin view = %+v, want a stale upstream with its timeout error", v)
 	}
 }
 
@@ -655,11 +648,11 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	reg.UseClock(clk)
 	m := newMetricsServer(t, vllmBusy)
 	const interval = 20 * time.Millisecond
-	on := Config{Key: "off", Static: targets(m.addr), Saturation: &Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
+	on := Config{Key: "off", Static: targets(m.addr), Saturation: &saturation.Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
 	p := startPool(t, reg, on)
 	e, _ := reg.Entry(m.addr)
-	clk.awaitArmed(t, 1) // the first scrape is done
-	if e.sat.Load() == nil || !e.sat.Load().ok {
+	clk.awaitTickers(t, 1) // the first scrape is done
+	if published, ok := e.scraper.Scraped(); !published || !ok {
 		t.Fatal("no snapshot after the first scrape")
 	}
 	off := on
@@ -667,10 +660,10 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	reload(t, p, off)
 	clk.Advance(interval) // the loop wakes and sees saturation off
 	settle(t, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
-	if e.sat.Load() != nil || obs.countPrefix("scraper gone "+m.addr) != 1 {
-		t.Fatalf("snapshot kept (%v) or series not dropped once (%d)", e.sat.Load() != nil, obs.countPrefix("scraper gone "+m.addr))
+	if scraped(e) || obs.countPrefix("scraper gone "+m.addr) != 1 {
+		t.Fatalf("snapshot kept (%v) or series not dropped once (%d)", scraped(e), obs.countPrefix("scraper gone "+m.addr))
 	}
-	if len(reg.Saturation(time.Now())) != 0 {
+	if len(reg.Saturation(clk.Now())) != 0 {
 		t.Fatal("the admin view still lists the upstream")
 	}
 }
@@ -679,18 +672,18 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 // all interpolate to a p99 of 0.297s, which must not cross a 200ms
 // threshold.
 func TestQueueWaitThresholdBelowTheFirstBucketIsNotCrossedByZeroWaits(t *testing.T) {
-	_, _, f, b := clockedPool(t, &TripRules{QueueWaitP99: 200 * time.Millisecond, QueueWaitFor: 2 * time.Second}, nil, "10.9.9.1:8000")
-	h := queueHist(Histogram{}, 0, 0)
+	_, _, f, b := clockedPool(t, &saturation.TripRules{QueueWaitP99: 200 * time.Millisecond, QueueWaitFor: 2 * time.Second}, nil, "10.9.9.1:8000")
+	h := queueHist(saturation.Histogram{}, 0, 0)
 	for range 20 {
 		h = queueHist(h, 50, 0) // 50 requests a second, none waited
-		f.scrape(time.Second, Readings{Waiting: Known(0), Running: Known(3), QueueTime: h})
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(3), QueueTime: h})
 	}
 	if b.State() != breaker.Closed {
 		t.Fatalf("breaker %v on a server whose requests never wait: %+v", b.State(), b.Snapshot())
 	}
 	for range 4 {
 		h = queueHist(h, 50, 0.7) // now they wait 0.7s: certainly above 200ms
-		f.scrape(time.Second, Readings{Waiting: Known(4), Running: Known(3), QueueTime: h})
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(4), Running: saturation.Known(3), QueueTime: h})
 	}
 	if b.State() != breaker.Open {
 		t.Fatalf("breaker %v after waits of 0.7s for 3s, want open", b.State())
@@ -699,13 +692,13 @@ func TestQueueWaitThresholdBelowTheFirstBucketIsNotCrossedByZeroWaits(t *testing
 
 // tripAndDrain trips the breaker of f's upstream on queue waits of 8s and
 // returns the histogram after them.
-func tripAndDrain(t *testing.T, f *feeder, b *breaker.Breaker) Histogram {
+func tripAndDrain(t *testing.T, f *feeder, b *breaker.Breaker) saturation.Histogram {
 	t.Helper()
-	h := queueHist(Histogram{}, 0, 0)
-	f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+	h := queueHist(saturation.Histogram{}, 0, 0)
+	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(20), Running: saturation.Known(8), QueueTime: h})
 	for i := 0; i < 10 && b.State() == breaker.Closed; i++ {
 		h = queueHist(h, 10, 8)
-		f.scrape(time.Second, Readings{Waiting: Known(20), Running: Known(8), QueueTime: h})
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(20), Running: saturation.Known(8), QueueTime: h})
 	}
 	if b.State() != breaker.Open {
 		t.Fatalf("breaker %v, want open", b.State())
@@ -714,16 +707,16 @@ func tripAndDrain(t *testing.T, f *feeder, b *breaker.Breaker) Histogram {
 }
 
 func TestSaturationBreakerDoesNotRetripOnWaitsFromBeforeTheDrain(t *testing.T) {
-	_, _, f, b := clockedPool(t, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.2:8000")
+	_, _, f, b := clockedPool(t, &saturation.TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.2:8000")
 	f.cfg.Window = time.Minute
 	h := tripAndDrain(t, f, b)
 	// While it is open the server drains its queue: those requests
 	// waited 8s too.
 	for _, waiting := range []float64{15, 8, 2} {
 		h = queueHist(h, 10, 8)
-		f.scrape(time.Second, Readings{Waiting: Known(waiting), Running: Known(8), QueueTime: h})
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(waiting), Running: saturation.Known(8), QueueTime: h})
 	}
-	idle := Readings{Waiting: Known(0), Running: Known(0), QueueTime: h}
+	idle := saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(0), QueueTime: h}
 	f.scrape(30*time.Second, idle) // after the cooldown: half-open
 	f.scrape(time.Second, idle)
 	if b.State() != breaker.Closed {
@@ -733,7 +726,7 @@ func TestSaturationBreakerDoesNotRetripOnWaitsFromBeforeTheDrain(t *testing.T) {
 	// is idle. It must stay closed.
 	for range 30 {
 		h = queueHist(h, 5, 0.1)
-		f.scrape(time.Second, Readings{Waiting: Known(0), Running: Known(2), QueueTime: h})
+		f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(2), QueueTime: h})
 		if b.State() != breaker.Closed {
 			t.Fatalf("breaker re-opened on waits from before the drain: %+v", b.Snapshot())
 		}
@@ -741,11 +734,11 @@ func TestSaturationBreakerDoesNotRetripOnWaitsFromBeforeTheDrain(t *testing.T) {
 }
 
 func TestSaturationBreakerStaysOpenWhileTheQueueIsStuck(t *testing.T) {
-	_, _, f, b := clockedPool(t, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.3:8000")
+	_, _, f, b := clockedPool(t, &saturation.TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.3:8000")
 	h := tripAndDrain(t, f, b)
 	// Three wait (under queue_threshold 5) and nothing leaves the queue:
 	// no interval has a queue-wait observation. Not healthy.
-	stuck := Readings{Waiting: Known(3), Running: Known(1), QueueTime: h}
+	stuck := saturation.Readings{Waiting: saturation.Known(3), Running: saturation.Known(1), QueueTime: h}
 	f.scrape(30*time.Second, stuck)
 	for range 10 {
 		f.scrape(time.Second, stuck)
@@ -759,7 +752,7 @@ func TestSaturationBreakerStaysOpenWhileTheQueueIsStuck(t *testing.T) {
 // the saturation rules, the least saturated still gets it, without a
 // permit (its breaker stays as observation leaves it).
 func TestSaturationTripOfEveryUpstreamStillServesTheLeastSaturated(t *testing.T) {
-	reg, p, f, b := clockedPool(t, &TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.4:8000")
+	reg, p, f, b := clockedPool(t, &saturation.TripRules{QueueWaitP99: 2 * time.Second, QueueWaitFor: 3 * time.Second}, nil, "10.9.9.4:8000")
 	tripAndDrain(t, f, b)
 	if !p.Saturated() {
 		t.Fatal("pool with its only upstream saturation-tripped and 20 waiting is not saturated")
@@ -782,7 +775,7 @@ func TestSaturationTripOfEveryUpstreamStillServesTheLeastSaturated(t *testing.T)
 }
 
 func TestShareAboveBetween(t *testing.T) {
-	base := queueHist(Histogram{}, 0, 0)
+	base := queueHist(saturation.Histogram{}, 0, 0)
 	cur := queueHist(queueHist(queueHist(base, 90, 0), 9, 0.7), 1, 30) // 90 at 0s, 9 at 0.7s, 1 at 30s
 	for _, tc := range []struct {
 		v    float64
@@ -795,15 +788,15 @@ func TestShareAboveBetween(t *testing.T) {
 		{25, 0},     // (20, +Inf] starts below 25
 		{20, 0.01},
 	} {
-		got := ShareAboveBetween(base, cur, tc.v)
+		got := saturation.ShareAboveBetween(base, cur, tc.v)
 		if !got.Known || math.Abs(got.V-tc.want) > 1e-9 {
 			t.Errorf("ShareAboveBetween(v=%v) = %v, want %v", tc.v, got, tc.want)
 		}
 	}
-	if got := ShareAboveBetween(cur, cur, 0.2); got.Known {
+	if got := saturation.ShareAboveBetween(cur, cur, 0.2); got.Known {
 		t.Errorf("no observations between two scrapes: %v, want unknown", got)
 	}
-	if got := ShareAboveBetween(cur, base, 0.2); got.Known {
+	if got := saturation.ShareAboveBetween(cur, base, 0.2); got.Known {
 		t.Errorf("counter reset to an empty histogram: %v, want unknown (nothing since the restart)", got)
 	}
 }

@@ -80,7 +80,7 @@ type BreakerState struct {
 }
 
 // Saturation is one upstream's snapshot of GET /llm_proxy/saturation (the
-// JSON of upstream.SaturationView).
+// JSON of saturation.View).
 type Saturation struct {
 	Upstream string `json:"upstream"`
 	// AgeSeconds is the age of the latest successful scrape in seconds,

@@ -1,4 +1,4 @@
-package upstream
+package saturation
 
 // PrefixHitObserver is implemented by an Observer that wants each scraped
 // upstream's own prefix-cache hit ratio (issue 21: shown next to lb_policy
@@ -39,9 +39,9 @@ func ServerPrefixHitRatio(prev, cur Readings) (ratio float64, ok bool) {
 }
 
 // reportPrefixHits tells a PrefixHitObserver the server's hit ratio of a
-// successful scrape. Called under e.mu.
-func (e *Entry) reportPrefixHits(prev, snap *satSnapshot) {
-	o, ok := e.reg.obs.(PrefixHitObserver)
+// successful scrape. Called under s.mu.
+func (s *Scraper) reportPrefixHits(prev, snap *snapshot) {
+	o, ok := s.g.obs.(PrefixHitObserver)
 	if !ok || !snap.ok {
 		return
 	}
@@ -50,6 +50,6 @@ func (e *Entry) reportPrefixHits(prev, snap *satSnapshot) {
 		before = prev.scrape.Server.Readings()
 	}
 	if r, ok := ServerPrefixHitRatio(before, snap.scrape.Server.Readings()); ok {
-		o.ServerPrefixHitRatio(e.addr, r)
+		o.ServerPrefixHitRatio(s.addr, r)
 	}
 }

@@ -1,0 +1,119 @@
+package upstream
+
+import (
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
+)
+
+// The entry's side of its saturation.Scraper: which config's settings it
+// scrapes with, which breakers its trips reach (DESIGN §7: a verdict
+// steers only the pools that configured saturation), the attempts it
+// counts, and the registry's clock.
+
+// satClaimLocked returns the newest started claim that wants saturation
+// signals, nil when none does: scraping runs only for started configs.
+func (e *Entry) satClaimLocked() *claim {
+	var best *claim
+	for _, c := range e.claims {
+		if c.sat != nil && c.active.Load() && (best == nil || c.gen > best.gen) {
+			best = c
+		}
+	}
+	return best
+}
+
+// configureScraperLocked hands the scraper the settings of the newest
+// started config that reads saturation signals (nil when none does: the
+// loop stops at its next tick). Like the probe loop the scrape loop
+// belongs to the entry: one per upstream however many handlers and
+// configs use it, kept across reloads. Called under e.mu, so that the
+// scraper gets the claims' changes in order.
+func (e *Entry) configureScraperLocked() {
+	var cfg *saturation.Saturation
+	if c := e.satClaimLocked(); c != nil && !e.destroyed {
+		cfg = c.sat
+	}
+	e.scraper.Configure(cfg)
+}
+
+// scrapeHost is an entry as its scraper sees it.
+type scrapeHost struct{ e *Entry }
+
+// Inflight implements saturation.Host.
+func (h scrapeHost) Inflight() int64 { return h.e.inflight.Load() }
+
+// TripBreakers implements saturation.Host: the entry's breakers whose
+// policy reads saturation signals (the server's queue is every model's
+// queue); a handler without a saturation block is never refused for it.
+func (h scrapeHost) TripBreakers() []*breaker.Breaker {
+	var bs []*breaker.Breaker
+	for k, b := range h.e.breakerMap() {
+		if h.e.satPolicy(k.pol) {
+			bs = append(bs, b)
+		}
+	}
+	return bs
+}
+
+// scrapeClock is the registry's clock as the scrapers' (see UseClock):
+// scrapes are stamped with the registry's time, and paced and timed out
+// by its timers.
+type scrapeClock struct{ r *Registry }
+
+func (c scrapeClock) Now() time.Time { return c.r.now() }
+
+func (c scrapeClock) NewTimer(d time.Duration) saturation.Timer { return c.r.timers.NewTimer(d) }
+
+func (c scrapeClock) AfterFunc(d time.Duration, f func()) saturation.Timer {
+	return c.r.timers.AfterFunc(d, f)
+}
+
+// startAttempt counts an attempt against the current scrape epoch and
+// returns the epoch, for endAttempt.
+func (e *Entry) startAttempt() uint32 { return e.scraper.StartAttempt() }
+
+// endAttempt takes back what startAttempt(epoch) added (see
+// saturation.Scraper.EndAttempt).
+func (e *Entry) endAttempt(epoch uint32) { e.scraper.EndAttempt(epoch) }
+
+// SinceScrape returns the attempts started on the upstream since its latest
+// successful scrape that are still in flight.
+func (e *Entry) SinceScrape() int64 { return e.scraper.SinceScrape() }
+
+// Score returns the upstream's saturation score for model ("" the whole
+// server) at now under s, and whether its queue signal was known; s nil
+// scores in-flight counts against saturation.DefaultQueueThreshold (see
+// saturation.Scraper.Score).
+func (e *Entry) Score(now time.Time, s *saturation.Saturation, model string) (score float64, known bool) {
+	return e.scraper.Score(now, s, model)
+}
+
+// Saturation returns the upstream's saturation snapshot at now under s (its
+// thresholds and staleness; nil: the defaults); ok is false when it has
+// never been scraped.
+func (e *Entry) Saturation(now time.Time, s *saturation.Saturation) (v saturation.View, ok bool) {
+	return e.scraper.View(now, s)
+}
+
+// Saturation returns the snapshots of every scraped upstream, by address,
+// each under the settings of the newest started config that reads it.
+func (r *Registry) Saturation(now time.Time) []saturation.View {
+	var out []saturation.View
+	for _, e := range r.Entries() {
+		var s *saturation.Saturation
+		e.mu.Lock()
+		if c := e.satClaimLocked(); c != nil {
+			s = c.sat
+		}
+		e.mu.Unlock()
+		if v, ok := e.Saturation(now, s); ok {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// ScrapeLoops returns the number of scrape loops running.
+func (r *Registry) ScrapeLoops() int { return r.scrapers.Loops() }
