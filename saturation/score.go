@@ -92,6 +92,34 @@ func (s *Scraper) Score(now time.Time, cfg *Saturation, model string) (score flo
 	return score, known
 }
 
+// Reported returns the upstream's saturation score at now under cfg from
+// what the server itself reported in its latest fresh scrape, with none of
+// Score's estimates of this gateway's attempts since that scrape:
+// max(waiting / queue_threshold, kv_usage / kv_threshold), and whether the
+// queue signal was known. It is the pool signal's input (admission
+// queues or sheds on it): Score's estimates steer selection, where
+// spreading a burst costs nothing, but a gate that read them would admit a
+// burst from idle at the scraped running batch plus queue_threshold per
+// scrape, in front of servers that queue nothing (issue 22). cfg nil or
+// a stale scrape: unknown (0, false). It allocates nothing.
+func (s *Scraper) Reported(now time.Time, cfg *Saturation) (score float64, known bool) {
+	if cfg == nil {
+		return 0, false
+	}
+	snap := s.snap.Load()
+	if !snap.fresh(now, cfg.StaleAfter) {
+		return 0, false
+	}
+	r := snap.scrape.Server.Readings()
+	if r.Waiting.Known {
+		score, known = r.Waiting.V/cfg.QueueThreshold, true
+	}
+	if r.KVUsage.Known {
+		score = max(score, r.KVUsage.V/cfg.KVThreshold)
+	}
+	return score, known
+}
+
 // SignalView is one signal of an upstream for the admin API.
 type SignalView struct {
 	// Signal is its name (queue_depth, running, kv_usage, queue_time, ttft).

@@ -90,6 +90,13 @@ func (e *Entry) Score(now time.Time, s *saturation.Saturation, model string) (sc
 	return e.scraper.Score(now, s, model)
 }
 
+// Reported returns the score the upstream's own latest scrape gives under
+// s, without estimates of attempts since (saturation.Scraper.Reported):
+// the pool signal's input.
+func (e *Entry) Reported(now time.Time, s *saturation.Saturation) (score float64, known bool) {
+	return e.scraper.Reported(now, s)
+}
+
 // Saturation returns the upstream's saturation snapshot at now under s (its
 // thresholds and staleness; nil: the defaults); ok is false when it has
 // never been scraped.

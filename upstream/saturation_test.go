@@ -800,3 +800,43 @@ func TestShareAboveBetween(t *testing.T) {
 		t.Errorf("counter reset to an empty histogram: %v, want unknown (nothing since the restart)", got)
 	}
 }
+
+// The pool signal reads only what the servers report: a burst that has not
+// reached a scrape yet is no evidence of a queue. Issue 22's benchmark
+// found the gate admitting a burst from idle at the scraped running batch
+// plus queue_threshold per scrape (60 of 100 streams after 12 s, 150 ms
+// queue waits in front of a server that queued nothing), because the
+// selection score's estimate of attempts since the scrape was read as a
+// queue.
+func TestPoolSignalIsNotRaisedByABurstBetweenScrapes(t *testing.T) {
+	reg := NewRegistry(nil)
+	addrs := []string{"10.9.5.11:8000", "10.9.5.12:8000"}
+	p := satPool(t, reg, nil, nil, addrs...)
+	a, b := newFeeder(t, p, addrs[0]), newFeeder(t, p, addrs[1])
+	a.scrape(time.Second, idle())
+	b.scrape(time.Second, idle())
+	var ups []proxy.Upstream
+	for range 40 {
+		ups = append(ups, mustPick(t, p, ""))
+	}
+	if p.Saturated() {
+		t.Fatal("pool saturated by 40 attempts started since an idle scrape (no server reported a queue)")
+	}
+	// The servers report the burst: 20 running each, nothing waiting.
+	running := saturation.Readings{Waiting: saturation.Known(0), Running: saturation.Known(20), KVUsage: saturation.Known(0.3)}
+	a.scrape(time.Second, running)
+	b.scrape(time.Second, running)
+	if p.Saturated() {
+		t.Fatal("pool saturated while both servers run everything and queue nothing")
+	}
+	// Now they queue: the signal is raised by what they report.
+	queued := saturation.Readings{Waiting: saturation.Known(6), Running: saturation.Known(20), KVUsage: saturation.Known(0.3)}
+	a.scrape(time.Second, queued)
+	b.scrape(time.Second, queued)
+	if !p.Saturated() {
+		t.Fatal("pool not saturated with both servers reporting 6 waiting (threshold 5)")
+	}
+	for _, up := range ups {
+		finish(up, proxy.AttemptSuccess)
+	}
+}

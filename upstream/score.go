@@ -88,7 +88,8 @@ var _ Selector = LeastQueue{}
 
 // Saturated reports the pool signal (item 6): saturation is configured and
 // every healthy upstream (breaker closed, or breakers off, or opened by the
-// saturation rules) is saturated by a known queue signal. An upstream whose signals are unknown keeps the
+// saturation rules) is saturated by a known queue signal, as the server
+// reported it (Entry.Reported: a burst not yet scraped is no queue). An upstream whose signals are unknown keeps the
 // pool unsaturated (a failed /metrics must not shed a healthy pool), and a
 // pool with no healthy upstream is unavailable, not saturated.
 func (p *Pool) Saturated() bool {
@@ -102,7 +103,7 @@ func (p *Pool) Saturated() bool {
 			return true
 		}
 		healthy++
-		s, known := m.e.Score(now, p.sat, "")
+		s, known := m.e.Reported(now, p.sat)
 		if !known || s < 1 {
 			saturated = false
 			return false
