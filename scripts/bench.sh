@@ -8,10 +8,14 @@
 #                             flush_interval -1)                  -> mockllm
 #   nginx          llmload -> nginx (proxy_buffering off, HTTP/1.1
 #                             keep-alive upstream)                -> mockllm
+#   llm_proxy_tenants (S3 only) llm_proxy with tenants (a key and a tier
+#                  with limits) and saturation, in its own caddy process
 #
 # Scenarios (llmload suite run; see cmd/llmload/suite*.go):
 #   S1      latency floor: zero-delay mock, c=1, added TTFT p50/p99
-#   S3      stream fidelity, c=1 and c=100: added TTFT p50/p99, added gap p99
+#   S3      stream fidelity, c=1 and c=100 (three runs, each interleaving
+#           every target): added TTFT p50/p99, added gap p99, CPU and
+#           allocations per request of each proxy process
 #   S4      1,000 / 4,000 / 5,000 streams at 1 event/s: proxy RSS per stream,
 #           CPU per relayed event (/proc/<pid>/stat), events late > 50 ms
 #   S4b     200 streams at 50 events/s: CPU per event, achieved events/s
@@ -115,10 +119,11 @@ fd_limit=$(ulimit -n)
 log "open files limit $fd_limit"
 
 # --- processes -------------------------------------------------------------
-mapfile -t ports < <("$llmload" suite ports 8)
+mapfile -t ports < <("$llmload" suite ports 10)
 llm_admin=${ports[0]} llm_one=${ports[1]} llm_three=${ports[2]}
 rp_admin=${ports[3]} rp_one=${ports[4]} rp_three=${ports[5]}
 ng_one=${ports[6]} ng_three=${ports[7]}
+lt_admin=${ports[8]} lt_one=${ports[9]}
 
 # Four replicas: the first serves the single-upstream scenarios, the other
 # three S6 (so that S6's breakers never touch the first's). Every scenario
@@ -152,6 +157,34 @@ cat >"$logdir/llm_proxy.Caddyfile" <<EOF
 :$llm_three {
 	bind 127.0.0.1
 	llm_proxy $m1 $m2 $m3
+}
+EOF
+# S3's llm_proxy_tenants: the same handler with tenants (one key, a tier
+# whose limits every request is checked and charged against) and
+# saturation (the mock's /metrics scraped every second, the pool gate on
+# its signal), in a process of its own so that its CPU is its own.
+cat >"$logdir/llm_proxy_tenants.Caddyfile" <<EOF
+{
+	admin 127.0.0.1:$lt_admin
+	log {
+		level WARN
+	}
+	llm_proxy {
+		tenants {
+			key sk-bench bench tier bench
+		}
+		tier bench {
+			max_concurrent 100000
+			rpm 100000000
+			tpm 1000000000
+		}
+	}
+}
+:$lt_one {
+	bind 127.0.0.1
+	llm_proxy $m0 {
+		saturation
+	}
 }
 EOF
 cat >"$logdir/reverse_proxy.Caddyfile" <<EOF
@@ -265,12 +298,13 @@ stop_one() {
 # the scenario before (S4's ramp once opened the only breaker and refused
 # half of its streams; S6's breakers must not reach the streaming
 # scenarios). It sets the targets of llmload.
-llm_pid="" rp_pid="" ng_pid="" run_no=0
+llm_pid="" rp_pid="" ng_pid="" lt_pid="" run_no=0
 start_proxies() {
 	local p
-	for p in "$llm_pid" "$rp_pid" "$ng_pid"; do
+	for p in "$llm_pid" "$rp_pid" "$ng_pid" "$lt_pid"; do
 		[ -n "$p" ] && stop_one "$p"
 	done
+	lt_pid=""
 	run_no=$((run_no + 1))
 	start_bg llm_proxy "$logdir/llm_proxy.$run_no.log" env XDG_CONFIG_HOME="$xdg/llm" XDG_DATA_HOME="$xdg/llm" \
 		"$caddy_bin" run --config "$logdir/llm_proxy.Caddyfile" --adapter caddyfile
@@ -285,8 +319,18 @@ start_proxies() {
 	wait_ports nginx "$ng_pid" "$ngdir/error.log" 30 "$ng_one" "$ng_three"
 	targets=(--target "direct=http://$m0")
 	want_target llm_proxy && targets+=(--target "llm_proxy=http://127.0.0.1:$llm_one" --storm "llm_proxy=http://127.0.0.1:$llm_three" --pid "llm_proxy=$llm_pid")
+	if [ "${1:-}" = S3 ] && want_target llm_proxy_tenants; then
+		start_bg llm_proxy_tenants "$logdir/llm_proxy_tenants.$run_no.log" env XDG_CONFIG_HOME="$xdg/lt" XDG_DATA_HOME="$xdg/lt" \
+			"$caddy_bin" run --config "$logdir/llm_proxy_tenants.Caddyfile" --adapter caddyfile
+		lt_pid=$!
+		wait_ports llm_proxy_tenants "$lt_pid" "$logdir/llm_proxy_tenants.$run_no.log" 30 "$lt_admin" "$lt_one"
+		targets+=(--target "llm_proxy_tenants=http://127.0.0.1:$lt_one" --pid "llm_proxy_tenants=$lt_pid"
+			--metrics "llm_proxy_tenants=http://127.0.0.1:$lt_admin/metrics" --header "Authorization: Bearer sk-bench")
+	fi
+	want_target llm_proxy && targets+=(--metrics "llm_proxy=http://127.0.0.1:$llm_admin/metrics")
 	want_target reverse_proxy && targets+=(--target "reverse_proxy=http://127.0.0.1:$rp_one" --storm "reverse_proxy=http://127.0.0.1:$rp_three" --pid "reverse_proxy=$rp_pid")
 	want_target nginx && targets+=(--target "nginx=http://127.0.0.1:$ng_one" --storm "nginx=http://127.0.0.1:$ng_three" --pid "nginx=$ng_pid")
+	want_target reverse_proxy && targets+=(--metrics "reverse_proxy=http://127.0.0.1:$rp_admin/metrics")
 	return 0
 }
 
@@ -297,7 +341,7 @@ targets=()
 want_target() { [ -z "${TARGETS:-}" ] || [[ " $TARGETS " == *" $1 "* ]]; }
 for s in S1 S3 S4 S4b S6; do
 	wants "$s" || continue
-	start_proxies
+	start_proxies "$s"
 	log "scenario $s"
 	if ! run_fg "$llmload" suite run --scenario "$s" --out "$OUT" --mock "http://$m0" ${SMOKE:+--smoke} \
 		${LEVELS:+--levels "$LEVELS"} ${WINDOW:+--window "$WINDOW"} "${targets[@]}"; then

@@ -211,7 +211,7 @@ func parseLevels(s string) ([]int, error) {
 // path in batches, rotating which path goes first in each round so that
 // drift in machine load spreads evenly over the paths.
 func measureLevel(ctx context.Context, reqs map[string]*Requester, order []string, level, perLevel, batch int) LevelResult {
-	accs := interleaved(ctx, reqs, order, level, perLevel, batch)
+	accs := interleaved(ctx, reqs, order, level, perLevel, batch, nil)
 
 	lr := LevelResult{Streams: level}
 	for _, name := range order {
@@ -368,13 +368,17 @@ type latencyAcc struct {
 // this level uses), then sends perTarget requests to each at streams
 // concurrency in batches of batch, rotating which target goes first in
 // each round so that drift in machine load spreads evenly over them.
-func interleaved(ctx context.Context, reqs map[string]*Requester, order []string, streams, perTarget, batch int) map[string]*latencyAcc {
+// warmed, when not nil, runs between the warm-up and the measured rounds.
+func interleaved(ctx context.Context, reqs map[string]*Requester, order []string, streams, perTarget, batch int, warmed func()) map[string]*latencyAcc {
 	accs := map[string]*latencyAcc{}
 	remaining := map[string]int{}
 	for _, name := range order {
 		accs[name] = &latencyAcc{}
 		remaining[name] = perTarget
 		runBatch(ctx, reqs[name], max(streams, 5), streams)
+	}
+	if warmed != nil {
+		warmed()
 	}
 	for round := 0; ctx.Err() == nil; round++ {
 		progressed := false

@@ -19,10 +19,13 @@ import (
 // in the order of its table columns. Direct is the baseline every "added"
 // figure is measured against.
 const (
-	TargetDirect       = "direct"
-	TargetLLMProxy     = "llm_proxy"
-	TargetReverseProxy = "reverse_proxy"
-	TargetNginx        = "nginx"
+	TargetDirect   = "direct"
+	TargetLLMProxy = "llm_proxy"
+	// TargetLLMProxyTenants is llm_proxy with tenants (one key, a tier
+	// with limits) and saturation configured (S3 only).
+	TargetLLMProxyTenants = "llm_proxy_tenants"
+	TargetReverseProxy    = "reverse_proxy"
+	TargetNginx           = "nginx"
 )
 
 // Suite scenarios (issue 12).
@@ -106,6 +109,10 @@ type SuiteTarget struct {
 	URL      string `json:"url"`
 	StormURL string `json:"storm_url,omitempty"`
 	PID      int    `json:"pid,omitempty"`
+	// MetricsURL is the process's Prometheus endpoint (Caddy's admin
+	// /metrics), for its allocations (go_memstats_mallocs_total) in S3;
+	// "" when it has none.
+	MetricsURL string `json:"metrics_url,omitempty"`
 }
 
 // SuiteConfig is what `llmload suite run` was asked to do.
@@ -124,6 +131,12 @@ type SuiteConfig struct {
 	Levels string `json:"levels,omitempty"`
 	// Window overrides the measured window of S4/S4b (0 keeps it).
 	Window time.Duration `json:"window_ns,omitempty"`
+	// Header is sent with every request of S1 and S3 (e.g. the API key
+	// of the llm_proxy_tenants target; the others pass it on).
+	Header http.Header `json:"header,omitempty"`
+	// Runs is how many times S3's 100-stream level is measured (each run
+	// interleaves every target); its goals take the median (default 3).
+	Runs int `json:"runs,omitempty"`
 }
 
 func suiteRunCmd(args []string) error {
@@ -135,6 +148,8 @@ func suiteRunCmd(args []string) error {
 		targets     targetFlag
 		storms      targetFlag
 		pids        listFlag
+		metrics     targetFlag
+		headers     listFlag
 		out         string
 		allowRemote bool
 		maxDuration time.Duration
@@ -143,6 +158,9 @@ func suiteRunCmd(args []string) error {
 	fs.Var(&targets, "target", "`name=url` of a target's single-upstream site (repeatable; direct first)")
 	fs.Var(&storms, "storm", "`name=url` of a target's three-replica site for S6 (repeatable)")
 	fs.Var(&pids, "pid", "`name=pid` of a target's process for CPU and RSS (repeatable; its descendants count too)")
+	fs.Var(&metrics, "metrics", "`name=url` of a target process's Prometheus endpoint, for its allocations per request in S3 (repeatable)")
+	fs.Var(&headers, "header", "request `header` 'Key: Value' sent with every request of S1 and S3 (repeatable)")
+	fs.IntVar(&cfg.Runs, "runs", 3, "measure S3's 100-stream level this many times (its goals take the median)")
 	fs.StringVar(&cfg.Mock, "mock", "", "base `url` of a mock replica (required for S6)")
 	fs.StringVar(&out, "out", "", "`directory` for <scenario>.json (required)")
 	fs.BoolVar(&cfg.Smoke, "smoke", false, "tiny sizes: a few seconds per scenario (CI)")
@@ -197,6 +215,30 @@ func suiteRunCmd(args []string) error {
 			return usageErrorf("--pid %s: no --target of that name", name)
 		}
 		t.PID = pid
+	}
+	for _, m := range metrics {
+		t := byName[m.Name]
+		if t == nil {
+			return usageErrorf("--metrics %s: no --target of that name", m.Name)
+		}
+		u, err := checkTarget(m.URL, allowRemote)
+		if err != nil {
+			return err
+		}
+		t.MetricsURL = u.String()
+	}
+	for _, h := range headers {
+		k, v, ok := strings.Cut(h, ":")
+		if !ok || strings.TrimSpace(k) == "" {
+			return usageErrorf("--header %q: want 'Key: Value'", h)
+		}
+		if cfg.Header == nil {
+			cfg.Header = http.Header{}
+		}
+		cfg.Header.Add(strings.TrimSpace(k), strings.TrimSpace(v))
+	}
+	if cfg.Runs < 1 {
+		return usageErrorf("--runs %d: want at least 1", cfg.Runs)
 	}
 	if cfg.Scenario == ScenarioS6 && cfg.Mock == "" {
 		return usageErrorf("S6 needs --mock")

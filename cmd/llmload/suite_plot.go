@@ -15,10 +15,11 @@ import (
 
 // suiteColors are the targets' colors in every suite plot.
 var suiteColors = map[string]color.Color{
-	TargetDirect:       color.RGBA{R: 0x66, G: 0x66, B: 0x66, A: 0xff},
-	TargetLLMProxy:     color.RGBA{R: 0xd9, G: 0x5f, B: 0x02, A: 0xff},
-	TargetReverseProxy: color.RGBA{R: 0x75, G: 0x70, B: 0xb3, A: 0xff},
-	TargetNginx:        color.RGBA{R: 0x1b, G: 0x9e, B: 0x77, A: 0xff},
+	TargetDirect:          color.RGBA{R: 0x66, G: 0x66, B: 0x66, A: 0xff},
+	TargetLLMProxy:        color.RGBA{R: 0xd9, G: 0x5f, B: 0x02, A: 0xff},
+	TargetLLMProxyTenants: color.RGBA{R: 0xe7, G: 0x29, B: 0x8a, A: 0xff},
+	TargetReverseProxy:    color.RGBA{R: 0x75, G: 0x70, B: 0xb3, A: 0xff},
+	TargetNginx:           color.RGBA{R: 0x1b, G: 0x9e, B: 0x77, A: 0xff},
 }
 
 // plotSuite writes the suite's PNGs into dir and returns their file names
@@ -28,6 +29,9 @@ func plotSuite(dir string, run *suiteRun) (map[string]string, error) {
 	out := map[string]string{}
 	if run.S3 != nil {
 		for _, l := range run.S3.Levels {
+			if l.Run > 1 {
+				continue // one CDF per level: its first run's
+			}
 			var lines []cdfLine
 			for _, t := range l.Targets {
 				ds := make([]time.Duration, len(t.TTFTSamples))

@@ -264,6 +264,9 @@ func writeSuiteSection(w io.Writer, run *suiteRun, m *SuiteMeta, plots map[strin
 			"same percentile (negative values are noise).\n\n", run.S3.Upstream, levelsText(run.S3))
 		writeLatencyTables(w, run.S3, true)
 		for _, l := range run.S3.Levels {
+			if l.Run > 1 {
+				continue // one CDF per level: its first run's
+			}
 			if p := plots[fmt.Sprintf("ttft-%d", l.Streams)]; p != "" {
 				fmt.Fprintf(w, "![TTFT CDF per target, %s](img/%s)\n\n", plural(l.Streams, "stream"), p)
 			}
@@ -338,19 +341,38 @@ func orEmpty(s string) string {
 func levelsText(r *LatencyReport) string {
 	var parts []string
 	for _, l := range r.Levels {
+		if l.Run > 1 {
+			continue
+		}
 		n := int64(0)
 		if len(l.Targets) > 0 {
 			n = l.Targets[0].Requests
 		}
-		parts = append(parts, fmt.Sprintf("%d concurrent: %s requests per target", l.Streams, humanize.Comma(n)))
+		runs := ""
+		if k := len(r.runs(l.Streams)); k > 1 {
+			runs = fmt.Sprintf(" in each of %d runs", k)
+		}
+		parts = append(parts, fmt.Sprintf("%d concurrent: %s requests per target%s", l.Streams, humanize.Comma(n), runs))
 	}
 	return strings.Join(parts, "; ")
 }
 
-// cell returns the figure of one column, "—" for a target absent from the run.
-func latencyCells(l *LatencyLevel, f func(*LatencyTarget) string) []string {
+// latencyColumns are the suite's columns, and llm_proxy_tenants after
+// llm_proxy when the report has it.
+func latencyColumns(r *LatencyReport) []string {
+	for i := range r.Levels {
+		if r.Levels[i].target(TargetLLMProxyTenants) != nil {
+			return []string{TargetDirect, TargetLLMProxy, TargetLLMProxyTenants, TargetReverseProxy, TargetNginx}
+		}
+	}
+	return suiteColumns
+}
+
+// latencyCells returns the figure of each column, "—" for a target absent
+// from the run.
+func latencyCells(cols []string, l *LatencyLevel, f func(*LatencyTarget) string) []string {
 	var out []string
-	for _, name := range suiteColumns {
+	for _, name := range cols {
 		t := l.target(name)
 		if t == nil {
 			out = append(out, "—")
@@ -362,10 +384,21 @@ func latencyCells(l *LatencyLevel, f func(*LatencyTarget) string) []string {
 }
 
 func writeLatencyTables(w io.Writer, r *LatencyReport, gaps bool) {
-	rows := [][]string{append([]string{"streams", "figure"}, suiteColumns...)}
+	cols := latencyColumns(r)
+	cells := func(l *LatencyLevel, f func(*LatencyTarget) string) []string { return latencyCells(cols, l, f) }
+	rows := [][]string{append([]string{"streams", "figure"}, cols...)}
+	costs := false
+	for i := range r.Levels {
+		for _, t := range r.Levels[i].Targets {
+			costs = costs || t.CPUPerRequestUS != nil || t.AllocsPerRequest != nil
+		}
+	}
 	for i := range r.Levels {
 		l := &r.Levels[i]
 		s := humanize.Comma(int64(l.Streams))
+		if l.Run > 0 {
+			s += fmt.Sprintf(" (run %d)", l.Run)
+		}
 		added := func(v float64, t *LatencyTarget) string {
 			if t.Name == TargetDirect {
 				return "—"
@@ -373,20 +406,31 @@ func writeLatencyTables(w io.Writer, r *LatencyReport, gaps bool) {
 			return fmtAdded(v)
 		}
 		rows = append(rows,
-			append([]string{s, "TTFT p50"}, latencyCells(l, func(t *LatencyTarget) string { return fmtFixed(t.TTFT.P50) })...),
-			append([]string{s, "TTFT p99"}, latencyCells(l, func(t *LatencyTarget) string { return fmtFixed(t.TTFT.P99) })...),
-			append([]string{s, "**added TTFT p50**"}, latencyCells(l, func(t *LatencyTarget) string { return added(t.AddedTTFTP50, t) })...),
-			append([]string{s, "**added TTFT p99**"}, latencyCells(l, func(t *LatencyTarget) string { return added(t.AddedTTFTP99, t) })...))
+			append([]string{s, "TTFT p50"}, cells(l, func(t *LatencyTarget) string { return fmtFixed(t.TTFT.P50) })...),
+			append([]string{s, "TTFT p99"}, cells(l, func(t *LatencyTarget) string { return fmtFixed(t.TTFT.P99) })...),
+			append([]string{s, "**added TTFT p50**"}, cells(l, func(t *LatencyTarget) string { return added(t.AddedTTFTP50, t) })...),
+			append([]string{s, "**added TTFT p99**"}, cells(l, func(t *LatencyTarget) string { return added(t.AddedTTFTP99, t) })...))
 		if gaps {
 			rows = append(rows,
-				append([]string{s, "inter-event gap p99"}, latencyCells(l, func(t *LatencyTarget) string { return fmtFixed(t.Gap.P99) })...),
-				append([]string{s, "**added gap p99**"}, latencyCells(l, func(t *LatencyTarget) string { return added(t.AddedGapP99, t) })...))
+				append([]string{s, "inter-event gap p99"}, cells(l, func(t *LatencyTarget) string { return fmtFixed(t.Gap.P99) })...),
+				append([]string{s, "**added gap p99**"}, cells(l, func(t *LatencyTarget) string { return added(t.AddedGapP99, t) })...))
 		}
-		rows = append(rows, append([]string{s, "errors"}, latencyCells(l, func(t *LatencyTarget) string {
+		if costs {
+			opt := func(v *float64, format string) string {
+				if v == nil {
+					return "—"
+				}
+				return fmt.Sprintf(format, *v)
+			}
+			rows = append(rows,
+				append([]string{s, "CPU per request, µs"}, cells(l, func(t *LatencyTarget) string { return opt(t.CPUPerRequestUS, "%.0f") })...),
+				append([]string{s, "allocations per request"}, cells(l, func(t *LatencyTarget) string { return opt(t.AllocsPerRequest, "%.0f") })...))
+		}
+		rows = append(rows, append([]string{s, "errors"}, cells(l, func(t *LatencyTarget) string {
 			return fmt.Sprintf("%d / %s", t.Errors, humanize.Comma(t.Requests))
 		})...))
 	}
-	writeMarkdown(w, rows, "llrrrr")
+	writeMarkdown(w, rows, "ll"+strings.Repeat("r", len(cols)))
 	fmt.Fprintln(w)
 	for i := range r.Levels {
 		for _, t := range r.Levels[i].Targets {

@@ -284,3 +284,106 @@ func TestStreamSetCountsLateEvents(t *testing.T) {
 		t.Errorf("largest lateness %s, want about 400ms", m)
 	}
 }
+
+// S3's goals of issue 22 take the median of the runs' ratios, each run's
+// llm_proxy (or llm_proxy_tenants) added TTFT over reverse_proxy's.
+func TestMedianAddedGoalTakesTheMiddleRun(t *testing.T) {
+	run := func(n int, llm, ten, rp float64) LatencyLevel {
+		return LatencyLevel{Streams: 100, Run: n, Targets: []LatencyTarget{
+			{Name: TargetDirect},
+			{Name: TargetLLMProxy, AddedTTFTP50: llm, AddedTTFTP99: 2 * llm},
+			{Name: TargetLLMProxyTenants, AddedTTFTP50: ten, AddedTTFTP99: 2 * ten},
+			{Name: TargetReverseProxy, AddedTTFTP50: rp, AddedTTFTP99: 2 * rp},
+		}}
+	}
+	r := &LatencyReport{Levels: []LatencyLevel{
+		{Streams: 1, Targets: []LatencyTarget{{Name: TargetDirect}, {Name: TargetLLMProxy, AddedTTFTP50: 9}, {Name: TargetReverseProxy, AddedTTFTP50: 1}}},
+		run(1, 9, 11, 10), run(2, 12, 13, 10), run(3, 11, 50, 10),
+	}}
+	g := medianAddedGoal("p50", r, TargetLLMProxy, false, 1)
+	if !g.Known || g.Met || !strings.Contains(g.Measured, "median **1.10×**") {
+		t.Errorf("llm_proxy p50 runs 0.9×, 1.2×, 1.1× (the 1-stream level's 9× ignored): %+v, want median 1.10× not met", g)
+	}
+	g = medianAddedGoal("p99", r, TargetLLMProxyTenants, true, 1.15)
+	if !g.Known || g.Met || !strings.Contains(g.Measured, "median **1.30×**") {
+		t.Errorf("tenants p99 runs 1.1×, 1.3×, 5×: %+v, want median 1.30× not met", g)
+	}
+	r.Levels[3] = run(2, 12, 11.4, 10)
+	if g = medianAddedGoal("p50", r, TargetLLMProxyTenants, false, 1.15); !g.Met {
+		t.Errorf("tenants p50 runs 1.1×, 1.14×, 5×: %+v, want met at 1.15×", g)
+	}
+	// reverse_proxy adding nothing measurable: met only by adding no more.
+	z := &LatencyReport{Levels: []LatencyLevel{run(1, 0.5, 0, 0), run(2, 0.5, 0, 0), run(3, 0, 0, 0)}}
+	if g = medianAddedGoal("p50", z, TargetLLMProxy, false, 1); g.Met {
+		t.Errorf("llm_proxy +0.5 ms in two runs where reverse_proxy added 0: %+v, want not met", g)
+	}
+	if g = medianAddedGoal("p50", z, TargetLLMProxyTenants, false, 1.15); !g.Met {
+		t.Errorf("tenants +0 ms where reverse_proxy added 0: %+v, want met", g)
+	}
+	if g = medianAddedGoal("p50", &LatencyReport{}, TargetLLMProxy, false, 1); g.Known {
+		t.Errorf("no S3: %+v, want not measured", g)
+	}
+}
+
+func TestS3MeasuresTheHundredStreamLevelInRuns(t *testing.T) {
+	plans, err := latencyPlans(&SuiteConfig{Scenario: ScenarioS3, Runs: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, p := range plans {
+		got = append(got, fmt.Sprintf("%d/%d", p.streams, p.run))
+	}
+	if strings.Join(got, " ") != "1/0 100/1 100/2 100/3" {
+		t.Errorf("S3 plans %v, want 1/0 100/1 100/2 100/3", got)
+	}
+	plans, _ = latencyPlans(&SuiteConfig{Scenario: ScenarioS1, Runs: 3})
+	if len(plans) != 1 || plans[0].run != 0 {
+		t.Errorf("S1 plans %+v, want one level, no runs", plans)
+	}
+}
+
+func TestLatencyTablesShowTheTenantsTargetAndCosts(t *testing.T) {
+	cpu, allocs := 712.4, 245.0
+	r := &LatencyReport{Levels: []LatencyLevel{{Streams: 100, Run: 2, Targets: []LatencyTarget{
+		{Name: TargetDirect}, {Name: TargetLLMProxy, CPUPerRequestUS: &cpu, AllocsPerRequest: &allocs},
+		{Name: TargetLLMProxyTenants}, {Name: TargetReverseProxy}}}}}
+	var b strings.Builder
+	writeLatencyTables(&b, r, true)
+	out := b.String()
+	for _, want := range []string{"| llm_proxy_tenants |", "100 (run 2)", "CPU per request, µs", " 712 |", " 245 |"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Index(out, "llm_proxy_tenants") > strings.Index(out, "reverse_proxy") {
+		t.Errorf("llm_proxy_tenants should stand beside llm_proxy, before reverse_proxy:\n%s", out)
+	}
+}
+
+func FuzzParseSchedstat(f *testing.F) {
+	f.Add([]byte("945490 164103 2\n"))
+	f.Add([]byte(""))
+	f.Add([]byte("x 1 2"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ns, err := parseSchedstat(b)
+		if err == nil && ns < 0 && !bytes.Contains(b, []byte("-")) {
+			t.Errorf("negative time %d from %q", ns, b)
+		}
+	})
+}
+
+func TestTreeCPUNanosOfThisProcess(t *testing.T) {
+	a, err := treeCPUNanos(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := 0
+	for i := range 20_000_000 {
+		x ^= i
+	}
+	b, _ := treeCPUNanos(os.Getpid())
+	if a <= 0 || b <= a {
+		t.Errorf("CPU time %d then %d ns after a busy loop (%d), want positive and growing", a, b, x)
+	}
+}
