@@ -1,11 +1,15 @@
 package caddymodule
 
 import (
+	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -67,5 +71,120 @@ func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 	}
 	if code := post("b"); code == http.StatusServiceUnavailable {
 		t.Fatalf("site B (consecutive_failures 10, no failures) refused with 503")
+	}
+}
+
+// An SRE's gateway: two sites over shared upstreams (one with saturation,
+// active probes, least_queue and a gate; one with breakers off and a
+// fallback), tenants and tiers, reloaded with changed settings, then a
+// site and an upstream removed, then every site removed. After each step
+// the shared registry holds only what the running config uses, and at the
+// end nothing: no entry, gate, body budget, tenant controller, probe or
+// scrape loop, and no goroutine left behind.
+func TestReloadsLeaveNoStateOrGoroutinesBehind(t *testing.T) {
+	m1, m2, m3 := newMockVLLM(t), newMockVLLM(t), newMockVLLM(t)
+	d1, d2, d3 := strings.TrimPrefix(m1.URL, "http://"), strings.TrimPrefix(m2.URL, "http://"), strings.TrimPrefix(m3.URL, "http://")
+	pa, pb := freePort(t), freePort(t)
+	base := runtime.NumGoroutine()
+	site := func(listen, body string) string { return "http://" + listen + " {\n" + body + "\n}\n" }
+	global := func(tiers string) string {
+		return "{\n\tadmin off\n\tpersist_config off\n\tllm_proxy {\n\t\ttenants {\n\t\t\tkey k1 t1 tier gold\n\t\t\tunknown bronze\n\t\t}\n" + tiers + "\t}\n}\n"
+	}
+	siteA := func(interval string, ups ...string) string {
+		return site(pa, "\tllm_proxy {\n\t\tto "+strings.Join(ups, " ")+"\n\t\tlb_policy least_queue\n\t\tsaturation {\n\t\t\tinterval "+interval+
+			"\n\t\t}\n\t\tbreaker {\n\t\t\tconsecutive_failures 2\n\t\t\tprobe {\n\t\t\t\turi /health\n\t\t\t\tinterval 50ms\n\t\t\t}\n\t\t}\n\t\tadmission {\n\t\t\tcapacity 8\n\t\t}\n\t}")
+	}
+	siteB := func(ups ...string) string {
+		return site(pb, "\tllm_proxy {\n\t\tto "+strings.Join(ups, " ")+"\n\t\tbreaker off\n\t\tfallback small {\n\t\t\tto "+d3+"\n\t\t\twhen unavailable\n\t\t}\n\t}")
+	}
+	tiers1 := "\t\ttier gold {\n\t\t\tpriority 10\n\t\t}\n\t\ttier bronze {\n\t\t\tpriority -1\n\t\t\tmax_concurrent 4\n\t\t}\n"
+	tiers2 := "\t\ttier gold {\n\t\t\tpriority 5\n\t\t\tmax_concurrent 3\n\t\t}\n\t\ttier bronze {\n\t\t\tpriority -1\n\t\t}\n"
+	load := func(step, src string) {
+		t.Helper()
+		cfg, err := adapt(t, src)
+		if err != nil {
+			t.Fatalf("%s: adapt: %v\n%s", step, err, src)
+		}
+		if err := caddy.Load(cfg, true); err != nil {
+			t.Fatalf("%s: load: %v", step, err)
+		}
+	}
+	send := func(listen string) {
+		t.Helper()
+		for range 3 {
+			req, _ := http.NewRequest("POST", "http://"+listen+"/v1/chat/completions",
+				strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+			req.Header.Set("Authorization", "Bearer k1")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("%s: status %d", listen, resp.StatusCode)
+			}
+			resp, err = http.Get("http://" + listen + "/v1/models")
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+		}
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	load("first", global(tiers1)+siteA("200ms", d1, d2)+siteB(d1, d2))
+	send(pa)
+	send(pb)
+	load("reload with changes", global(tiers2)+siteB(d1, d2)+siteA("300ms", d1, d2))
+	send(pa)
+	send(pb)
+	load("reload, site A drops an upstream", global(tiers2)+siteA("300ms", d1)+siteB(d1, d2))
+	send(pa)
+	waitFor(t, "one scrape loop (d1's)", func() bool { return shared.upstreams.ScrapeLoops() == 1 })
+	load("reload, site B removed", global(tiers2)+siteA("300ms", d1))
+	send(pa)
+	if es := shared.upstreams.Entries(); len(es) != 1 || es[0].Addr() != d1 {
+		var addrs []string
+		for _, e := range es {
+			addrs = append(addrs, e.Addr())
+		}
+		t.Fatalf("entries after site B left: %v, want only %s", addrs, d1)
+	}
+	if err := caddy.Load([]byte(`{"admin":{"disabled":true,"config":{"persist":false}}}`), true); err != nil {
+		t.Fatalf("no sites: %v", err)
+	}
+	check := func() string {
+		switch {
+		case len(shared.upstreams.Entries()) != 0:
+			return fmt.Sprintf("%d upstream entries", len(shared.upstreams.Entries()))
+		case shared.upstreams.ProbeLoops() != 0:
+			return fmt.Sprintf("%d probe loops", shared.upstreams.ProbeLoops())
+		case shared.upstreams.ScrapeLoops() != 0:
+			return fmt.Sprintf("%d scrape loops", shared.upstreams.ScrapeLoops())
+		case shared.gates.Len() != 0:
+			return fmt.Sprintf("%d gates", shared.gates.Len())
+		case shared.bodies.Len() != 0:
+			return fmt.Sprintf("%d body budgets", shared.bodies.Len())
+		case shared.tenants.Len() != 0:
+			return fmt.Sprintf("%d tenant controllers", shared.tenants.Len())
+		case len(runningPools()) != 0:
+			return fmt.Sprintf("%d running pools", len(runningPools()))
+		}
+		return ""
+	}
+	http.DefaultClient.CloseIdleConnections()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		left := check()
+		n := runtime.NumGoroutine()
+		if left == "" && n <= base+2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			buf = buf[:runtime.Stack(buf, true)]
+			t.Fatalf("after every site left: %s; %d goroutines, %d before the first load\n%s", left, n, base, buf)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
