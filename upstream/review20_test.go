@@ -7,6 +7,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
 // reloadAll replaces the running pools with new ones for cfgs (one config
@@ -103,6 +104,61 @@ func TestReloadKeepsEachPolicysStateWhenTheNewestHandlerChanges(t *testing.T) {
 				if _, err := pickModel(c, ""); err != nil {
 					t.Errorf("new site C refused by another site's open breaker: %v", err)
 				}
+			}
+		})
+	}
+}
+
+// Two sites over one server, both reading saturation signals with the same
+// breaker settings: site A trips on KV-cache usage above 0.9, site B has
+// `trip off`. With the server's KV usage at 0.97, A's breaker opens by
+// observation and B's stays closed, whichever site is declared last: each
+// handler's saturation trip rules govern its own breakers. (The scraper,
+// one per server, judges with one config's rules: the newest's.)
+func TestEachSiteObeysItsOwnSaturationTripRules(t *testing.T) {
+	t.Skip("defect: the scraper (one per upstream) judges with the newest saturation config's trip rules and trips every " +
+		"breaker of a policy that reads saturation; the policy fingerprint does not include the trip rules, so sites with equal " +
+		"breaker settings share a breaker. A declared last with trip kv_usage 0.9 opens B's (trip off) breaker; B declared last " +
+		"turns A's trips off. Fix: fingerprint the trip rules, and judge each policy's breakers with its own rules (a TripMonitor per policy)")
+	const full = `# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 8
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.97
+`
+	for _, order := range []string{"A then B", "B then A"} {
+		t.Run(order, func(t *testing.T) {
+			reg := NewRegistry(nil)
+			clk := newLoopClock()
+			reg.UseClock(clk)
+			m := newMetricsServer(t, full)
+			const interval = 20 * time.Millisecond
+			sat := func(trip *saturation.TripRules) *saturation.Saturation {
+				return &saturation.Saturation{Transport: httpTransport{}, Interval: interval, Timeout: interval, Trip: trip}
+			}
+			a := Config{Key: "a", Static: targets(m.addr), Breaker: &breaker.Settings{},
+				Saturation: sat(&saturation.TripRules{KVUsage: 0.9, KVFor: 2 * interval})}
+			b := Config{Key: "b", Static: targets(m.addr), Breaker: &breaker.Settings{}, Saturation: sat(nil)}
+			cfgs := []Config{a, b}
+			if order == "B then A" {
+				cfgs = []Config{b, a}
+			}
+			pools := reloadAll(t, reg, nil, cfgs...)
+			pa, pb := pools[0], pools[1]
+			if order == "B then A" {
+				pa, pb = pb, pa
+			}
+			for range 10 {
+				clk.awaitTickers(t, 1) // scraped, waiting for the next tick
+				clk.Advance(interval)
+			}
+			clk.awaitTickers(t, 1)
+			if st := pa.BreakerState(m.addr, ""); st != "open" {
+				t.Errorf("site A (trip kv_usage 0.9) breaker %q with KV usage 0.97 for 10 intervals, want open", st)
+			}
+			if st := pb.BreakerState(m.addr, ""); st != "closed" {
+				t.Errorf("site B (trip off) breaker %q, want closed: another site's trip rules opened it", st)
 			}
 		})
 	}
