@@ -188,3 +188,61 @@ func TestReloadsLeaveNoStateOrGoroutinesBehind(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// Two sites of one config in front of the same upstream with admission
+// capacities of their own: site A allows 1 request in flight, site B 100
+// (declared after A). While A's one request runs, A's second must wait (it
+// must not reach the upstream): each handler's requests obey its own
+// capacity ("the most requests in flight through this handler"). The
+// gate was shared by upstream set, and the last handler's settings applied.
+func TestTwoSitesOneUpstreamEachObeyTheirAdmissionCapacity(t *testing.T) {
+	var hits atomic.Int64
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}`))
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(release) })
+	dial := strings.TrimPrefix(srv.URL, "http://")
+	listen := freePort(t)
+	route := func(path, admission string) string {
+		return `{"match":[{"path":["` + path + `"]}],"handle":[` +
+			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}],"admission":` + admission + `}]}`
+	}
+	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
+		`"],"automatic_https":{"disable":true},"routes":[` +
+		route("/a/*", `{"capacity":1}`) + `,` + route("/b/*", `{"capacity":100}`) + `]}}}}}`
+	if err := caddy.Load([]byte(cfg), true); err != nil {
+		t.Fatalf("loading config: %v", err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	send := func(timeout time.Duration) {
+		c := &http.Client{Timeout: timeout}
+		resp, err := c.Post("http://"+listen+"/a/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+		if err == nil {
+			resp.Body.Close()
+		}
+	}
+	go send(10 * time.Second)
+	waitFor(t, "site A's first request at the upstream", func() bool { return hits.Load() == 1 })
+	send(300 * time.Millisecond)
+	if n := hits.Load(); n != 1 {
+		t.Fatalf("site A (capacity 1) had %d requests at the upstream at once: site B's capacity 100 applied to it", n)
+	}
+	// A reload of the same config keeps each site's gate: the request
+	// still running through the old config's site A fills the new one's.
+	if err := caddy.Load([]byte(cfg), true); err != nil {
+		t.Fatalf("reload: %v", err)
+	}
+	send(300 * time.Millisecond)
+	if n := hits.Load(); n != 1 {
+		t.Fatalf("after a reload site A (capacity 1) had %d requests at the upstream at once", n)
+	}
+}
