@@ -112,16 +112,24 @@ type claim struct {
 
 // policyFingerprint identifies a breaker policy: "s" (saturation signals
 // trip its breakers) or "b" (they do not), then 8 hex digits of the FNV-1a
-// hash of the settings.
-func policyFingerprint(s *breaker.Settings, sat bool) string {
+// hash of the breaker settings and, with saturation, of the saturation
+// breaker's trip rules and the queue_threshold its recovery reads (so that
+// pools with other trip rules have breakers of their own).
+func policyFingerprint(s *breaker.Settings, sat *saturation.Saturation) string {
 	if s == nil {
 		return ""
 	}
 	h := fnv.New32a()
 	fmt.Fprintf(h, "%+v", *s)
 	kind := "b"
-	if sat {
+	if sat != nil {
 		kind = "s"
+		if sat.Trip != nil {
+			fmt.Fprintf(h, "|trip %+v", *sat.Trip)
+		} else {
+			fmt.Fprint(h, "|trip off")
+		}
+		fmt.Fprintf(h, "|queue %v", sat.QueueThreshold)
 	}
 	return fmt.Sprintf("%s%08x", kind, h.Sum32())
 }

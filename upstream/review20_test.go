@@ -116,10 +116,6 @@ func TestReloadKeepsEachPolicysStateWhenTheNewestHandlerChanges(t *testing.T) {
 // handler's saturation trip rules govern its own breakers. (The scraper,
 // one per server, judges with one config's rules: the newest's.)
 func TestEachSiteObeysItsOwnSaturationTripRules(t *testing.T) {
-	t.Skip("defect: the scraper (one per upstream) judges with the newest saturation config's trip rules and trips every " +
-		"breaker of a policy that reads saturation; the policy fingerprint does not include the trip rules, so sites with equal " +
-		"breaker settings share a breaker. A declared last with trip kv_usage 0.9 opens B's (trip off) breaker; B declared last " +
-		"turns A's trips off. Fix: fingerprint the trip rules, and judge each policy's breakers with its own rules (a TripMonitor per policy)")
 	const full = `# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="m"} 0
 # TYPE vllm:num_requests_running gauge
