@@ -25,12 +25,11 @@ import (
 // settings, and whether they read saturation signals, are identical share
 // one breaker per model key; a handler with other settings has its own
 // (Caddy's reverseproxy keeps per-host counters shared and thresholds per
-// handler, hosts.go). The primary policy is one of the policies of the
-// newest started config with breakers on (else the newest provisioned
-// one), see effectiveLocked: it stays with its settings while a handler of
-// that config has them, else passes to a handler whose settings a reload
-// changed; its breakers keep the plain names ("addr", "addr|model") and
-// take the new settings, so their state survives the reload. Another
+// handler, hosts.go). The primary policy is that of the newest handler
+// with breakers on of the newest started config (else of the newest
+// provisioned one), see effectiveLocked; its breakers keep the plain names
+// ("addr", "addr|model") and take the new settings when a reload changes
+// them, so their state survives the reload. Another
 // policy's breakers are named "addr~<policy>" ("addr~<policy>|model"). A
 // handler with breakers off uses none and changes nothing for the others.
 // A config that is only provisioned (not started, or failed to load)
@@ -212,16 +211,15 @@ func (e *Entry) dropClaim(c *claim) {
 }
 
 // effectiveLocked picks the claim whose settings the primary policy's
-// breakers take. It looks at the claims with breakers on of one config:
-// the newest config with a started pool (a config starts its pools one by
-// one, and its first started pool must not decide alone), else, nothing
-// started yet, the newest config. Among them it keeps the primary policy
-// where one of them still has it (a reload that keeps a handler's settings
-// keeps the state of every policy, whichever handler is provisioned last);
-// else it takes the newest claim whose policy no older config used (the
-// handler whose settings a reload changed takes over the state), else the
-// newest. A claim with breakers off never decides anything for another
-// handler.
+// breakers take: among the claims with breakers on of one config — the
+// newest config with a started pool, else (nothing started yet, e.g. the
+// first config while it starts) the newest config — the newest claim. The
+// choice is per config, not per pool: a config starts its pools one by
+// one, and its first started pool alone must not make its policy the
+// primary one for a moment (that dropped the other policies' breakers, and
+// their state, on every reload). It depends on the config alone, so every
+// gateway of a fleet running one config names the breakers alike. A claim
+// with breakers off never decides anything for another handler.
 func (e *Entry) effectiveLocked() *claim {
 	var cgen uint64
 	started := false
@@ -233,40 +231,13 @@ func (e *Entry) effectiveLocked() *claim {
 			cgen, started = c.cgen, a
 		}
 	}
-	cur := e.prim.Load().fp
-	var keep, fresh, newest *claim
+	var best *claim
 	for _, c := range e.claims {
-		if c.settings == nil || c.cgen != cgen {
-			continue
-		}
-		if newest == nil || c.gen > newest.gen {
-			newest = c
-		}
-		if cur != "" && c.fp == cur && (keep == nil || c.gen > keep.gen) {
-			keep = c
-		}
-		if !e.usedBeforeLocked(c.fp, cgen) && (fresh == nil || c.gen > fresh.gen) {
-			fresh = c
+		if c.settings != nil && c.cgen == cgen && (best == nil || c.gen > best.gen) {
+			best = c
 		}
 	}
-	switch {
-	case keep != nil:
-		return keep
-	case fresh != nil:
-		return fresh
-	}
-	return newest
-}
-
-// usedBeforeLocked reports whether a claim of a config older than cgen has
-// policy fingerprint fp.
-func (e *Entry) usedBeforeLocked(fp string, cgen uint64) bool {
-	for _, c := range e.claims {
-		if c.settings != nil && c.cgen < cgen && c.fp == fp {
-			return true
-		}
-	}
-	return false
+	return best
 }
 
 // liveLocked reports whether some claim uses policy key pol.
