@@ -2,6 +2,8 @@ package caddymodule
 
 import (
 	"fmt"
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/prometheus/client_golang/prometheus"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -253,5 +255,65 @@ func TestTwoSitesOneUpstreamEachObeyTheirAdmissionCapacity(t *testing.T) {
 	send(300 * time.Millisecond)
 	if n := hits.Load(); n != 1 {
 		t.Fatalf("after a reload site A (capacity 1) had %d requests at the upstream at once", n)
+	}
+}
+
+// Two sites in front of one dead server with different breaker policies:
+// A's breaker opens, B's stays closed. caddy_llm_proxy_breaker_state has
+// a series for each (their pool label is the same upstream set, so each
+// gets its policy after "~"): one reads open, the other closed. Before,
+// the collector kept the first pool's series of a (pool, upstream, model)
+// and dropped the other site's breaker: B's closed breaker was invisible
+// and min by (pool) said every upstream of the pool was open while B's
+// clients were served.
+func TestBreakerStateShowsEachSitesBreaker(t *testing.T) {
+	initMetrics()
+	dial := "127.0.0.1:" + strings.Split(freePort(t), ":")[1] // nothing listens: refused
+	listen := freePort(t)
+	route := func(path string, n int) string {
+		return fmt.Sprintf(`{"match":[{"path":["%s"]}],"handle":[{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"%s"}],`+
+			`"breaker":{"consecutive_failures":%d,"open_for":60000000000,"min_open":60000000000}}]}`, path, dial, n)
+	}
+	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
+		`"],"automatic_https":{"disable":true},"routes":[` + route("/a/*", 2) + `,` + route("/b/*", 10) + `]}}}}}`
+	if err := caddy.Load([]byte(cfg), true); err != nil {
+		t.Fatalf("loading config: %v", err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	for range 2 {
+		resp, err := http.Post("http://"+listen+"/a/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	r := prometheus.NewRegistry()
+	if err := registerMetrics(r); err != nil {
+		t.Fatal(err)
+	}
+	fams, err := r.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	states := map[float64]int{}
+	var pools []string
+	for _, f := range fams {
+		if f.GetName() != "caddy_llm_proxy_breaker_state" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["upstream"] == dial {
+				states[m.GetGauge().GetValue()]++
+				pools = append(pools, labels["pool"])
+			}
+		}
+	}
+	if states[float64(breaker.Open)] != 1 || states[float64(breaker.Closed)] != 1 {
+		t.Fatalf("breaker_state series of %s: %v by state (pools %q), want one open (site A) and one closed (site B)", dial, states, pools)
 	}
 }

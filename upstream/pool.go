@@ -407,6 +407,11 @@ func (p *Pool) Breakers(e *Entry) map[string]*breaker.Breaker {
 	return e.policyBreakers(e.polOf(p.claim))
 }
 
+// Policy returns the fingerprint of the pool's breaker policy ("b" or "s"
+// then 8 hex digits, see BreakerView.Policy), "" with breakers off. Pools
+// with one policy in front of one upstream share its breakers.
+func (p *Pool) Policy() string { return p.claim.fp }
+
 // Registry returns the registry the pool belongs to.
 func (p *Pool) Registry() *Registry { return p.reg }
 
