@@ -113,13 +113,18 @@ type claim struct {
 // trip its breakers) or "b" (they do not), then 8 hex digits of the FNV-1a
 // hash of the breaker settings and, with saturation, of the saturation
 // breaker's trip rules and the queue_threshold its recovery reads (so that
-// pools with other trip rules have breakers of their own).
-func policyFingerprint(s *breaker.Settings, sat *saturation.Saturation) string {
+// pools with other trip rules have breakers of their own), and its scope
+// (a scope model pool never reads, lists or counts as healthy another
+// pool's per-upstream breaker).
+func policyFingerprint(s *breaker.Settings, sat *saturation.Saturation, scopeModel bool) string {
 	if s == nil {
 		return ""
 	}
 	h := fnv.New32a()
 	fmt.Fprintf(h, "%+v", *s)
+	if scopeModel {
+		fmt.Fprint(h, "|scope model")
+	}
 	kind := "b"
 	if sat != nil {
 		kind = "s"
@@ -250,6 +255,23 @@ func (e *Entry) liveLocked(pol string) bool {
 	return false
 }
 
+// scopeModelLocked reports whether every claim that uses policy key pol
+// keys its breakers by model, so that none reads a per-upstream breaker of
+// that policy (a claim of an older config that uses the primary policy may
+// still read one).
+func (e *Entry) scopeModelLocked(pol string) bool {
+	n := 0
+	for _, c := range e.claims {
+		if c.settings != nil && e.polOf(c) == pol {
+			if !c.scopeModel {
+				return false
+			}
+			n++
+		}
+	}
+	return n > 0
+}
+
 // settingsLocked returns the settings of policy key pol.
 func (e *Entry) settingsLocked(pol string) (breaker.Settings, bool) {
 	if pol == "" {
@@ -290,7 +312,10 @@ func (e *Entry) reconcile() {
 	old := e.breakerMap()
 	for k, b := range old {
 		switch {
-		case !e.liveLocked(k.pol):
+		case !e.liveLocked(k.pol), k.model == "" && e.scopeModelLocked(k.pol):
+			// No claim uses the policy any more, or it became a scope
+			// model policy (a reload made a scope model handler the
+			// newest one): its per-upstream breaker governs nothing.
 			drop = append(drop, k)
 		case k.pol == "" && prev != eff:
 			apply = append(apply, b)

@@ -154,7 +154,7 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 		}
 		p.sat, p.claim.sat = &s, &s
 	}
-	p.claim.fp = policyFingerprint(cfg.Breaker, p.sat)
+	p.claim.fp = policyFingerprint(cfg.Breaker, p.sat, cfg.ScopeModel)
 	p.claim.scopeModel = cfg.ScopeModel
 	_, p.scored = p.sel.(interface{ wantsScores() })
 	p.scored = p.scored || p.sat != nil

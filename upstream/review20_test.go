@@ -166,3 +166,34 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.97
 		})
 	}
 }
+
+// Two sites over one upstream with the same breaker settings (the
+// defaults, say), site B with scope model: A's per-upstream breaker opens.
+// B's requests are governed by B's model breakers, so B still counts the
+// upstream healthy (its per_upstream capacity and pool signal read
+// ClosedUpstreams) and lists none of A's breakers as its own.
+func TestScopeModelSiteIgnoresAnotherSitesPerUpstreamBreaker(t *testing.T) {
+	reg := NewRegistry(nil)
+	const addr = "10.7.9.9:8000"
+	s := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 1, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	pools := reloadAll(t, reg, nil,
+		Config{Key: "a", Static: targets(addr), Breaker: s()},
+		Config{Key: "b", Static: targets(addr), Breaker: s(), ScopeModel: true})
+	a, b := pools[0], pools[1]
+	fail(mustPick(t, a, ""))
+	if st := a.BreakerState(addr, ""); st != "open" {
+		t.Fatalf("site A's breaker %q, want open", st)
+	}
+	if n := b.ClosedUpstreams(); n != 1 {
+		t.Errorf("site B (scope model, no model breaker open) counts %d healthy upstreams, want 1: site A's breaker counted", n)
+	}
+	e, _ := reg.Entry(addr)
+	if bs := b.Breakers(e); len(bs) != 0 {
+		t.Errorf("site B (scope model, no traffic yet) lists breakers %v as its own, want none", bs)
+	}
+	if _, err := pickModel(b, "m"); err != nil {
+		t.Errorf("site B's request refused: %v", err)
+	}
+}
