@@ -45,13 +45,16 @@ func (ac *AdmissionConfig) validate() error {
 }
 
 // gate takes the handler's reference to its pool's gate (shared.gates, by
-// pool identity: kept across reloads, so the requests in flight and queued
-// through the old config's handler count against the new one's capacity)
+// pool identity and the handler's place among the config's handlers of
+// that identity, see App.gateKey: kept across reloads, so the requests in
+// flight and queued through the old config's handler count against the new
+// one's capacity, while two handlers of one config in front of the same
+// upstreams each have a gate, a capacity and a pool signal of their own)
 // and returns it with the settings this config will apply when it starts:
 // a gate whenever capacity or tenants are configured (the gate counts
 // admission decisions) or need is set (the degradation ladder reads the
 // pool's saturation from it), nil otherwise.
-func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller, need bool) (*admission.Gate, *admission.GateSettings, error) {
+func (ac *AdmissionConfig) gate(app *App, claims *registry.Claims, poolKey string, pool *upstream.Pool, ctl *admission.Controller, need bool) (*admission.Gate, *admission.GateSettings, error) {
 	hasCapacity := ac != nil && (ac.Capacity > 0 || ac.PerUpstream > 0)
 	if !hasCapacity && ctl == nil && !need {
 		return nil, nil, nil
@@ -60,7 +63,7 @@ func (ac *AdmissionConfig) gate(claims *registry.Claims, poolKey string, pool *u
 	if ac != nil {
 		want.Capacity, want.PerUpstream, want.Queue = ac.Capacity, ac.PerUpstream, ac.Queue
 	}
-	g, err := shared.gates.Acquire(claims, poolKey, func() (*admission.Gate, error) {
+	g, err := shared.gates.Acquire(claims, app.gateKey(poolKey), func() (*admission.Gate, error) {
 		// A new gate is not live yet: its settings apply now.
 		return admission.NewPoolGate(*want, ctl, admission.SystemClock{}, newGateObserver()), nil
 	}, nil)

@@ -88,11 +88,13 @@ type App struct {
 	// gen is the config's generation (upstream.Config.Generation), so
 	// that two handlers of this config in front of one upstream each obey
 	// their own breaker settings.
-	gen    uint64
-	gates  []adoptedGate
-	logger *zap.Logger
-	events *caddyevents.App
-	ctx    caddy.Context
+	gen   uint64
+	gates []adoptedGate
+	// gateSeq counts the gates of this config by pool identity (gateKey).
+	gateSeq map[string]int
+	logger  *zap.Logger
+	events  *caddyevents.App
+	ctx     caddy.Context
 }
 
 // CaddyModule returns the Caddy module information.
@@ -171,6 +173,22 @@ func (a *App) Cleanup() error {
 type adoptedGate struct {
 	g    *admission.Gate
 	want *admission.GateSettings
+}
+
+// gateKey returns the registry key of the next gate of pool identity
+// poolKey in this config: the identity, then "#n" for the n-th handler (or
+// fallback) of the config with that identity, in provisioning order. A
+// reload of the same config finds each handler's gate again; two handlers
+// in front of the same upstreams get one each (before, they shared one
+// with the last one's capacity). Caddy provisions a config from one
+// goroutine, so gateSeq needs no lock.
+func (a *App) gateKey(poolKey string) string {
+	if a.gateSeq == nil {
+		a.gateSeq = map[string]int{}
+	}
+	n := a.gateSeq[poolKey]
+	a.gateSeq[poolKey] = n + 1
+	return poolKey + "#" + strconv.Itoa(n)
 }
 
 // adoptGate records a gate whose capacity this config sets when it starts.

@@ -161,7 +161,7 @@ func (h *Handler) provisionFallbacks(ctx caddy.Context, app *App, sel upstream.S
 		if h.Admission != nil {
 			ac.Queue = h.Admission.Queue
 		}
-		sg, want, err := ac.gate(h.claims, key, pool, ctl, false)
+		sg, want, err := ac.gate(app, h.claims, key, pool, ctl, false)
 		if err != nil {
 			return nil, err
 		}

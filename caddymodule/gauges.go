@@ -108,7 +108,11 @@ func runningTenants() (*admission.Controller, []string) {
 // running configs, read from the breakers at each scrape. A breaker shared
 // by two pools (one upstream in both) has a series in each, so "every
 // upstream of a pool is open" is min by (pool) >= 1; a breaker that is
-// gone, or whose upstream left every running config, has no series.
+// gone, or whose upstream left every running config, has no series. When
+// handlers in front of the same upstreams have different breaker policies
+// (so different breakers), each one's pool label is followed by
+// "~<policy>" (BreakerView.Policy's fingerprint), so that each handler's
+// breakers have their own series.
 type breakerStateCollector struct{ desc *prometheus.Desc }
 
 func (c breakerStateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
@@ -116,8 +120,22 @@ func (c breakerStateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.de
 func (c breakerStateCollector) Collect(ch chan<- prometheus.Metric) {
 	type key struct{ pool, upstream, model string }
 	seen := map[key]bool{}
-	for _, p := range runningPools() {
+	pools := runningPools()
+	policies := map[string]map[string]bool{} // pool label → policies with breakers on
+	for _, p := range pools {
+		if pol := p.Policy(); pol != "" {
+			l := poolLabel(p.Key())
+			if policies[l] == nil {
+				policies[l] = map[string]bool{}
+			}
+			policies[l][pol] = true
+		}
+	}
+	for _, p := range pools {
 		pool := poolLabel(p.Key())
+		if len(policies[pool]) > 1 {
+			pool += "~" + p.Policy()
+		}
 		for _, e := range p.Entries() {
 			for model, b := range p.Breakers(e) {
 				k := key{pool, e.Addr(), model}

@@ -28,7 +28,7 @@ func testGate(t *testing.T, key, addr string) *admission.Gate {
 	}
 	claims := new(registry.Claims)
 	t.Cleanup(func() { claims.Release(); pool.Release() })
-	sg, _, err := (&AdmissionConfig{Capacity: 1}).gate(claims, key, pool, nil, false)
+	sg, _, err := (&AdmissionConfig{Capacity: 1}).gate(new(App), claims, key, pool, nil, false)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -224,7 +224,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	// primary's gate (its capacity and saturation signal) to know when.
 	// So does a fallback with a capacity of its own: the request's
 	// admission, made at the primary's gate, is what moves to it.
-	sg, want, err := h.Admission.gate(h.claims, key, h.pool, ctl, h.takesOverflow() || h.fallbackCapacity())
+	sg, want, err := h.Admission.gate(app, h.claims, key, h.pool, ctl, h.takesOverflow() || h.fallbackCapacity())
 	if err != nil {
 		return err
 	}

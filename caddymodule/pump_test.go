@@ -31,7 +31,7 @@ func TestBreakerClosingAdmitsTheQueue(t *testing.T) {
 	app.adopt(pool)
 	claims := new(registry.Claims)
 	defer claims.Release()
-	g, want, err := (&AdmissionConfig{PerUpstream: 1}).gate(claims, key, pool, nil, false)
+	g, want, err := (&AdmissionConfig{PerUpstream: 1}).gate(new(App), claims, key, pool, nil, false)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -72,12 +72,27 @@ type Host interface {
 	// Inflight returns this gateway's attempts in progress to the
 	// upstream: the floor of its effective queue (see Scraper.Score).
 	Inflight() int64
-	// TripBreakers returns the breakers that the saturation rules trip
-	// and recover by observation: those of the pools that configured
-	// saturation (DESIGN §7), none when no such pool has breakers on
-	// (the rules then do not run). Called after each scrape, without
-	// the scraper's lock: the breakers' listeners may take the host's.
-	TripBreakers() []*breaker.Breaker
+	// TripGroups returns the breakers that the saturation rules trip and
+	// recover by observation, grouped by the settings whose rules judge
+	// them: those of the pools that configured saturation (DESIGN §7),
+	// each with its own pool's trip rules; none when no such pool has
+	// breakers on (the rules then do not run). Called after each scrape,
+	// without the scraper's lock: the breakers' listeners may take the
+	// host's.
+	TripGroups() []TripGroup
+}
+
+// TripGroup is breakers judged by one set of saturation settings.
+type TripGroup struct {
+	// Key identifies the group from one scrape to the next: the trip
+	// rules' running counts are kept per key.
+	Key string
+	// Config holds the trip rules (Trip; nil: they never trip) and the
+	// queue_threshold of the recovery verdict that judge the group; nil
+	// is the scrape's own settings.
+	Config *Saturation
+	// Breakers are the group's breakers.
+	Breakers []*breaker.Breaker
 }
 
 // Scrapers are the scrapers of one registry: the clock and observer they
@@ -182,7 +197,8 @@ type histPoint struct {
 // window and the trip rules' running counts.
 type history struct {
 	points []histPoint
-	trip   TripMonitor
+	// trips are the running counts of each TripGroup's rules, by key.
+	trips map[string]*TripMonitor
 }
 
 // Addr returns the upstream's dial address.
@@ -360,7 +376,7 @@ func (l *limitedReader) Read(p []byte) (int, error) {
 // with (defaults applied). It stores the new snapshot (the count of
 // attempts started since the scrape restarts on success), reports the
 // signals' values and states and the scrape to the Observer, and runs the
-// saturation breaker on the host's TripBreakers when cfg.Trip is set.
+// saturation breaker on the host's TripGroups, each with its own trip rules.
 // Callers that fetch scrapes their own way (simulations, tests) feed them
 // here; it is safe for concurrent use, and does nothing once stopped.
 func (s *Scraper) Apply(cfg *Saturation, sc Scrape, err error, now time.Time, took time.Duration) {
@@ -445,7 +461,9 @@ func (s *Scraper) Apply(cfg *Saturation, sc Scrape, err error, now time.Time, to
 	s.reportPrefixHits(prev, snap) // prefixhits.go
 	s.mu.Unlock()
 
-	if t := cfg.Trip; t != nil {
+	// The input of one group's trip rules: which quantiles are over
+	// depends on its thresholds.
+	input := func(t *TripRules) TripInput {
 		in := TripInput{OK: snap.ok, QueueWait: qw, TTFT: ttft}
 		if snap.ok {
 			in.KV, in.Waiting = r.KVUsage, r.Waiting
@@ -459,49 +477,75 @@ func (s *Scraper) Apply(cfg *Saturation, sc Scrape, err error, now time.Time, to
 				in.IntervalTTFTOver = Over(last.ttft, cur.ttft, 0.95, t.TTFTP95)
 			}
 		}
-		s.judge(cfg, now, in)
+		return in
 	}
+	s.judge(cfg, now, input)
 }
 
-// judge runs the saturation breaker over the host's TripBreakers: a rule
-// held for its duration trips every one of them (the server's queue is
-// every model's queue; a pool without saturation is never refused for it,
-// its breakers are not among them); breakers it tripped are fed this
-// scrape's verdict (recovery by observation). Called under applyMu.
-func (s *Scraper) judge(cfg *Saturation, now time.Time, in TripInput) {
-	bs := s.host.TripBreakers()
-	if len(bs) == 0 {
-		return
-	}
+// judge runs the saturation breaker over each of the host's TripGroups,
+// with the group's own trip rules and running counts: a rule held for its
+// duration trips every breaker of the group (the server's queue is every
+// model's queue; a pool without saturation is never refused for it, its
+// breakers are in no group, and a pool's rules never trip another pool's
+// breakers); breakers it tripped are fed this scrape's verdict (recovery
+// by observation). Called under applyMu.
+func (s *Scraper) judge(cfg *Saturation, now time.Time, input func(*TripRules) TripInput) {
+	groups := s.host.TripGroups()
 	st := &s.hist
-	recovering := false
-	for _, b := range bs {
-		recovering = recovering || b.Observed()
-	}
-	if recovering {
-		// Tripped: recovery is judged scrape by scrape (Verdict), and the
-		// trip rules wait until it is closed again.
-		st.trip.Reset()
-	} else if reason, trip := st.trip.Update(now, cfg.Trip, in); trip {
-		for _, b := range bs {
-			b.TripObserved(reason) // an already open breaker keeps its own reason
+	seen := make(map[string]bool, len(groups))
+	restart := false
+	for _, g := range groups {
+		gcfg := g.Config
+		if gcfg == nil {
+			gcfg = cfg
 		}
-		// The window restarts: what recovery and the next trip judge is
-		// what happens from now on, not the waits that tripped it.
-		st.restartWindow()
-		return
-	}
-	verdict, why := Verdict(cfg, in)
-	closed := false
-	for _, b := range bs {
-		if b.Observed() {
-			b.Observe(verdict, why)
-			closed = closed || b.State() == breaker.Closed
+		if gcfg.Trip == nil || len(g.Breakers) == 0 {
+			continue
+		}
+		seen[g.Key] = true
+		if st.trips == nil {
+			st.trips = map[string]*TripMonitor{}
+		}
+		mon := st.trips[g.Key]
+		if mon == nil {
+			mon = new(TripMonitor)
+			st.trips[g.Key] = mon
+		}
+		in := input(gcfg.Trip)
+		recovering := false
+		for _, b := range g.Breakers {
+			recovering = recovering || b.Observed()
+		}
+		if recovering {
+			// Tripped: recovery is judged scrape by scrape (Verdict), and
+			// the trip rules wait until it is closed again.
+			mon.Reset()
+		} else if reason, trip := mon.Update(now, gcfg.Trip, in); trip {
+			for _, b := range g.Breakers {
+				b.TripObserved(reason) // an already open breaker keeps its own reason
+			}
+			// The window restarts: what recovery and the next trip judge
+			// is what happens from now on, not the waits that tripped it.
+			restart = true
+			continue
+		}
+		verdict, why := Verdict(gcfg, in)
+		for _, b := range g.Breakers {
+			if b.Observed() {
+				b.Observe(verdict, why)
+				// Closed by observation: the waits from before the drain
+				// must not trip it again once they are "recent" for
+				// another window.
+				restart = restart || b.State() == breaker.Closed
+			}
 		}
 	}
-	if closed {
-		// Closed by observation: the waits from before the drain must
-		// not trip it again once they are "recent" for another window.
+	for k := range st.trips {
+		if !seen[k] {
+			delete(st.trips, k) // a group no config has any more
+		}
+	}
+	if restart {
 		st.restartWindow()
 	}
 }
@@ -512,5 +556,7 @@ func (st *history) restartWindow() {
 	if n := len(st.points); n > 1 {
 		st.points = append(st.points[:0], st.points[n-1])
 	}
-	st.trip.Reset()
+	for _, m := range st.trips {
+		m.Reset()
+	}
 }

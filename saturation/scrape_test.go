@@ -49,8 +49,10 @@ type fakeHost struct {
 	breakers []*breaker.Breaker
 }
 
-func (h *fakeHost) Inflight() int64                  { return h.inflight.Load() }
-func (h *fakeHost) TripBreakers() []*breaker.Breaker { return h.breakers }
+func (h *fakeHost) Inflight() int64 { return h.inflight.Load() }
+func (h *fakeHost) TripGroups() []TripGroup {
+	return []TripGroup{{Key: "", Breakers: h.breakers}}
+}
 
 // metricsTransport answers every scrape with body, or, while hang is set,
 // holds it until its context ends; it counts the scrapes and those in

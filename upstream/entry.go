@@ -25,10 +25,11 @@ import (
 // settings, and whether they read saturation signals, are identical share
 // one breaker per model key; a handler with other settings has its own
 // (Caddy's reverseproxy keeps per-host counters shared and thresholds per
-// handler, hosts.go). The primary policy is that of the newest started
-// config with breakers on (else the newest provisioned one); its breakers
-// keep the plain names ("addr", "addr|model") and take the new settings
-// when a reload changes them, so their state survives the reload. Another
+// handler, hosts.go). The primary policy is that of the newest handler
+// with breakers on of the newest started config (else of the newest
+// provisioned one), see effectiveLocked; its breakers keep the plain names
+// ("addr", "addr|model") and take the new settings when a reload changes
+// them, so their state survives the reload. Another
 // policy's breakers are named "addr~<policy>" ("addr~<policy>|model"). A
 // handler with breakers off uses none and changes nothing for the others.
 // A config that is only provisioned (not started, or failed to load)
@@ -110,16 +111,29 @@ type claim struct {
 
 // policyFingerprint identifies a breaker policy: "s" (saturation signals
 // trip its breakers) or "b" (they do not), then 8 hex digits of the FNV-1a
-// hash of the settings.
-func policyFingerprint(s *breaker.Settings, sat bool) string {
+// hash of the breaker settings and, with saturation, of the saturation
+// breaker's trip rules and the queue_threshold its recovery reads (so that
+// pools with other trip rules have breakers of their own), and its scope
+// (a scope model pool never reads, lists or counts as healthy another
+// pool's per-upstream breaker).
+func policyFingerprint(s *breaker.Settings, sat *saturation.Saturation, scopeModel bool) string {
 	if s == nil {
 		return ""
 	}
 	h := fnv.New32a()
 	fmt.Fprintf(h, "%+v", *s)
+	if scopeModel {
+		fmt.Fprint(h, "|scope model")
+	}
 	kind := "b"
-	if sat {
+	if sat != nil {
 		kind = "s"
+		if sat.Trip != nil {
+			fmt.Fprintf(h, "|trip %+v", *sat.Trip)
+		} else {
+			fmt.Fprint(h, "|trip off")
+		}
+		fmt.Fprintf(h, "|queue %v", sat.QueueThreshold)
 	}
 	return fmt.Sprintf("%s%08x", kind, h.Sum32())
 }
@@ -202,18 +216,29 @@ func (e *Entry) dropClaim(c *claim) {
 }
 
 // effectiveLocked picks the claim whose settings the primary policy's
-// breakers take: among the claims with breakers on, the newest active
-// one, else (nothing started yet, e.g. the first config while it starts)
-// the newest. A claim with breakers off never decides anything for
-// another handler.
+// breakers take: among the claims with breakers on of one config — the
+// newest config with a started pool, else (nothing started yet, e.g. the
+// first config while it starts) the newest config — the newest claim. The
+// choice is per config, not per pool: a config starts its pools one by
+// one, and its first started pool alone must not make its policy the
+// primary one for a moment (that dropped the other policies' breakers, and
+// their state, on every reload). It depends on the config alone, so every
+// gateway of a fleet running one config names the breakers alike. A claim
+// with breakers off never decides anything for another handler.
 func (e *Entry) effectiveLocked() *claim {
-	var best *claim
+	var cgen uint64
+	started := false
 	for _, c := range e.claims {
 		if c.settings == nil {
 			continue
 		}
-		ca, ba := c.active.Load(), best != nil && best.active.Load()
-		if best == nil || (ca && !ba) || (ca == ba && c.gen > best.gen) {
+		if a := c.active.Load(); (a && !started) || (a == started && c.cgen > cgen) {
+			cgen, started = c.cgen, a
+		}
+	}
+	var best *claim
+	for _, c := range e.claims {
+		if c.settings != nil && c.cgen == cgen && (best == nil || c.gen > best.gen) {
 			best = c
 		}
 	}
@@ -228,6 +253,23 @@ func (e *Entry) liveLocked(pol string) bool {
 		}
 	}
 	return false
+}
+
+// scopeModelLocked reports whether every claim that uses policy key pol
+// keys its breakers by model, so that none reads a per-upstream breaker of
+// that policy (a claim of an older config that uses the primary policy may
+// still read one).
+func (e *Entry) scopeModelLocked(pol string) bool {
+	n := 0
+	for _, c := range e.claims {
+		if c.settings != nil && e.polOf(c) == pol {
+			if !c.scopeModel {
+				return false
+			}
+			n++
+		}
+	}
+	return n > 0
 }
 
 // settingsLocked returns the settings of policy key pol.
@@ -270,7 +312,10 @@ func (e *Entry) reconcile() {
 	old := e.breakerMap()
 	for k, b := range old {
 		switch {
-		case !e.liveLocked(k.pol):
+		case !e.liveLocked(k.pol), k.model == "" && e.scopeModelLocked(k.pol):
+			// No claim uses the policy any more, or it became a scope
+			// model policy (a reload made a scope model handler the
+			// newest one): its per-upstream breaker governs nothing.
 			drop = append(drop, k)
 		case k.pol == "" && prev != eff:
 			apply = append(apply, b)

@@ -154,7 +154,7 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 		}
 		p.sat, p.claim.sat = &s, &s
 	}
-	p.claim.fp = policyFingerprint(cfg.Breaker, p.sat != nil)
+	p.claim.fp = policyFingerprint(cfg.Breaker, p.sat, cfg.ScopeModel)
 	p.claim.scopeModel = cfg.ScopeModel
 	_, p.scored = p.sel.(interface{ wantsScores() })
 	p.scored = p.scored || p.sat != nil
@@ -406,6 +406,11 @@ func (p *Pool) Breakers(e *Entry) map[string]*breaker.Breaker {
 	}
 	return e.policyBreakers(e.polOf(p.claim))
 }
+
+// Policy returns the fingerprint of the pool's breaker policy ("b" or "s"
+// then 8 hex digits, see BreakerView.Policy), "" with breakers off. Pools
+// with one policy in front of one upstream share its breakers.
+func (p *Pool) Policy() string { return p.claim.fp }
 
 // Registry returns the registry the pool belongs to.
 func (p *Pool) Registry() *Registry { return p.reg }

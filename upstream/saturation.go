@@ -3,7 +3,6 @@ package upstream
 import (
 	"time"
 
-	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
@@ -44,17 +43,52 @@ type scrapeHost struct{ e *Entry }
 // Inflight implements saturation.Host.
 func (h scrapeHost) Inflight() int64 { return h.e.inflight.Load() }
 
-// TripBreakers implements saturation.Host: the entry's breakers whose
+// TripGroups implements saturation.Host: the entry's breakers whose
 // policy reads saturation signals (the server's queue is every model's
-// queue); a handler without a saturation block is never refused for it.
-func (h scrapeHost) TripBreakers() []*breaker.Breaker {
-	var bs []*breaker.Breaker
-	for k, b := range h.e.breakerMap() {
-		if h.e.satPolicy(k.pol) {
-			bs = append(bs, b)
+// queue), one group per policy, judged by the trip rules of that policy's
+// pools; a handler without a saturation block is never refused for it,
+// and one pool's trip rules never trip another's breakers.
+func (h scrapeHost) TripGroups() []saturation.TripGroup {
+	e := h.e
+	byPol := map[string]*saturation.TripGroup{}
+	var out []saturation.TripGroup
+	e.mu.Lock()
+	for k, b := range e.breakerMap() {
+		if !e.satPolicy(k.pol) {
+			continue
+		}
+		g := byPol[k.pol]
+		if g == nil {
+			g = &saturation.TripGroup{Key: k.pol, Config: e.policySatLocked(k.pol)}
+			byPol[k.pol] = g
+		}
+		g.Breakers = append(g.Breakers, b)
+	}
+	e.mu.Unlock()
+	for _, g := range byPol {
+		if g.Config != nil {
+			out = append(out, *g)
 		}
 	}
-	return bs
+	return out
+}
+
+// policySatLocked returns the saturation settings of policy key pol's
+// pools (those of the primary policy's effective claim for ""), nil when
+// none of its claims reads saturation.
+func (e *Entry) policySatLocked(pol string) *saturation.Saturation {
+	if pol == "" {
+		if e.eff != nil {
+			return e.eff.sat
+		}
+		return nil
+	}
+	for _, c := range e.claims {
+		if c.sat != nil && c.fp == pol {
+			return c.sat
+		}
+	}
+	return nil
 }
 
 // scrapeClock is the registry's clock as the scrapers' (see UseClock):
