@@ -150,19 +150,22 @@ func TestAppStartAndStopHandOverSettings(t *testing.T) {
 
 // TestUpstreamIdleTimeoutDefaultsBelowServerKeepAlive: without a keepalive
 // setting the transport drops idle connections after 4s (uvicorn closes
-// them after 5s); a configured one is kept.
+// them after 5s) and keeps up to 256 per upstream (Caddy's 32 re-dialled
+// most of a burst); configured ones are kept.
 func TestUpstreamIdleTimeoutDefaultsBelowServerKeepAlive(t *testing.T) {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	for _, tc := range []struct {
-		name string
-		raw  string
-		want time.Duration
+		name     string
+		raw      string
+		want     time.Duration
+		wantIdle int
 	}{
-		{"no transport", "", DefaultUpstreamIdleTimeout},
-		{"transport without keepalive", `{"protocol":"http","dial_timeout":1000000000}`, DefaultUpstreamIdleTimeout},
-		{"keepalive without idle", `{"protocol":"http","keep_alive":{"max_idle_conns_per_host":8}}`, DefaultUpstreamIdleTimeout},
-		{"configured idle", `{"protocol":"http","keep_alive":{"idle_timeout":90000000000}}`, 90 * time.Second},
+		{"no transport", "", DefaultUpstreamIdleTimeout, DefaultUpstreamMaxIdleConns},
+		{"transport without keepalive", `{"protocol":"http","dial_timeout":1000000000}`, DefaultUpstreamIdleTimeout, DefaultUpstreamMaxIdleConns},
+		{"keepalive without idle", `{"protocol":"http","keep_alive":{"max_idle_conns_per_host":8}}`, DefaultUpstreamIdleTimeout, 8},
+		{"configured idle", `{"protocol":"http","keep_alive":{"idle_timeout":90000000000}}`, 90 * time.Second, DefaultUpstreamMaxIdleConns},
+		{"keep-alive off", `{"protocol":"http","keep_alive":{"enabled":false}}`, DefaultUpstreamIdleTimeout, DefaultUpstreamMaxIdleConns},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := new(Handler)
@@ -175,6 +178,9 @@ func TestUpstreamIdleTimeoutDefaultsBelowServerKeepAlive(t *testing.T) {
 			}
 			if got := tr.Transport.IdleConnTimeout; got != tc.want {
 				t.Errorf("idle timeout %v, want %v", got, tc.want)
+			}
+			if got := tr.Transport.MaxIdleConnsPerHost; got != tc.wantIdle {
+				t.Errorf("idle connections per upstream %d, want %d", got, tc.wantIdle)
 			}
 			if !tr.fresh.DisableKeepAlives {
 				t.Error("the fresh-connection transport reuses connections")

@@ -65,8 +65,11 @@ type Handler struct {
 	// "http" transport (http.reverse_proxy.transport.http) is accepted: dial
 	// timeouts, keep-alive, TLS to upstreams, h2c. Default: an http
 	// transport with Caddy's defaults, except keep-alive idle connections
-	// closed after 4s (DefaultUpstreamIdleTimeout) and 1 KiB read and
-	// write buffers per connection (DefaultUpstreamBufferSize).
+	// closed after 4s (DefaultUpstreamIdleTimeout), up to 256 of them kept
+	// per upstream (DefaultUpstreamMaxIdleConns; Caddy's default is 32),
+	// and 1 KiB read and write buffers per connection
+	// (DefaultUpstreamBufferSize). A configured transport keeps its own
+	// idle_timeout and max_idle_conns_per_host, else gets these two.
 	TransportRaw json.RawMessage `json:"transport,omitempty" caddy:"namespace=http.reverse_proxy.transport inline_key=protocol"`
 
 	// MaxRequestBody is the largest request body accepted, in bytes; a

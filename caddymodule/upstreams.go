@@ -30,6 +30,15 @@ const dialInfoKey caddy.CtxKey = "reverse_proxy.dial_info"
 // does, instead of writing a request onto one the server is closing.
 const DefaultUpstreamIdleTimeout = 4 * time.Second
 
+// DefaultUpstreamMaxIdleConns is how many idle keep-alive connections to
+// each upstream the default transport keeps (Caddy's own default is 32). An
+// inference server runs hundreds of requests at once (vLLM's scheduler up
+// to max_num_seqs, 256 by default), so with 32 a burst of 100 streams
+// re-dialled 68 connections — a TCP (and TLS) handshake, two transport
+// goroutines and their buffers — before each of those requests could
+// start; 256 keeps one per request a server runs at once.
+const DefaultUpstreamMaxIdleConns = 256
+
 // DefaultUpstreamBufferSize is the read and write buffer of each upstream
 // connection of the default transport, in bytes: an SSE chunk is a few
 // hundred bytes, so net/http's 4 KiB buffers mostly sit empty for the whole
@@ -209,7 +218,8 @@ func (f freshRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) 
 func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
 	var t *reverseproxy.HTTPTransport
 	if h.TransportRaw == nil {
-		t = &reverseproxy.HTTPTransport{KeepAlive: &reverseproxy.KeepAlive{IdleConnTimeout: caddy.Duration(DefaultUpstreamIdleTimeout)},
+		t = &reverseproxy.HTTPTransport{KeepAlive: &reverseproxy.KeepAlive{IdleConnTimeout: caddy.Duration(DefaultUpstreamIdleTimeout),
+			MaxIdleConnsPerHost: DefaultUpstreamMaxIdleConns},
 			ReadBufferSize: DefaultUpstreamBufferSize, WriteBufferSize: DefaultUpstreamBufferSize}
 		if err := t.Provision(ctx); err != nil {
 			return nil, fmt.Errorf("provisioning default http transport: %w", err)
@@ -218,7 +228,8 @@ func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
 	} else {
 		var keep struct {
 			KeepAlive *struct {
-				IdleTimeout json.RawMessage `json:"idle_timeout"`
+				IdleTimeout    json.RawMessage `json:"idle_timeout"`
+				MaxIdlePerHost json.RawMessage `json:"max_idle_conns_per_host"`
 			} `json:"keep_alive"`
 		}
 		_ = json.Unmarshal(h.TransportRaw, &keep)
@@ -233,6 +244,10 @@ func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
 		if keep.KeepAlive == nil || keep.KeepAlive.IdleTimeout == nil {
 			t.KeepAlive.IdleConnTimeout = caddy.Duration(DefaultUpstreamIdleTimeout)
 			t.Transport.IdleConnTimeout = DefaultUpstreamIdleTimeout
+		}
+		if (keep.KeepAlive == nil || keep.KeepAlive.MaxIdlePerHost == nil) && t.Transport.MaxIdleConnsPerHost > 0 {
+			t.KeepAlive.MaxIdleConnsPerHost = DefaultUpstreamMaxIdleConns
+			t.Transport.MaxIdleConnsPerHost = DefaultUpstreamMaxIdleConns
 		}
 	}
 	fresh := t.Transport.Clone()
