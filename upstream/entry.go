@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/prefix"
@@ -70,6 +71,30 @@ type Entry struct {
 	destroyed bool
 	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
 	bstore breaker.Store
+	// drain is an operator's drain of the upstream (Drain), nil when none:
+	// a breaker created while it lasts starts forced open.
+	drain *drain
+}
+
+// drain is an operator's drain of an upstream: every breaker forced open
+// until until (forever: until Undrain).
+type drain struct {
+	until   time.Time
+	forever bool
+	reason  string
+}
+
+// left returns how long d still holds at now: ok false when it is over;
+// 0 with ok when it holds until Undrain.
+func (d *drain) left(now time.Time) (time.Duration, bool) {
+	if d == nil {
+		return 0, false
+	}
+	if d.forever {
+		return 0, true
+	}
+	l := d.until.Sub(now)
+	return l, l > 0
 }
 
 // primary is an entry's primary policy: its fingerprint ("" when no claim
@@ -395,8 +420,14 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	m[k] = b
 	e.breakers.Store(&m)
 	e.reg.obs.BreakerCreated(e.addr, model)
+	dr := e.drain
 	e.mu.Unlock()
 	l.register(b)
+	if d, ok := dr.left(e.reg.now()); ok {
+		// The upstream is drained: a breaker of a policy or model that
+		// had none when the drain began refuses as the others do.
+		b.ForceOpen(d, dr.reason)
+	}
 	return b
 }
 
@@ -505,6 +536,71 @@ func (e *Entry) useStore(st breaker.Store) {
 		ob.Close()
 	}
 	e.maybeProbe()
+}
+
+// AllBreakers returns every breaker of the upstream, of every policy and
+// model key, sorted by key.
+func (e *Entry) AllBreakers() []*breaker.Breaker {
+	m := e.breakerMap()
+	out := make([]*breaker.Breaker, 0, len(m))
+	for _, b := range m {
+		out = append(out, b)
+	}
+	slices.SortFunc(out, func(a, b *breaker.Breaker) int { return strings.Compare(a.Key(), b.Key()) })
+	return out
+}
+
+// Drain is an operator's drain of the upstream (admin API: POST
+// /llm_proxy/breakers/<addr>/open): every breaker of the upstream — of
+// every handler's policy and every model key — is forced open for d (d ≤
+// 0: until Undrain; see breaker.ForceOpen), and a breaker created while
+// the drain lasts (a model first requested under scope model, a policy
+// whose handler had not used the upstream yet) starts forced open for what
+// is left of it, so that no handler sends here. It returns the breakers it
+// opened, sorted by key; ok is false, and nothing changes, when no handler
+// holding the upstream has breakers on.
+func (e *Entry) Drain(d time.Duration, reason string) (opened []*breaker.Breaker, ok bool) {
+	e.mu.Lock()
+	if e.destroyed || !slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil }) {
+		e.mu.Unlock()
+		return nil, false
+	}
+	dr := &drain{forever: d <= 0, reason: reason}
+	if d > 0 {
+		dr.until = e.reg.now().Add(d)
+	}
+	e.drain = dr
+	e.mu.Unlock()
+	// Outside e.mu: each transition reaches the entry's listener.
+	bs := e.AllBreakers()
+	for _, b := range bs {
+		b.ForceOpen(d, reason)
+	}
+	return bs, true
+}
+
+// Undrain ends a drain (admin API: POST /llm_proxy/breakers/<addr>/close
+// or /reset): every breaker of the upstream is forced closed, or reset to
+// a fresh closed state, and breakers created from now on start closed. It
+// returns the breakers it changed, sorted by key; ok is false when no
+// handler holding the upstream has breakers on.
+func (e *Entry) Undrain(reset bool, reason string) (changed []*breaker.Breaker, ok bool) {
+	e.mu.Lock()
+	e.drain = nil
+	on := !e.destroyed && slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil })
+	e.mu.Unlock()
+	if !on {
+		return nil, false
+	}
+	bs := e.AllBreakers()
+	for _, b := range bs {
+		if reset {
+			b.Reset()
+		} else {
+			b.ForceClose(reason)
+		}
+	}
+	return bs, true
 }
 
 // lookupBreaker returns an existing breaker of the primary policy without
