@@ -58,13 +58,14 @@ func init() {
 // And the pools (issue 19):
 //
 //	GET  /llm_proxy/pools                      every pool of the running config: "key",
-//	                                           "max_ejection", "panic_threshold" (negative:
+//	                                           "handler" (Handler.Name), "max_ejection", "panic_threshold" (negative:
 //	                                           off), "ejected" and "max_ejected" (upstreams
 //	                                           held open on statistical evidence), "panic",
 //	                                           "panic_requests"
 //
-// Each breaker's "evidence" ("hard" or "statistical"), "probe_failures" and
-// "peer_ratio" are in /llm_proxy/breakers.
+// Each breaker's "evidence" ("hard" or "statistical"), "probe_failures",
+// "peer_ratio", "pools" and "handlers" (the names of the handlers whose
+// requests it governs, Handler.Name) are in /llm_proxy/breakers.
 //
 // And the fleet:
 //
@@ -374,7 +375,7 @@ func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
 		pol, rest, _ = strings.Cut(p, "|")
 	}
 	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: strings.TrimPrefix(rest, "|"),
-		Inflight: e.Inflight(), Policy: pol, Pools: e.PolicyPools(pol)}
+		Inflight: e.Inflight(), Policy: pol, Pools: e.PolicyPools(pol), Handlers: e.PolicyHandlers(pol)}
 	for j, k := range v.Pools {
 		v.Pools[j] = poolLabel(k)
 	}

@@ -120,6 +120,9 @@ type claim struct {
 	active atomic.Bool
 	// pool is the pool's key (Config.Key), for the admin API.
 	pool string
+	// handler names the handler the pool serves (Config.Handler, else
+	// the pool's key), for the admin API.
+	handler string
 	// settings is nil when the config turns breakers off.
 	settings *breaker.Settings
 	// fp is the fingerprint of the claim's policy: its breaker settings
@@ -632,12 +635,25 @@ func (e *Entry) PolicyPools(pol string) []string { return e.poolsOf(pol) }
 
 // poolsOf returns the sorted keys of the pools that use policy key pol.
 func (e *Entry) poolsOf(pol string) []string {
+	return e.claimsOf(pol, func(c *claim) string { return c.pool })
+}
+
+// PolicyHandlers returns the sorted names (Config.Handler) of the handlers
+// whose requests the breakers of policy key pol (BreakerView.Policy, ""
+// for the primary policy) govern.
+func (e *Entry) PolicyHandlers(pol string) []string {
+	return e.claimsOf(pol, func(c *claim) string { return c.handler })
+}
+
+// claimsOf returns the sorted distinct names of the claims that use policy
+// key pol.
+func (e *Entry) claimsOf(pol string, name func(*claim) string) []string {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var out []string
+	out := []string{}
 	for _, c := range e.claims {
-		if c.settings != nil && e.polOf(c) == pol && !slices.Contains(out, c.pool) {
-			out = append(out, c.pool)
+		if n := name(c); c.settings != nil && e.polOf(c) == pol && !slices.Contains(out, n) {
+			out = append(out, n)
 		}
 	}
 	sort.Strings(out)
