@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"errors"
+	"net/http"
 	"testing"
 	"time"
 
@@ -72,5 +73,27 @@ func TestDrainWithBreakersOffIsRefused(t *testing.T) {
 	e, _ := reg.Entry(addr)
 	if bs, ok := e.Drain(time.Minute, "x"); ok || len(bs) != 0 {
 		t.Fatalf("Drain with breakers off: %v, %d breakers; want refused", ok, len(bs))
+	}
+}
+
+// Pool.Holds names the pool's upstreams: its static ones, and the dynamic
+// ones its source returned, until it forgets them.
+func TestPoolHoldsItsUpstreams(t *testing.T) {
+	reg := NewRegistry(nil)
+	static := startPool(t, reg, Config{Key: "s", Static: targets("10.7.9.5:8000", "10.7.9.6:8000")})
+	if !static.Holds("10.7.9.6:8000") || static.Holds("10.7.9.7:8000") {
+		t.Errorf("static pool: Holds(6) %v, Holds(7) %v; want true, false", static.Holds("10.7.9.6:8000"), static.Holds("10.7.9.7:8000"))
+	}
+	dyn := startPool(t, reg, Config{Key: "d", Source: func(*http.Request) ([]Target, error) { return targets("10.7.9.7:8000"), nil }})
+	if dyn.Holds("10.7.9.7:8000") {
+		t.Error("dynamic pool holds an upstream its source has not returned yet")
+	}
+	mustPick(t, dyn, "")
+	if !dyn.Holds("10.7.9.7:8000") || dyn.Holds("10.7.9.5:8000") {
+		t.Errorf("dynamic pool after a pick: Holds(7) %v, Holds(5) %v; want true, false", dyn.Holds("10.7.9.7:8000"), dyn.Holds("10.7.9.5:8000"))
+	}
+	dyn.ForgetUnseen(reg.now().Add(time.Second))
+	if dyn.Holds("10.7.9.7:8000") {
+		t.Error("dynamic pool still holds an upstream it forgot")
 	}
 }

@@ -434,6 +434,20 @@ func (p *Pool) Handler() string { return p.claim.handler }
 // remembers from before a reload). Do not modify them.
 func (p *Pool) Entries() []*Entry { return p.entries() }
 
+// Holds reports whether the upstream at dial address addr is one of the
+// pool's now: a static upstream, or a dynamic one its source returned and
+// the pool has not forgotten (admission.PoolView: the gates of the pools
+// holding an upstream are pumped when its state changes).
+func (p *Pool) Holds(addr string) bool {
+	for _, m := range p.static {
+		if m.t.Addr == addr {
+			return true
+		}
+	}
+	_, ok := p.dynamic.Load(addr)
+	return ok
+}
+
 // ClosedUpstreams returns how many of the pool's known upstreams are
 // healthy: their per-upstream breaker closed, or under scope model at least
 // one of their model breakers closed (all of them when breakers are off),
