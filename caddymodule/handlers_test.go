@@ -23,6 +23,9 @@ func TestBreakersNameTheHandlersTheyServe(t *testing.T) {
 	m := newMockVLLM(t)
 	dial := strings.TrimPrefix(m.URL, "http://")
 	listen := freePort(t)
+	// A new connection per request: the second load closes the first's
+	// listener.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	for _, tc := range []struct {
 		name   string
 		fa, fb int
@@ -43,7 +46,7 @@ func TestBreakersNameTheHandlersTheyServe(t *testing.T) {
 			}
 			t.Cleanup(func() { _ = caddy.Stop() })
 			for _, site := range []string{"a", "b"} {
-				resp, err := http.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
+				resp, err := client.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
 					strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
 				if err != nil {
 					t.Fatal(err)

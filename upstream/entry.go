@@ -30,7 +30,11 @@ import (
 // with breakers on of the newest started config (else of the newest
 // provisioned one), see effectiveLocked; its breakers keep the plain names
 // ("addr", "addr|model") and take the new settings when a reload changes
-// them, so their state survives the reload. Another
+// them, so their state survives the reload. When a reload hands the
+// primary policy to another policy while the old one is still some
+// handler's (it changes which handler comes last), the two policies'
+// breakers swap names, each built again with its open state
+// (rekeyLocked), so each handler keeps its own breaker's state. Another
 // policy's breakers are named "addr~<policy>" ("addr~<policy>|model"). A
 // handler with breakers off uses none and changes nothing for the others.
 // A config that is only provisioned (not started, or failed to load)
@@ -333,8 +337,10 @@ func (e *Entry) reconcile() {
 	if eff != nil {
 		prim = &primary{fp: eff.fp, cgen: eff.cgen}
 	}
+	prevPrim := e.prim.Load()
 	e.prim.Store(prim)
 	e.configureScraperLocked()
+	moved, retired := e.rekeyLocked(prevPrim, prim)
 	var drop []bkey
 	var apply []*breaker.Breaker
 	old := e.breakerMap()
@@ -379,6 +385,12 @@ func (e *Entry) reconcile() {
 		}
 	}
 	e.mu.Unlock()
+	for nb, r := range moved {
+		r.finish(nb)
+	}
+	for _, b := range retired {
+		b.Close()
+	}
 	for _, b := range apply {
 		b.SetSettings(*eff.settings)
 	}
@@ -386,6 +398,89 @@ func (e *Entry) reconcile() {
 		e.breakerFor(c, "")
 	}
 	e.maybeProbe()
+}
+
+// rekeyed is a breaker built again under another key (rekeyLocked): the
+// breaker it replaces, and its listener to register.
+type rekeyed struct {
+	old *breaker.Breaker
+	l   *heldListener
+}
+
+// finish carries the replaced breaker's open state over to nb (as a
+// verdict it adopts, as useStore does: an open breaker stays open until
+// the end of its cooldown, or until closed if forced so), delivers nb's
+// transitions and retires the old one. Call it without e.mu.
+func (r rekeyed) finish(nb *breaker.Breaker) {
+	if snap := r.old.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
+		nb.Adopt(snap.OpenUntil, "open before its policy's key changed")
+	}
+	r.l.register(nb)
+	r.old.Close()
+}
+
+// rekeyLocked keeps each policy's breakers when the primary policy passes
+// from prev's to cur's (a reload that changes which handler comes last):
+// the plain key's breakers, prev's policy's, move to "addr~<prev>" while a
+// handler of cur's config still has that policy, and cur's policy's own
+// breakers ("addr~<cur>") move to the plain key, each built again under
+// its new name with the old one's open state (finish it after e.mu is
+// released). When no handler of cur's config has prev's policy, a plain
+// breaker stays and takes the new primary settings (a reload that changed
+// the newest handler's settings, or the newest config stopped and handed
+// the entry back: cur's breakers are then those the new config held
+// ahead of its start, and the drop that follows forgets them), unless
+// cur's policy was one of prev's config too (its breakers have that
+// handler's state): then cur's breaker wins and the plain one is retired
+// (close it after e.mu is released). It returns the new breakers; nothing
+// changes when the primary policy stays or either has breakers off.
+func (e *Entry) rekeyLocked(prev, cur *primary) (built map[*breaker.Breaker]rekeyed, retired []*breaker.Breaker) {
+	prevFP, fp := prev.fp, cur.fp
+	if prevFP == "" || fp == "" || prevFP == fp {
+		return nil, nil
+	}
+	old := e.breakerMap()
+	has := func(fp string, cgen uint64) bool {
+		return slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil && c.fp == fp && c.cgen == cgen })
+	}
+	keepPrev := has(prevFP, cur.cgen)
+	// served: cur's policy governed requests of prev's config (its
+	// breakers hold state), not only those of a config not started yet.
+	served := keepPrev || has(fp, prev.cgen)
+	next := make(map[bkey]*breaker.Breaker, len(old))
+	moves := map[bkey]*breaker.Breaker{} // new key → old breaker
+	for k, b := range old {
+		switch {
+		case k.pol == "" && keepPrev:
+			moves[bkey{prevFP, k.model}] = b
+		case k.pol == "":
+			if _, mine := old[bkey{fp, k.model}]; mine && served {
+				retired = append(retired, b)
+			} else {
+				next[k] = b // stays, takes the new settings
+			}
+		case k.pol == fp && served:
+			moves[bkey{"", k.model}] = b
+		default:
+			next[k] = b
+		}
+	}
+	if len(moves) == 0 {
+		return nil, nil
+	}
+	out := make(map[*breaker.Breaker]rekeyed, len(moves))
+	for k, ob := range moves {
+		s, ok := e.settingsLocked(k.pol)
+		if !ok {
+			s = ob.Settings()
+		}
+		nb, l := e.newBreakerLocked(k, s, e.bstore)
+		next[k] = nb
+		out[nb] = rekeyed{old: ob, l: l}
+		e.reg.obs.BreakerCreated(e.addr, k.model) // the new one's state, from closed
+	}
+	e.breakers.Store(&next)
+	return out, retired
 }
 
 // breakerFor returns c's breaker for a model key ("" per upstream),
