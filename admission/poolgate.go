@@ -11,6 +11,10 @@ type PoolView interface {
 	ClosedUpstreams() int
 	// Saturated is the pool signal (GateConfig.Saturated).
 	Saturated() bool
+	// Holds reports whether the upstream at dial address addr is one of
+	// the pool's now (GateSet.Wake pumps the gates of the pools that
+	// hold an upstream whose state changed).
+	Holds(addr string) bool
 }
 
 // GateSettings are one config's capacity and queue for a pool gate, which

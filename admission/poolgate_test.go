@@ -14,6 +14,7 @@ type fakePool struct {
 
 func (p *fakePool) ClosedUpstreams() int { return int(p.closed.Load()) }
 func (p *fakePool) Saturated() bool      { return p.saturated.Load() }
+func (p *fakePool) Holds(string) bool    { return true }
 
 // TestPoolGateCapacityFollowsClosedUpstreams: per_upstream 2 over three
 // closed upstreams admits 6; with one closed, 2; a reload's settings (a

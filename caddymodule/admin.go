@@ -31,8 +31,16 @@ func init() {
 //	POST /llm_proxy/breakers/<key>/close       force closed
 //	POST /llm_proxy/breakers/<key>/reset       fresh closed state
 //
-// <key> is the upstream's dial address ("10.0.0.2:8000"), with "|<model>"
-// under scope model; escape it in the path as needed. And the tenants:
+// <key> is a breaker's key: the upstream's dial address ("10.0.0.2:8000"),
+// then "~<policy>" for a handler whose breaker settings differ from the
+// newest handler's, then "|<model>" under scope model; escape it in the
+// path as needed. A GET of a dial address shows the breaker of the plain
+// key. A POST to a plain dial address acts on the upstream: every breaker
+// of it (every handler's policy, every model), and open drains it — a
+// breaker created while the drain lasts starts open too — so that no site
+// sends there; a POST to a "~<policy>" or "|<model>" key acts on that one
+// breaker. A POST answers with the list of the breakers it changed. And
+// the tenants:
 //
 //	GET  /llm_proxy/tenants                    every tenant with state: tier, in-flight,
 //	                                           queued, usage in the window, limits, breaker
@@ -50,13 +58,14 @@ func init() {
 // And the pools (issue 19):
 //
 //	GET  /llm_proxy/pools                      every pool of the running config: "key",
-//	                                           "max_ejection", "panic_threshold" (negative:
+//	                                           "handler" (Handler.Name), "max_ejection", "panic_threshold" (negative:
 //	                                           off), "ejected" and "max_ejected" (upstreams
 //	                                           held open on statistical evidence), "panic",
 //	                                           "panic_requests"
 //
-// Each breaker's "evidence" ("hard" or "statistical"), "probe_failures" and
-// "peer_ratio" are in /llm_proxy/breakers.
+// Each breaker's "evidence" ("hard" or "statistical"), "probe_failures",
+// "peer_ratio", "pools" and "handlers" (the names of the handlers whose
+// requests it governs, Handler.Name) are in /llm_proxy/breakers.
 //
 // And the fleet:
 //
@@ -239,29 +248,63 @@ func (adminAPI) tenant(w http.ResponseWriter, r *http.Request) error {
 	return writeJSON(w, v)
 }
 
-// control applies an operator's open, close or reset to a breaker.
-func control(b *breaker.Breaker, action string, r *http.Request) error {
-	reason := "by operator via admin API"
+// operatorAction is an operator's open, close or reset of a breaker, as
+// the admin API parses it: open for d (0: until closed).
+type operatorAction struct {
+	name string
+	d    time.Duration
+}
+
+const operatorReason = "by operator via admin API"
+
+// parseAction reads an action ("open", "close", "reset") and, for open,
+// the request's ?for=<duration>.
+func parseAction(action string, r *http.Request) (operatorAction, error) {
+	a := operatorAction{name: action}
 	switch action {
 	case "open":
-		var d time.Duration
 		if s := r.URL.Query().Get("for"); s != "" {
-			var err error
-			if d, err = caddy.ParseDuration(s); err != nil || d <= 0 {
-				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("bad duration %q", s)}
+			d, err := caddy.ParseDuration(s)
+			if err != nil || d <= 0 {
+				return a, caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("bad duration %q", s)}
 			}
+			a.d = d
 		}
-		b.ForceOpen(d, reason)
+	case "close", "reset":
+	default:
+		return a, caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("unknown action %q: want open, close or reset", action)}
+	}
+	return a, nil
+}
+
+// apply applies the action to one breaker.
+func (a operatorAction) apply(b *breaker.Breaker) {
+	switch a.name {
+	case "open":
+		b.ForceOpen(a.d, operatorReason)
 	case "close":
-		b.ForceClose(reason)
+		b.ForceClose(operatorReason)
 	case "reset":
 		b.Reset()
-	default:
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("unknown action %q: want open, close or reset", action)}
 	}
+}
+
+// control applies an operator's open, close or reset to a breaker.
+func control(b *breaker.Breaker, action string, r *http.Request) error {
+	a, err := parseAction(action, r)
+	if err != nil {
+		return err
+	}
+	a.apply(b)
 	return nil
 }
 
+// control serves one breaker (GET) and an operator's actions (POST
+// <key>/open|close|reset). A plain dial address acts on the upstream:
+// every breaker of every handler's policy and model (Entry.Drain and
+// Undrain), so that an operator's drain keeps every site from sending
+// there; "addr~policy" and "addr|model" keys act on that one breaker. The
+// answer is the list of the breakers changed, sorted by key.
 func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
 	if r.Method == http.MethodGet {
@@ -282,19 +325,45 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	if i <= 0 {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_proxy/breakers/<key>/open|close|reset")}
 	}
-	key, action := rest[:i], rest[i+1:]
-	b, e := shared.upstreams.Breaker(key)
-	if b == nil {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
-	}
-	if err := control(b, action, r); err != nil {
+	key := rest[:i]
+	a, err := parseAction(rest[i+1:], r)
+	if err != nil {
 		return err
 	}
-	w.Header().Set("Content-Type", "application/json")
-	return json.NewEncoder(w).Encode(view(b, e))
+	var changed []*breaker.Breaker
+	var e *upstream.Entry
+	if ent, ok := shared.upstreams.Entry(key); ok {
+		// The upstream: every breaker of it, now and while drained.
+		e = ent
+		var on bool
+		if a.name == "open" {
+			changed, on = e.Drain(a.d, operatorReason)
+		} else {
+			changed, on = e.Undrain(a.name == "reset", operatorReason)
+		}
+		if !on {
+			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("upstream %q has no breakers: every handler in front of it has breaker off", key)}
+		}
+	} else {
+		var b *breaker.Breaker
+		if b, e = shared.upstreams.Breaker(key); b == nil {
+			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
+		}
+		a.apply(b)
+		changed = []*breaker.Breaker{b}
+	}
+	views := make([]upstream.BreakerView, 0, len(changed))
+	for _, b := range changed {
+		views = append(views, view(b, e))
+	}
+	return writeJSON(w, views)
 }
 
+// breakerExists reports whether key names a breaker or an upstream.
 func breakerExists(key string) bool {
+	if _, ok := shared.upstreams.Entry(key); ok {
+		return true
+	}
 	b, _ := shared.upstreams.Breaker(key)
 	return b != nil
 }
@@ -306,7 +375,7 @@ func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
 		pol, rest, _ = strings.Cut(p, "|")
 	}
 	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: strings.TrimPrefix(rest, "|"),
-		Inflight: e.Inflight(), Policy: pol, Pools: e.PolicyPools(pol)}
+		Inflight: e.Inflight(), Policy: pol, Pools: e.PolicyPools(pol), Handlers: e.PolicyHandlers(pol)}
 	for j, k := range v.Pools {
 		v.Pools[j] = poolLabel(k)
 	}

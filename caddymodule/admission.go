@@ -71,32 +71,23 @@ func (ac *AdmissionConfig) gate(app *App, claims *registry.Claims, poolKey strin
 }
 
 // gatePump is the upstream registry's observer: the metrics and logs of
-// upstreamObserver, and the pump of the gates when their capacity or pool
-// signal may have changed (a breaker closed, so a per_upstream capacity
-// grew; a scrape may have cleared the saturation signal): waiting requests
-// are admitted now rather than at the next release.
+// upstreamObserver, and the news of an upstream whose state may have
+// changed a gate's capacity or pool signal (a breaker closed, a scrape),
+// forwarded to the gates (admission.GateSet.Wake decides which to pump).
 type gatePump struct{ upstreamObserver }
 
-// BreakerTransition pumps the gates when a breaker closes, asynchronously:
+// BreakerTransition wakes the gates when a breaker closes, asynchronously:
 // it runs under the upstream entry's lock.
 func (p gatePump) BreakerTransition(addr, key string, tr breaker.Transition) {
 	p.upstreamObserver.BreakerTransition(addr, key, tr)
 	if tr.To == breaker.Closed {
-		go pumpGates()
+		go shared.gates.Wake(addr)
 	}
 }
 
-// Scraped pumps the gates after each scrape (on the upstream's scrape
+// Scraped wakes the gates after each scrape (on the upstream's scrape
 // loop, under the scraper's lock, outside the entry's).
 func (p gatePump) Scraped(addr string, took time.Duration, err error) {
 	p.upstreamObserver.Scraped(addr, took, err)
-	pumpGates()
-}
-
-// pumpGates pumps every gate of the registry.
-func pumpGates() {
-	_, gs := shared.gates.Snapshot()
-	for _, g := range gs {
-		g.Pump()
-	}
+	shared.gates.Wake(addr)
 }

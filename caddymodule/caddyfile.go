@@ -2,6 +2,7 @@ package caddymodule
 
 import (
 	"net"
+	"path/filepath"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -27,6 +28,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
 //
 //	llm_proxy [<upstreams...>] {
+//	    name <label>
 //	    to <upstreams...>
 //	    dynamic <source> [...]
 //	    lb_policy <name> [<options...>]
@@ -117,6 +119,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // "512KB").
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
+	// The handler's name in the admin API, unless a name subdirective
+	// gives one: where the directive is ("Caddyfile:12").
+	h.Name = filepath.Base(d.File()) + ":" + strconv.Itoa(d.Line())
 	var schemes []string
 	addUpstreams := func(args []string) error {
 		for _, a := range args {
@@ -142,7 +147,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	seen := map[string]bool{}
 	for d.NextBlock(0) {
 		switch name := d.Val(); name {
-		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts", "api":
+		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts", "api", "name":
 			if seen[name] {
 				return d.Errf("%s already specified", name)
 			}
@@ -275,6 +280,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 
+		case "name":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if h.Name = d.Val(); h.Name == "" || d.NextArg() {
+				return d.Errf("name: want one non-empty label")
+			}
 		case "api":
 			if !d.NextArg() {
 				return d.ArgErr()

@@ -43,6 +43,15 @@ func init() {
 // identical body; after it, a failure ends the stream with an error event
 // in the client's own API.
 type Handler struct {
+	// Name names the handler (site) in the admin API and `caddy llm-proxy
+	// status`: beside each breaker, the handlers whose requests it governs
+	// ("handlers"), and beside each pool. The Caddyfile sets it from the
+	// `name` subdirective, else from where the directive is (its file's
+	// base name and line, "Caddyfile:12"). Default: the pool label (its
+	// sorted dial addresses, or its dynamic source's digest); a fallback's
+	// pool is named "<name> fallback <fallback name>".
+	Name string `json:"name,omitempty"`
+
 	// Upstreams is the static list of inference servers. Each "dial" is a
 	// network address ("10.0.0.2:8000", "unix//run/vllm.sock"); placeholders
 	// are not supported. Either this or dynamic_upstreams is required
@@ -277,6 +286,21 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	return nil
 }
 
+// handlerName is the name the admin API gives the handler of a pool with
+// key (see Handler.Name): its Name, else the primary pool's label; for a
+// fallback's pool (owner a *FallbackConfig), that name then " fallback
+// <fallback name>".
+func (h *Handler) handlerName(key string, owner any) string {
+	fc, fallback := owner.(*FallbackConfig)
+	if h.Name == "" {
+		return poolLabel(key) // a fallback's: "fallback <name> <its upstreams>"
+	}
+	if fallback {
+		return h.Name + " fallback " + fc.Name
+	}
+	return h.Name
+}
+
 // newPool builds one of the handler's pools (the primary, or a fallback's)
 // from its upstreams (static, or the dynamic source loaded from owner's
 // DynamicUpstreamsRaw field) with the handler's breaker, retry, hedge and
@@ -318,6 +342,7 @@ func (h *Handler) newPool(ctx caddy.Context, app *App, key string, owner any, up
 	cfg := upstream.Config{
 		Generation: app.gen,
 		Key:        key,
+		Handler:    h.handlerName(key, owner),
 		Static:     static,
 		Source:     source,
 		Selector:   sel,

@@ -44,9 +44,12 @@ func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 		t.Fatalf("loading config: %v", err)
 	}
 	t.Cleanup(func() { _ = caddy.Stop() })
+	// A new connection per request: a kept-alive one may be reset by the
+	// listener a reload closes.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	post := func(site string) int {
 		t.Helper()
-		resp, err := http.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
+		resp, err := client.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
 			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
 		if err != nil {
 			t.Fatal(err)
@@ -73,6 +76,22 @@ func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 	}
 	if code := post("b"); code == http.StatusServiceUnavailable {
 		t.Fatalf("site B (consecutive_failures 10, no failures) refused with 503")
+	}
+	// A reload that swaps the sites (A now last, so its policy takes the
+	// plain key) keeps A's breaker open and B's closed.
+	swapped := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
+		`"],"automatic_https":{"disable":true},"routes":[` +
+		route("/b/*", `{"consecutive_failures":10,"open_for":60000000000,"min_open":60000000000}`) + `,` +
+		route("/a/*", `{"consecutive_failures":2,"open_for":60000000000,"min_open":60000000000}`) + `]}}}}}`
+	if err := caddy.Load([]byte(swapped), true); err != nil {
+		t.Fatalf("reload with the sites swapped: %v", err)
+	}
+	before := hits.Load()
+	if code := post("a"); code != http.StatusServiceUnavailable || hits.Load() != before {
+		t.Fatalf("site A after a reload that swapped the sites: status %d, %d requests at the server; want 503 and none (its breaker was open)", code, hits.Load()-before)
+	}
+	if code := post("b"); code == http.StatusServiceUnavailable {
+		t.Fatalf("site B after a reload that swapped the sites refused with 503: A's open state went to B")
 	}
 }
 

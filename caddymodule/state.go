@@ -28,8 +28,9 @@ type sharedState struct {
 	// (upstream.Pool) and release them in the handler's Cleanup.
 	upstreams *upstream.Registry
 	// gates are the pools' admission gates by pool identity, claimed by
-	// the handlers (their claims), released in their Cleanup.
-	gates *registry.Table[*admission.Gate]
+	// the handlers (their claims), released in their Cleanup; the
+	// upstream observer (gatePump) wakes them.
+	gates *admission.GateSet
 	// bodies are the body budgets by max_buffered_bodies, claimed by the
 	// app in Provision and released in its Cleanup: a reload that keeps
 	// the size keeps the budget with the charges of the requests still
@@ -60,7 +61,7 @@ type sharedState struct {
 func newSharedState() *sharedState {
 	s := &sharedState{
 		upstreams:     upstream.NewRegistry(gatePump{}),
-		gates:         registry.NewTable[*admission.Gate](nil),
+		gates:         admission.NewGateSet(),
 		bodies:        registry.NewTable[*proxy.BodyBudget](nil),
 		tenants:       registry.NewTable[*admission.Controller](nil),
 		fleets:        registry.NewTable(func(_ string, c *fleet.Client) { _ = c.Close() }),

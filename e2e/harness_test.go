@@ -835,6 +835,7 @@ type breakerView struct {
 	Key                 string    `json:"key"`
 	Upstream            string    `json:"upstream"`
 	Model               string    `json:"model"`
+	Policy              string    `json:"policy"`
 	State               string    `json:"state"`
 	Since               time.Time `json:"since"`
 	ConsecutiveFailures int       `json:"consecutive_failures"`
@@ -904,14 +905,31 @@ func (g *gateway) breaker(key string) breakerView {
 // a query, "open?for=2s") and returns the status and, on 200, the view.
 func (g *gateway) breakerAction(key, action string) (int, breakerView) {
 	g.t.Helper()
+	status, vs := g.breakerActions(key, action)
+	for _, v := range vs {
+		if v.Key == key {
+			return status, v
+		}
+	}
+	if len(vs) > 0 {
+		return status, vs[0]
+	}
+	return status, breakerView{}
+}
+
+// breakerActions POSTs an action to a breaker key and returns the status
+// and the breakers the answer lists as changed (a plain dial address acts
+// on every breaker of the upstream).
+func (g *gateway) breakerActions(key, action string) (int, []breakerView) {
+	g.t.Helper()
 	status, body := g.admin(http.MethodPost, "/llm_proxy/breakers/"+key+"/"+action)
-	var v breakerView
+	var vs []breakerView
 	if status == http.StatusOK {
-		if err := json.Unmarshal(body, &v); err != nil {
+		if err := json.Unmarshal(body, &vs); err != nil {
 			g.t.Fatalf("POST %s/%s: %v: %s", key, action, err, body)
 		}
 	}
-	return status, v
+	return status, vs
 }
 
 // waitBreaker polls the admin API until the breaker of key satisfies cond

@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/mockllm"
 )
 
 // TestTwoSitesBreakerPoliciesSurviveReload: two handlers of one site in
@@ -68,5 +70,62 @@ func TestTwoSitesBreakerPoliciesSurviveReload(t *testing.T) {
 	}
 	if len(views) != 2 || states["open"] != 1 || states["closed"] != 1 {
 		t.Fatalf("breakers %s, want one open (A's) and one closed (B's)", body)
+	}
+}
+
+// TestDrainReachesEverySite: two handlers in front of one server with
+// different breaker settings (A consecutive_failures 2, B 10). POST
+// /llm_proxy/breakers/<addr>/open drains the server for both: the answer
+// lists both breakers, open and forced, and neither site's requests reach
+// the server (503); close brings both back. Before, the plain address
+// named the newest handler's breaker alone, and site A kept sending to the
+// drained server.
+func TestDrainReachesEverySite(t *testing.T) {
+	t.Parallel()
+	fl := startFleet(t, mockllm.FleetConfig{Replicas: 1})
+	addr := fl.Replica(0).Addr()
+	handler := func(path string, n int) string {
+		return fmt.Sprintf("\thandle_path %s {\n\t\tllm_proxy %s {\n\t\t\tmax_attempts 1\n\t\t\tbreaker {\n\t\t\t\tconsecutive_failures %d\n"+
+			"\t\t\t}\n\t\t}\n\t}\n", path, addr, n)
+	}
+	gw := startGateway(t, handler("/a/*", 2)+handler("/b/*", 10))
+	c := newClient(t)
+	send := func(path string) int {
+		t.Helper()
+		ctx := testContext(t, 10*time.Second)
+		resp := post(ctx, t, c, gw.URL+path+"/v1/chat/completions", chatBody("hi", false))
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for _, p := range []string{"/a", "/b"} {
+		if code := send(p); code != http.StatusOK {
+			t.Fatalf("site %s before the drain: status %d, want 200", p, code)
+		}
+	}
+	status, vs := gw.breakerActions(addr, "open")
+	if status != http.StatusOK || len(vs) != 2 {
+		t.Fatalf("POST %s/open: status %d, %+v; want 200 and both sites' breakers", addr, status, vs)
+	}
+	for _, v := range vs {
+		if v.State != "open" || !v.Forced {
+			t.Errorf("POST %s/open lists %+v, want open and forced", addr, v)
+		}
+	}
+	before := fl.Replica(0).Stats().Requests
+	for _, p := range []string{"/a", "/b"} {
+		if code := send(p); code != http.StatusServiceUnavailable {
+			t.Errorf("site %s with the server drained: status %d, want 503", p, code)
+		}
+	}
+	if n := fl.Replica(0).Stats().Requests - before; n != 0 {
+		t.Errorf("the drained server got %d requests", n)
+	}
+	if status, vs := gw.breakerActions(addr, "close"); status != http.StatusOK || len(vs) != 2 || vs[0].State != "closed" || vs[1].State != "closed" {
+		t.Fatalf("POST %s/close: status %d, %+v; want both breakers closed", addr, status, vs)
+	}
+	for _, p := range []string{"/a", "/b"} {
+		if code := send(p); code != http.StatusOK {
+			t.Errorf("site %s after close: status %d, want 200", p, code)
+		}
 	}
 }

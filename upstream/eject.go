@@ -114,6 +114,8 @@ func (p *Pool) panicRequest() {
 type PoolStatus struct {
 	// Key identifies the pool (its upstreams, or its dynamic source).
 	Key string `json:"key"`
+	// Handler names the handler (site) the pool serves (Config.Handler).
+	Handler string `json:"handler"`
 	// MaxEjection and PanicThreshold are the effective settings
 	// (PanicThreshold negative: off).
 	MaxEjection    float64 `json:"max_ejection"`
@@ -132,7 +134,7 @@ type PoolStatus struct {
 // key; under scope model, of no model).
 func (p *Pool) Status() PoolStatus {
 	e := p.ejection
-	st := PoolStatus{Key: p.cfg.Key, MaxEjection: e.MaxEjection, PanicThreshold: e.PanicThreshold,
+	st := PoolStatus{Key: p.cfg.Key, Handler: p.claim.handler, MaxEjection: e.MaxEjection, PanicThreshold: e.PanicThreshold,
 		Panic: p.panic.on.Load(), PanicRequests: p.panic.requests.Load()}
 	n := 0
 	p.eachMember(func(m *member) {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/prefix"
@@ -29,7 +30,11 @@ import (
 // with breakers on of the newest started config (else of the newest
 // provisioned one), see effectiveLocked; its breakers keep the plain names
 // ("addr", "addr|model") and take the new settings when a reload changes
-// them, so their state survives the reload. Another
+// them, so their state survives the reload. When a reload hands the
+// primary policy to another policy while the old one is still some
+// handler's (it changes which handler comes last), the two policies'
+// breakers swap names, each built again with its open state
+// (rekeyLocked), so each handler keeps its own breaker's state. Another
 // policy's breakers are named "addr~<policy>" ("addr~<policy>|model"). A
 // handler with breakers off uses none and changes nothing for the others.
 // A config that is only provisioned (not started, or failed to load)
@@ -70,6 +75,30 @@ type Entry struct {
 	destroyed bool
 	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
 	bstore breaker.Store
+	// drain is an operator's drain of the upstream (Drain), nil when none:
+	// a breaker created while it lasts starts forced open.
+	drain *drain
+}
+
+// drain is an operator's drain of an upstream: every breaker forced open
+// until until (forever: until Undrain).
+type drain struct {
+	until   time.Time
+	forever bool
+	reason  string
+}
+
+// left returns how long d still holds at now: ok false when it is over;
+// 0 with ok when it holds until Undrain.
+func (d *drain) left(now time.Time) (time.Duration, bool) {
+	if d == nil {
+		return 0, false
+	}
+	if d.forever {
+		return 0, true
+	}
+	l := d.until.Sub(now)
+	return l, l > 0
 }
 
 // primary is an entry's primary policy: its fingerprint ("" when no claim
@@ -95,6 +124,9 @@ type claim struct {
 	active atomic.Bool
 	// pool is the pool's key (Config.Key), for the admin API.
 	pool string
+	// handler names the handler the pool serves (Config.Handler, else
+	// the pool's key), for the admin API.
+	handler string
 	// settings is nil when the config turns breakers off.
 	settings *breaker.Settings
 	// fp is the fingerprint of the claim's policy: its breaker settings
@@ -305,8 +337,10 @@ func (e *Entry) reconcile() {
 	if eff != nil {
 		prim = &primary{fp: eff.fp, cgen: eff.cgen}
 	}
+	prevPrim := e.prim.Load()
 	e.prim.Store(prim)
 	e.configureScraperLocked()
+	moved, retired := e.rekeyLocked(prevPrim, prim)
 	var drop []bkey
 	var apply []*breaker.Breaker
 	old := e.breakerMap()
@@ -351,6 +385,12 @@ func (e *Entry) reconcile() {
 		}
 	}
 	e.mu.Unlock()
+	for nb, r := range moved {
+		r.finish(nb)
+	}
+	for _, b := range retired {
+		b.Close()
+	}
 	for _, b := range apply {
 		b.SetSettings(*eff.settings)
 	}
@@ -358,6 +398,89 @@ func (e *Entry) reconcile() {
 		e.breakerFor(c, "")
 	}
 	e.maybeProbe()
+}
+
+// rekeyed is a breaker built again under another key (rekeyLocked): the
+// breaker it replaces, and its listener to register.
+type rekeyed struct {
+	old *breaker.Breaker
+	l   *heldListener
+}
+
+// finish carries the replaced breaker's open state over to nb (as a
+// verdict it adopts, as useStore does: an open breaker stays open until
+// the end of its cooldown, or until closed if forced so), delivers nb's
+// transitions and retires the old one. Call it without e.mu.
+func (r rekeyed) finish(nb *breaker.Breaker) {
+	if snap := r.old.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
+		nb.Adopt(snap.OpenUntil, "open before its policy's key changed")
+	}
+	r.l.register(nb)
+	r.old.Close()
+}
+
+// rekeyLocked keeps each policy's breakers when the primary policy passes
+// from prev's to cur's (a reload that changes which handler comes last):
+// the plain key's breakers, prev's policy's, move to "addr~<prev>" while a
+// handler of cur's config still has that policy, and cur's policy's own
+// breakers ("addr~<cur>") move to the plain key, each built again under
+// its new name with the old one's open state (finish it after e.mu is
+// released). When no handler of cur's config has prev's policy, a plain
+// breaker stays and takes the new primary settings (a reload that changed
+// the newest handler's settings, or the newest config stopped and handed
+// the entry back: cur's breakers are then those the new config held
+// ahead of its start, and the drop that follows forgets them), unless
+// cur's policy was one of prev's config too (its breakers have that
+// handler's state): then cur's breaker wins and the plain one is retired
+// (close it after e.mu is released). It returns the new breakers; nothing
+// changes when the primary policy stays or either has breakers off.
+func (e *Entry) rekeyLocked(prev, cur *primary) (built map[*breaker.Breaker]rekeyed, retired []*breaker.Breaker) {
+	prevFP, fp := prev.fp, cur.fp
+	if prevFP == "" || fp == "" || prevFP == fp {
+		return nil, nil
+	}
+	old := e.breakerMap()
+	has := func(fp string, cgen uint64) bool {
+		return slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil && c.fp == fp && c.cgen == cgen })
+	}
+	keepPrev := has(prevFP, cur.cgen)
+	// served: cur's policy governed requests of prev's config (its
+	// breakers hold state), not only those of a config not started yet.
+	served := keepPrev || has(fp, prev.cgen)
+	next := make(map[bkey]*breaker.Breaker, len(old))
+	moves := map[bkey]*breaker.Breaker{} // new key → old breaker
+	for k, b := range old {
+		switch {
+		case k.pol == "" && keepPrev:
+			moves[bkey{prevFP, k.model}] = b
+		case k.pol == "":
+			if _, mine := old[bkey{fp, k.model}]; mine && served {
+				retired = append(retired, b)
+			} else {
+				next[k] = b // stays, takes the new settings
+			}
+		case k.pol == fp && served:
+			moves[bkey{"", k.model}] = b
+		default:
+			next[k] = b
+		}
+	}
+	if len(moves) == 0 {
+		return nil, nil
+	}
+	out := make(map[*breaker.Breaker]rekeyed, len(moves))
+	for k, ob := range moves {
+		s, ok := e.settingsLocked(k.pol)
+		if !ok {
+			s = ob.Settings()
+		}
+		nb, l := e.newBreakerLocked(k, s, e.bstore)
+		next[k] = nb
+		out[nb] = rekeyed{old: ob, l: l}
+		e.reg.obs.BreakerCreated(e.addr, k.model) // the new one's state, from closed
+	}
+	e.breakers.Store(&next)
+	return out, retired
 }
 
 // breakerFor returns c's breaker for a model key ("" per upstream),
@@ -395,8 +518,14 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	m[k] = b
 	e.breakers.Store(&m)
 	e.reg.obs.BreakerCreated(e.addr, model)
+	dr := e.drain
 	e.mu.Unlock()
 	l.register(b)
+	if d, ok := dr.left(e.reg.now()); ok {
+		// The upstream is drained: a breaker of a policy or model that
+		// had none when the drain began refuses as the others do.
+		b.ForceOpen(d, dr.reason)
+	}
 	return b
 }
 
@@ -507,6 +636,71 @@ func (e *Entry) useStore(st breaker.Store) {
 	e.maybeProbe()
 }
 
+// AllBreakers returns every breaker of the upstream, of every policy and
+// model key, sorted by key.
+func (e *Entry) AllBreakers() []*breaker.Breaker {
+	m := e.breakerMap()
+	out := make([]*breaker.Breaker, 0, len(m))
+	for _, b := range m {
+		out = append(out, b)
+	}
+	slices.SortFunc(out, func(a, b *breaker.Breaker) int { return strings.Compare(a.Key(), b.Key()) })
+	return out
+}
+
+// Drain is an operator's drain of the upstream (admin API: POST
+// /llm_proxy/breakers/<addr>/open): every breaker of the upstream — of
+// every handler's policy and every model key — is forced open for d (d ≤
+// 0: until Undrain; see breaker.ForceOpen), and a breaker created while
+// the drain lasts (a model first requested under scope model, a policy
+// whose handler had not used the upstream yet) starts forced open for what
+// is left of it, so that no handler sends here. It returns the breakers it
+// opened, sorted by key; ok is false, and nothing changes, when no handler
+// holding the upstream has breakers on.
+func (e *Entry) Drain(d time.Duration, reason string) (opened []*breaker.Breaker, ok bool) {
+	e.mu.Lock()
+	if e.destroyed || !slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil }) {
+		e.mu.Unlock()
+		return nil, false
+	}
+	dr := &drain{forever: d <= 0, reason: reason}
+	if d > 0 {
+		dr.until = e.reg.now().Add(d)
+	}
+	e.drain = dr
+	e.mu.Unlock()
+	// Outside e.mu: each transition reaches the entry's listener.
+	bs := e.AllBreakers()
+	for _, b := range bs {
+		b.ForceOpen(d, reason)
+	}
+	return bs, true
+}
+
+// Undrain ends a drain (admin API: POST /llm_proxy/breakers/<addr>/close
+// or /reset): every breaker of the upstream is forced closed, or reset to
+// a fresh closed state, and breakers created from now on start closed. It
+// returns the breakers it changed, sorted by key; ok is false when no
+// handler holding the upstream has breakers on.
+func (e *Entry) Undrain(reset bool, reason string) (changed []*breaker.Breaker, ok bool) {
+	e.mu.Lock()
+	e.drain = nil
+	on := !e.destroyed && slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil })
+	e.mu.Unlock()
+	if !on {
+		return nil, false
+	}
+	bs := e.AllBreakers()
+	for _, b := range bs {
+		if reset {
+			b.Reset()
+		} else {
+			b.ForceClose(reason)
+		}
+	}
+	return bs, true
+}
+
 // lookupBreaker returns an existing breaker of the primary policy without
 // creating one.
 func (e *Entry) lookupBreaker(model string) *breaker.Breaker {
@@ -536,12 +730,25 @@ func (e *Entry) PolicyPools(pol string) []string { return e.poolsOf(pol) }
 
 // poolsOf returns the sorted keys of the pools that use policy key pol.
 func (e *Entry) poolsOf(pol string) []string {
+	return e.claimsOf(pol, func(c *claim) string { return c.pool })
+}
+
+// PolicyHandlers returns the sorted names (Config.Handler) of the handlers
+// whose requests the breakers of policy key pol (BreakerView.Policy, ""
+// for the primary policy) govern.
+func (e *Entry) PolicyHandlers(pol string) []string {
+	return e.claimsOf(pol, func(c *claim) string { return c.handler })
+}
+
+// claimsOf returns the sorted distinct names of the claims that use policy
+// key pol.
+func (e *Entry) claimsOf(pol string, name func(*claim) string) []string {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var out []string
+	out := []string{}
 	for _, c := range e.claims {
-		if c.settings != nil && e.polOf(c) == pol && !slices.Contains(out, c.pool) {
-			out = append(out, c.pool)
+		if n := name(c); c.settings != nil && e.polOf(c) == pol && !slices.Contains(out, n) {
+			out = append(out, n)
 		}
 	}
 	sort.Strings(out)

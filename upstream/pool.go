@@ -49,6 +49,10 @@ type Config struct {
 	// or its dynamic source's configuration. Retry budgets, hedge caps
 	// and TTFT trackers are kept per pool (and settings) under it.
 	Key string
+	// Handler names the handler (site) whose requests the pool serves,
+	// as the admin API shows it beside each breaker (BreakerView.Handlers)
+	// and pool (PoolStatus.Handler). Default "": Key.
+	Handler string
 	// Static lists the upstreams; exclusive with Source.
 	Static []Target
 	// Source returns the upstreams per request; exclusive with Static.
@@ -136,7 +140,10 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if p.sel == nil {
 		p.sel = LeastConn{}
 	}
-	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, settings: cfg.Breaker, prober: cfg.Prober}
+	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, handler: cfg.Handler, settings: cfg.Breaker, prober: cfg.Prober}
+	if p.claim.handler == "" {
+		p.claim.handler = cfg.Key
+	}
 	p.claim.cgen = cfg.Generation
 	if p.claim.cgen == 0 {
 		p.claim.cgen = p.claim.gen
@@ -418,10 +425,28 @@ func (p *Pool) Registry() *Registry { return p.reg }
 // Key returns the pool's identity, Config.Key.
 func (p *Pool) Key() string { return p.cfg.Key }
 
+// Handler returns the name of the handler the pool serves (Config.Handler,
+// else its Key).
+func (p *Pool) Handler() string { return p.claim.handler }
+
 // Entries returns the entries of the upstreams the pool holds now: its
 // static upstreams, or the dynamic ones its source returned (and those it
 // remembers from before a reload). Do not modify them.
 func (p *Pool) Entries() []*Entry { return p.entries() }
+
+// Holds reports whether the upstream at dial address addr is one of the
+// pool's now: a static upstream, or a dynamic one its source returned and
+// the pool has not forgotten (admission.PoolView: the gates of the pools
+// holding an upstream are pumped when its state changes).
+func (p *Pool) Holds(addr string) bool {
+	for _, m := range p.static {
+		if m.t.Addr == addr {
+			return true
+		}
+	}
+	_, ok := p.dynamic.Load(addr)
+	return ok
+}
 
 // ClosedUpstreams returns how many of the pool's known upstreams are
 // healthy: their per-upstream breaker closed, or under scope model at least

@@ -201,6 +201,9 @@ type BreakerView struct {
 	// Pools are the keys of the pools (handlers) whose requests this
 	// breaker governs, sorted. The admin API shows them as pool labels.
 	Pools []string `json:"pools"`
+	// Handlers are the names of the handlers (sites) whose requests this
+	// breaker governs (Config.Handler), sorted.
+	Handlers []string `json:"handlers"`
 	// Scope is "fleet" when the breaker's counts and state are shared with
 	// the fleet (its store is the fleet's, in fleet mode, and it is not
 	// open by its own rules alone, see Snapshot.Local), else "local".
@@ -217,7 +220,7 @@ func (r *Registry) Breakers() []BreakerView {
 	for _, e := range r.Entries() {
 		for k, b := range e.breakerMap() {
 			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(),
-				Policy: k.pol, Pools: e.poolsOf(k.pol)})
+				Policy: k.pol, Pools: e.poolsOf(k.pol), Handlers: e.PolicyHandlers(k.pol)})
 		}
 	}
 	sortViews(out)

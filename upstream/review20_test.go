@@ -69,12 +69,6 @@ func TestReloadKeepsEachPolicysStateWhenTheNewestHandlerChanges(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if tc.name == "swapped" {
-				t.Skip("defect (design trade-off, reported): the plain key goes to the newest handler's policy, so a reload " +
-					"that changes which handler comes last hands its state to the new last handler and A's own breaker starts " +
-					"afresh; keeping the plain key with its policy across reloads would make the keys depend on the reload " +
-					"history, and two gateways of a fleet running one config could then share a Redis key between policies")
-			}
 			reg := NewRegistry(nil)
 			pools := reloadAll(t, reg, nil,
 				Config{Key: "a", Static: targets(addr), Breaker: sa()},
@@ -195,5 +189,39 @@ func TestScopeModelSiteIgnoresAnotherSitesPerUpstreamBreaker(t *testing.T) {
 	}
 	if _, err := pickModel(b, "m"); err != nil {
 		t.Errorf("site B's request refused: %v", err)
+	}
+}
+
+// Two sites over one upstream with different breaker policies, site A's
+// breaker open and B (the newest, holding the plain key) with failures of
+// its own: a reload that removes site B gives A the plain key with its
+// own open state, not B's closed one; a later reload that swaps a new
+// site C in last keeps A open under its "~policy" key.
+func TestReloadThatRemovesTheNewestSiteKeepsTheOthersState(t *testing.T) {
+	sa := &breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Hour, MinOpen: time.Hour}
+	sb := &breaker.Settings{ConsecutiveFailures: 10, OpenFor: time.Hour, MinOpen: time.Hour}
+	sc := &breaker.Settings{ConsecutiveFailures: 7, OpenFor: time.Hour, MinOpen: time.Hour}
+	const addr = "10.7.9.2:8000"
+	reg := NewRegistry(nil)
+	pools := reloadAll(t, reg, nil,
+		Config{Key: "a", Static: targets(addr), Breaker: sa},
+		Config{Key: "b", Static: targets(addr), Breaker: sb})
+	fail(mustPick(t, pools[0], ""))
+	fail(mustPick(t, pools[0], ""))
+	fail(mustPick(t, pools[1], ""))
+	var ue *proxy.UnavailableError
+	pools = reloadAll(t, reg, pools, Config{Key: "a", Static: targets(addr), Breaker: sa})
+	if _, err := pickModel(pools[0], ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+		t.Fatalf("site A after site B left: pick error %v, want circuit open", err)
+	}
+	if b := breakerOf(t, reg, addr, ""); b.State() != breaker.Open || b.Key() != addr {
+		t.Fatalf("site A's breaker after site B left: %s %v, want the plain key, open", b.Key(), b.State())
+	}
+	pools = reloadAll(t, reg, pools, Config{Key: "a", Static: targets(addr), Breaker: sa}, Config{Key: "c", Static: targets(addr), Breaker: sc})
+	if st := pools[0].BreakerState(addr, ""); st != "open" {
+		t.Errorf("site A's breaker after site C came last: %q, want open", st)
+	}
+	if _, err := pickModel(pools[1], ""); err != nil {
+		t.Errorf("site C refused: %v", err)
 	}
 }

@@ -57,15 +57,13 @@ func Render(w io.Writer, s Status, o Options) error {
 // in-flight count, saturation score and scrape age and its breaker's last
 // failure; breakers per model (scope model), and those of handlers with
 // breaker settings of their own ("~policy"), follow as indented rows, and
-// where an upstream has more than one policy a note names the pools each
-// breaker serves.
+// a note per set of handlers (sites) names the breakers that serve them.
 // Notes below name scrape errors and fleet-wide openers.
 func upstreams(b *strings.Builder, s Status, o Options) {
 	type row struct {
 		addr     string
 		own      *Breaker  // the per-upstream breaker
 		models   []Breaker // breakers per model, and of other policies
-		policies bool      // some breaker has a policy of its own
 		sat      *Saturation
 		inflight int64
 	}
@@ -81,7 +79,6 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 	for i := range s.Breakers {
 		br := &s.Breakers[i]
 		r := get(br.Upstream)
-		r.policies = r.policies || br.Policy != ""
 		if br.Model == "" && br.Policy == "" {
 			r.own = br
 		} else {
@@ -156,15 +153,8 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 			t.add("  "+clean(label), breakerCell(m.BreakerState, o.Now), "", "", "", withWhy(clean(label), m.BreakerState))
 			notes = appendOpener(notes, m)
 		}
-		if r.policies {
-			for _, br := range r.models {
-				notes = appendPools(notes, br)
-			}
-			if r.own != nil {
-				notes = appendPools(notes, *r.own)
-			}
-		}
 	}
+	notes = append(notes, siteNotes(s.Breakers)...)
 	w := t.write(b, o.Width)
 	var cutWhy []string
 	for _, y := range why {
@@ -180,16 +170,39 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 	}
 }
 
-// appendPools adds a note naming the pools a breaker serves.
-func appendPools(notes []string, br Breaker) []string {
-	if len(br.Pools) == 0 {
-		return notes
+// siteNotes names the handlers (sites) each breaker serves: one note per
+// set of handlers, "breakers of <handlers>: <keys>", in the order of the
+// breakers' keys; a breaker the gateway lists no handlers for is named by
+// its pools (a gateway from before handler names), and one with neither
+// is left out.
+func siteNotes(brs []Breaker) []string {
+	sorted := slices.Clone(brs)
+	slices.SortFunc(sorted, func(a, b Breaker) int { return strings.Compare(a.Key, b.Key) })
+	var order []string
+	keys := map[string][]string{}
+	for _, br := range sorted {
+		names := br.Handlers
+		if len(names) == 0 {
+			names = br.Pools
+		}
+		if len(names) == 0 {
+			continue
+		}
+		cleaned := make([]string, len(names))
+		for i, n := range names {
+			cleaned[i] = clean(n)
+		}
+		set := strings.Join(cleaned, "; ")
+		if _, ok := keys[set]; !ok {
+			order = append(order, set)
+		}
+		keys[set] = append(keys[set], clean(br.Key))
 	}
-	pools := make([]string, len(br.Pools))
-	for i, p := range br.Pools {
-		pools[i] = clean(p)
+	notes := make([]string, 0, len(order))
+	for _, set := range order {
+		notes = append(notes, fmt.Sprintf("breakers of %s: %s", set, strings.Join(keys[set], ", ")))
 	}
-	return append(notes, fmt.Sprintf("%s serves %s", clean(br.Key), strings.Join(pools, "; ")))
+	return notes
 }
 
 // appendOpener adds a note naming the instance that opened br fleet-wide.

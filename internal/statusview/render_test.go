@@ -241,17 +241,25 @@ func FuzzParseRender(f *testing.F) {
 }
 
 // Two handlers with different breaker settings in front of one upstream:
-// each breaker gets a row, and a note names the pools each serves.
-func TestBreakersOfTwoPoliciesNameTheirPools(t *testing.T) {
+// each breaker gets a row, and a note per handler names the breakers that
+// serve it; with one policy, one breaker serves both handlers; a gateway
+// that lists only pools is named by them.
+func TestBreakersNameTheHandlersTheyServe(t *testing.T) {
 	s := Status{Breakers: []Breaker{
 		{Key: "10.0.0.9:8000", Upstream: "10.0.0.9:8000", BreakerState: BreakerState{State: "closed", Since: fixtureNow.Add(-time.Minute)},
-			Pools: []string{"site-b"}},
-		{Key: "10.0.0.9:8000~b1a2b3c4d", Upstream: "10.0.0.9:8000", Policy: "b1a2b3c4d",
+			Pools: []string{"10.0.0.9:8000"}, Handlers: []string{"site-b"}},
+		{Key: "10.0.0.9:8000~b1a2b3c4", Upstream: "10.0.0.9:8000", Policy: "b1a2b3c4",
 			BreakerState: BreakerState{State: "open", Since: fixtureNow.Add(-5 * time.Second), OpenUntil: fixtureNow.Add(time.Minute)},
-			Pools:        []string{"site-a"}},
+			Pools:        []string{"10.0.0.9:8000~b1a2b3c4"}, Handlers: []string{"site-a"}},
+		{Key: "10.0.0.10:8000", Upstream: "10.0.0.10:8000", BreakerState: BreakerState{State: "closed", Since: fixtureNow.Add(-time.Minute)},
+			Pools: []string{"10.0.0.10:8000"}, Handlers: []string{"Caddyfile:12", "Caddyfile:20"}},
+		{Key: "10.0.0.11:8000", Upstream: "10.0.0.11:8000", BreakerState: BreakerState{State: "closed", Since: fixtureNow.Add(-time.Minute)},
+			Pools: []string{"old-pool"}},
 	}}
 	out := render(t, s, 0)
-	for _, want := range []string{"  ~b1a2b3c4d", "open 5.0s", "10.0.0.9:8000 serves site-b", "10.0.0.9:8000~b1a2b3c4d serves site-a"} {
+	for _, want := range []string{"  ~b1a2b3c4", "open 5.0s",
+		"breakers of site-b: 10.0.0.9:8000\n", "breakers of site-a: 10.0.0.9:8000~b1a2b3c4\n",
+		"breakers of Caddyfile:12; Caddyfile:20: 10.0.0.10:8000\n", "breakers of old-pool: 10.0.0.11:8000\n"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}

@@ -49,6 +49,9 @@ type Breaker struct {
 	// Pools are the pool labels of the handlers whose requests the
 	// breaker governs.
 	Pools []string `json:"pools"`
+	// Handlers are the names of the handlers (sites) whose requests the
+	// breaker governs (the Caddyfile's `name`, else "Caddyfile:<line>").
+	Handlers []string `json:"handlers"`
 	BreakerState
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
