@@ -32,8 +32,8 @@ func init() {
 //	POST /llm_proxy/breakers/<key>/reset       fresh closed state
 //
 // <key> is a breaker's key: the upstream's dial address ("10.0.0.2:8000"),
-// then "~<policy>" for a handler whose breaker settings differ from the
-// newest handler's, then "|<model>" under scope model; escape it in the
+// then "~<policy>" for a handler whose breaker settings differ from those
+// of the plain key (see upstream.Entry), then "|<model>" under scope model; escape it in the
 // path as needed. A GET of a dial address shows the breaker of the plain
 // key. A POST to a plain dial address acts on the upstream: every breaker
 // of it (every handler's policy, every model), and open drains it — a

@@ -26,13 +26,14 @@ import (
 // settings, and whether they read saturation signals, are identical share
 // one breaker per model key; a handler with other settings has its own
 // (Caddy's reverseproxy keeps per-host counters shared and thresholds per
-// handler, hosts.go). The primary policy is that of the newest handler
-// with breakers on of the newest started config (else of the newest
-// provisioned one), see effectiveLocked; its breakers keep the plain names
+// handler, hosts.go). The primary policy is, among the handlers with
+// breakers on of the newest started config (else of the newest
+// provisioned one), the one whose fingerprint sorts last, see
+// effectiveLocked; its breakers keep the plain names
 // ("addr", "addr|model") and take the new settings when a reload changes
 // them, so their state survives the reload. When a reload hands the
 // primary policy to another policy while the old one is still some
-// handler's (it changes which handler comes last), the two policies'
+// handler's (it adds a handler whose policy sorts after it), the two policies'
 // breakers swap names, each built again with its open state
 // (rekeyLocked), so each handler keeps its own breaker's state. Another
 // policy's breakers are named "addr~<policy>" ("addr~<policy>|model"). A
@@ -250,13 +251,16 @@ func (e *Entry) dropClaim(c *claim) {
 // effectiveLocked picks the claim whose settings the primary policy's
 // breakers take: among the claims with breakers on of one config — the
 // newest config with a started pool, else (nothing started yet, e.g. the
-// first config while it starts) the newest config — the newest claim. The
-// choice is per config, not per pool: a config starts its pools one by
-// one, and its first started pool alone must not make its policy the
-// primary one for a moment (that dropped the other policies' breakers, and
-// their state, on every reload). It depends on the config alone, so every
-// gateway of a fleet running one config names the breakers alike. A claim
-// with breakers off never decides anything for another handler.
+// first config while it starts) the newest config — the one whose policy
+// fingerprint sorts last (of those, the newest claim). The choice is per
+// config, not per pool: a config starts its pools one by one, and its
+// first started pool alone must not make its policy the primary one for a
+// moment (that dropped the other policies' breakers, and their state, on
+// every reload). It depends on the config alone, not on the order in
+// which its handlers were provisioned (Caddy provisions its HTTP servers
+// in map order, at random), so every load of a config, and every gateway
+// of a fleet running it, names the breakers alike. A claim with breakers
+// off never decides anything for another handler.
 func (e *Entry) effectiveLocked() *claim {
 	var cgen uint64
 	started := false
@@ -270,7 +274,7 @@ func (e *Entry) effectiveLocked() *claim {
 	}
 	var best *claim
 	for _, c := range e.claims {
-		if c.settings != nil && c.cgen == cgen && (best == nil || c.gen > best.gen) {
+		if c.settings != nil && c.cgen == cgen && (best == nil || c.fp > best.fp || c.fp == best.fp && c.gen > best.gen) {
 			best = c
 		}
 	}
@@ -420,14 +424,14 @@ func (r rekeyed) finish(nb *breaker.Breaker) {
 }
 
 // rekeyLocked keeps each policy's breakers when the primary policy passes
-// from prev's to cur's (a reload that changes which handler comes last):
+// from prev's to cur's (a reload that adds a policy sorting after prev's):
 // the plain key's breakers, prev's policy's, move to "addr~<prev>" while a
 // handler of cur's config still has that policy, and cur's policy's own
 // breakers ("addr~<cur>") move to the plain key, each built again under
 // its new name with the old one's open state (finish it after e.mu is
 // released). When no handler of cur's config has prev's policy, a plain
 // breaker stays and takes the new primary settings (a reload that changed
-// the newest handler's settings, or the newest config stopped and handed
+// the primary handlers' settings, or the newest config stopped and handed
 // the entry back: cur's breakers are then those the new config held
 // ahead of its start, and the drop that follows forgets them), unless
 // cur's policy was one of prev's config too (its breakers have that
