@@ -2,7 +2,10 @@ package caddymodule
 
 import (
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
@@ -40,5 +43,63 @@ func TestPlainBreakerKeyDoesNotDependOnProvisionOrder(t *testing.T) {
 	}
 	if len(seen) != 1 {
 		t.Fatalf("the plain key %q served, over ten loads of one config: %v; want one site every time", dial, seen)
+	}
+}
+
+// An operator drains a server two sites use, site A with breaker off and
+// site B with breakers on: POST /llm_proxy/breakers/<addr>/open must stop
+// both from sending there (README: "a drain keeps every site from sending
+// there"), and close brings both back. Before, site A has no breaker, so
+// its requests kept reaching the drained server.
+func TestDrainStopsASiteWithBreakerOff(t *testing.T) {
+	var hits atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprint(w, `{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}`)
+	}))
+	t.Cleanup(srv.Close)
+	dial := strings.TrimPrefix(srv.URL, "http://")
+	listen := freePort(t)
+	route := func(path, breaker string) string {
+		return `{"match":[{"path":["` + path + `"]}],"handle":[` +
+			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}],"breaker":` + breaker + `}]}`
+	}
+	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
+		`"],"automatic_https":{"disable":true},"routes":[` +
+		route("/a/*", `{"disabled":true}`) + `,` + route("/b/*", `{}`) + `]}}}}}`
+	if err := caddy.Load([]byte(cfg), true); err != nil {
+		t.Fatalf("loading config: %v", err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	post := func(site string) int {
+		t.Helper()
+		resp, err := http.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code, _ := postBreaker(t, dial, "open"); code != http.StatusOK {
+		t.Fatalf("POST %s/open: %d", dial, code)
+	}
+	before := hits.Load()
+	for _, site := range []string{"a", "b"} {
+		if code := post(site); code != http.StatusServiceUnavailable {
+			t.Errorf("site %s during the drain: status %d, want 503", site, code)
+		}
+	}
+	if n := hits.Load() - before; n != 0 {
+		t.Errorf("the drained server got %d requests, want 0", n)
+	}
+	if code, _ := postBreaker(t, dial, "close"); code != http.StatusOK {
+		t.Fatalf("POST %s/close: %d", dial, code)
+	}
+	for _, site := range []string{"a", "b"} {
+		if code := post(site); code != http.StatusOK {
+			t.Errorf("site %s after close: status %d, want 200", site, code)
+		}
 	}
 }

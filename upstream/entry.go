@@ -77,8 +77,10 @@ type Entry struct {
 	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
 	bstore breaker.Store
 	// drain is an operator's drain of the upstream (Drain), nil when none:
-	// a breaker created while it lasts starts forced open.
-	drain *drain
+	// a breaker created while it lasts starts forced open, and a handler
+	// with breakers off skips the upstream while it lasts (Drained). Written
+	// under mu; read lock-free on the pick path.
+	drain atomic.Pointer[drain]
 }
 
 // drain is an operator's drain of an upstream: every breaker forced open
@@ -522,7 +524,7 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	m[k] = b
 	e.breakers.Store(&m)
 	e.reg.obs.BreakerCreated(e.addr, model)
-	dr := e.drain
+	dr := e.drain.Load()
 	e.mu.Unlock()
 	l.register(b)
 	if d, ok := dr.left(e.reg.now()); ok {
@@ -671,7 +673,7 @@ func (e *Entry) Drain(d time.Duration, reason string) (opened []*breaker.Breaker
 	if d > 0 {
 		dr.until = e.reg.now().Add(d)
 	}
-	e.drain = dr
+	e.drain.Store(dr)
 	e.mu.Unlock()
 	// Outside e.mu: each transition reaches the entry's listener.
 	bs := e.AllBreakers()
@@ -681,6 +683,19 @@ func (e *Entry) Drain(d time.Duration, reason string) (opened []*breaker.Breaker
 	return bs, true
 }
 
+// Drained reports whether an operator's drain (Drain) holds the upstream
+// at now, and until when (zero: until Undrain). A handler with breakers
+// off has no breaker to force open, so its pick skips a drained upstream
+// by this.
+func (e *Entry) Drained(now time.Time) (until time.Time, ok bool) {
+	dr := e.drain.Load()
+	d, ok := dr.left(now)
+	if ok && d > 0 {
+		until = now.Add(d)
+	}
+	return until, ok
+}
+
 // Undrain ends a drain (admin API: POST /llm_proxy/breakers/<addr>/close
 // or /reset): every breaker of the upstream is forced closed, or reset to
 // a fresh closed state, and breakers created from now on start closed. It
@@ -688,7 +703,7 @@ func (e *Entry) Drain(d time.Duration, reason string) (opened []*breaker.Breaker
 // handler holding the upstream has breakers on.
 func (e *Entry) Undrain(reset bool, reason string) (changed []*breaker.Breaker, ok bool) {
 	e.mu.Lock()
-	e.drain = nil
+	e.drain.Store(nil)
 	on := !e.destroyed && slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil })
 	e.mu.Unlock()
 	if !on {

@@ -76,6 +76,15 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		c := Candidate{Target: &m.t, Entry: m.e, key: key}
 		if p.cfg.Breaker != nil {
 			c.br = m.e.breakerFor(p.claim, key)
+		} else if until, drained := m.e.Drained(now); drained {
+			// Breakers off: an operator's drain of the upstream still
+			// keeps this handler from sending there.
+			open++
+			p.reg.obs.ShortCircuited(m.t.Addr)
+			if !until.IsZero() && (earliest.IsZero() || until.Before(earliest)) {
+				earliest = until
+			}
+			continue
 		}
 		if c.br != nil {
 			if req.Hedge && c.br.State() != breaker.Closed {

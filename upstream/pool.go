@@ -470,8 +470,13 @@ func (p *Pool) ClosedUpstreams() int {
 
 // healthy reports whether m counts as a healthy upstream: its per-upstream
 // breaker closed (or none), or under scope model at least one of its model
-// breakers closed (or none yet).
+// breakers closed (or none yet); with breakers off, not drained by an
+// operator (Entry.Drained).
 func (p *Pool) healthy(m *member) bool {
+	if p.claim.settings == nil {
+		_, drained := m.e.Drained(p.reg.now())
+		return !drained
+	}
 	if p.cfg.ScopeModel {
 		// Per-model breakers: the server is unhealthy only when none of
 		// its breakers is closed.
