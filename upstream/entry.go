@@ -415,11 +415,20 @@ type rekeyed struct {
 
 // finish carries the replaced breaker's open state over to nb (as a
 // verdict it adopts, as useStore does: an open breaker stays open until
-// the end of its cooldown, or until closed if forced so), delivers nb's
+// the end of its cooldown, or until closed if forced so; an operator's
+// timed open is forced again for what is left of it), delivers nb's
 // transitions and retires the old one. Call it without e.mu.
 func (r rekeyed) finish(nb *breaker.Breaker) {
 	if snap := r.old.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
-		nb.Adopt(snap.OpenUntil, "open before its policy's key changed")
+		const reason = "open before its policy's key changed"
+		if d := snap.OpenUntil.Sub(r.l.e.reg.now()); snap.Forced && !snap.OpenUntil.IsZero() && d > 0 {
+			// An operator's timed open (a drain) stays one, for what is
+			// left of it: the admin API and status still say forced.
+			// (Adopt of a forced open until closed already keeps it forced.)
+			nb.ForceOpen(d, reason)
+		} else {
+			nb.Adopt(snap.OpenUntil, reason)
+		}
 	}
 	r.l.register(nb)
 	r.old.Close()
