@@ -144,6 +144,25 @@ type claim struct {
 	sat *saturation.Saturation
 }
 
+// newerThan orders claims for the settings one loop of the entry runs with
+// (the scraper's, the prober's): the claim of the newer config, and among
+// the claims of one config — which Caddy provisions in no fixed order, one
+// HTTP server after another — the one whose policy fingerprint, then
+// handler name, sorts last (then the later started), so that the choice is
+// a function of the config.
+func (c *claim) newerThan(o *claim) bool {
+	if c.cgen != o.cgen {
+		return c.cgen > o.cgen
+	}
+	if c.fp != o.fp {
+		return c.fp > o.fp
+	}
+	if c.handler != o.handler {
+		return c.handler > o.handler
+	}
+	return c.gen > o.gen
+}
+
 // policyFingerprint identifies a breaker policy: "s" (saturation signals
 // trip its breakers) or "b" (they do not), then 8 hex digits of the FNV-1a
 // hash of the breaker settings and, with saturation, of the saturation

@@ -147,7 +147,7 @@ func (e *Entry) proberLocked() *Prober {
 	}
 	var best *claim
 	for _, c := range e.claims {
-		if c.settings != nil && c.prober != nil && c.active.Load() && (best == nil || c.gen > best.gen) {
+		if c.settings != nil && c.prober != nil && c.active.Load() && (best == nil || c.newerThan(best)) {
 			best = c
 		}
 	}

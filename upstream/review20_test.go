@@ -225,3 +225,45 @@ func TestReloadThatRemovesTheNewestSiteKeepsTheOthersState(t *testing.T) {
 		t.Errorf("site C refused: %v", err)
 	}
 }
+
+// The scrape settings and the prober of an upstream that several handlers
+// of one config share are chosen by the config, not by the order Caddy
+// started the handlers' pools in (it starts its HTTP servers in no fixed
+// order): two sites, each with its own scrape interval and prober, started
+// in either order, give the same choice.
+func TestSharedLoopSettingsDoNotDependOnStartOrder(t *testing.T) {
+	addr := "10.9.77.1:8000"
+	mk := func(handler string, interval time.Duration) Config {
+		s := breaker.Settings{ConsecutiveFailures: 3}
+		if handler == "site-b" {
+			s.ConsecutiveFailures = 5
+		}
+		return Config{Key: handler + "|" + addr, Handler: handler, Generation: 7, Static: targets(addr), Breaker: &s,
+			Prober: &Prober{Transport: refusingTransport{}, URI: "/" + handler},
+			Saturation: &saturation.Saturation{Transport: refusingTransport{}, Interval: interval, StaleAfter: 5 * time.Hour, Window: 5 * time.Hour}}
+	}
+	choose := func(order ...string) (scrapeBy, probeBy string) {
+		reg := NewRegistry(nil)
+		for _, h := range order {
+			iv := time.Hour
+			if h == "site-b" {
+				iv = 2 * time.Hour
+			}
+			startPool(t, reg, mk(h, iv))
+		}
+		e, ok := reg.Entry(addr)
+		if !ok {
+			t.Fatal("no entry")
+		}
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		c := e.satClaimLocked()
+		pr := e.proberLocked()
+		return c.handler, pr.URI
+	}
+	s1, p1 := choose("site-a", "site-b")
+	s2, p2 := choose("site-b", "site-a")
+	if s1 != s2 || p1 != p2 {
+		t.Errorf("started a then b: scrape settings of %s, prober %s; b then a: %s, %s — want the same choice", s1, p1, s2, p2)
+	}
+}

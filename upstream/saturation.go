@@ -16,7 +16,7 @@ import (
 func (e *Entry) satClaimLocked() *claim {
 	var best *claim
 	for _, c := range e.claims {
-		if c.sat != nil && c.active.Load() && (best == nil || c.gen > best.gen) {
+		if c.sat != nil && c.active.Load() && (best == nil || c.newerThan(best)) {
 			best = c
 		}
 	}
