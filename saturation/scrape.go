@@ -239,8 +239,12 @@ func (s *Scraper) Stop() {
 }
 
 // Scraped reports whether a scrape was published (the snapshot exists),
-// and whether the latest one succeeded.
+// and whether the latest one succeeded. It waits for the reports of a
+// scrape being published (they go out under the same lock), so that a
+// caller who saw it published sees its reports too.
 func (s *Scraper) Scraped() (published, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	snap := s.snap.Load()
 	return snap != nil, snap != nil && snap.ok
 }

@@ -239,7 +239,7 @@ func TestSharedLoopSettingsDoNotDependOnStartOrder(t *testing.T) {
 			s.ConsecutiveFailures = 5
 		}
 		return Config{Key: handler + "|" + addr, Handler: handler, Generation: 7, Static: targets(addr), Breaker: &s,
-			Prober: &Prober{Transport: refusingTransport{}, URI: "/" + handler},
+			Prober:     &Prober{Transport: refusingTransport{}, URI: "/" + handler},
 			Saturation: &saturation.Saturation{Transport: refusingTransport{}, Interval: interval, StaleAfter: 5 * time.Hour, Window: 5 * time.Hour}}
 	}
 	choose := func(order ...string) (scrapeBy, probeBy string) {
