@@ -25,28 +25,13 @@ func TestTwoSitesOneUpstreamEachObeyTheirBreaker(t *testing.T) {
 	dial := strings.TrimPrefix(srv.URL, "http://")
 	listen := freePort(t)
 	// Two routes of one server, so that B is provisioned after A.
-	route := func(path, breaker string) string {
-		return `{"match":[{"path":["` + path + `"]}],"handle":[` +
-			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}],"breaker":` + breaker + `}]}`
-	}
-	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
-		`"],"automatic_https":{"disable":true},"routes":[` +
-		route("/a/*", `{"consecutive_failures":2,"open_for":60000000000,"min_open":60000000000}`) + `,` +
-		route("/b/*", `{"disabled":true}`) + `]}}}}}`
-	if err := caddy.Load([]byte(cfg), true); err != nil {
+	cfg := sitesConfig(listen, dial, siteRoute{"a", `{"consecutive_failures":2,"open_for":60000000000,"min_open":60000000000}`},
+		siteRoute{"b", `{"disabled":true}`})
+	if err := caddy.Load(cfg, true); err != nil {
 		t.Fatalf("loading config: %v", err)
 	}
 	t.Cleanup(func() { _ = caddy.Stop() })
-	post := func(site string) int {
-		t.Helper()
-		resp, err := http.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
-			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	post := func(site string) int { t.Helper(); return postSite(t, http.DefaultClient, listen, site) }
 	for range 2 {
 		post("a")
 	}

@@ -32,38 +32,24 @@ func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 	t.Cleanup(srv.Close)
 	dial := strings.TrimPrefix(srv.URL, "http://")
 	listen := freePort(t)
-	route := func(path, breaker string) string {
-		return `{"match":[{"path":["` + path + `"]}],"handle":[` +
-			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}],"breaker":` + breaker + `}]}`
-	}
-	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
-		`"],"automatic_https":{"disable":true},"routes":[` +
-		route("/a/*", `{"consecutive_failures":2,"open_for":60000000000,"min_open":60000000000}`) + `,` +
-		route("/b/*", `{"consecutive_failures":10,"open_for":60000000000,"min_open":60000000000}`) + `]}}}}}`
-	if err := caddy.Load([]byte(cfg), true); err != nil {
+	siteA := siteRoute{"a", `{"consecutive_failures":2,"open_for":60000000000,"min_open":60000000000}`}
+	siteB := siteRoute{"b", `{"consecutive_failures":10,"open_for":60000000000,"min_open":60000000000}`}
+	cfg := sitesConfig(listen, dial, siteA, siteB)
+	if err := caddy.Load(cfg, true); err != nil {
 		t.Fatalf("loading config: %v", err)
 	}
 	t.Cleanup(func() { _ = caddy.Stop() })
 	// A new connection per request: a kept-alive one may be reset by the
 	// listener a reload closes.
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-	post := func(site string) int {
-		t.Helper()
-		resp, err := client.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
-			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	post := func(site string) int { t.Helper(); return postSite(t, client, listen, site) }
 	post("a")
 	post("a")
 	if code := post("a"); code != http.StatusServiceUnavailable {
 		t.Fatalf("site A after 2 failures: status %d, want 503", code)
 	}
 	for reload := 1; reload <= 2; reload++ {
-		if err := caddy.Load([]byte(cfg), true); err != nil {
+		if err := caddy.Load(cfg, true); err != nil {
 			t.Fatalf("reload %d: %v", reload, err)
 		}
 		before := hits.Load()
@@ -79,11 +65,7 @@ func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 	}
 	// A reload that swaps the sites (A now last, so its policy takes the
 	// plain key) keeps A's breaker open and B's closed.
-	swapped := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
-		`"],"automatic_https":{"disable":true},"routes":[` +
-		route("/b/*", `{"consecutive_failures":10,"open_for":60000000000,"min_open":60000000000}`) + `,` +
-		route("/a/*", `{"consecutive_failures":2,"open_for":60000000000,"min_open":60000000000}`) + `]}}}}}`
-	if err := caddy.Load([]byte(swapped), true); err != nil {
+	if err := caddy.Load(sitesConfig(listen, dial, siteB, siteA), true); err != nil {
 		t.Fatalf("reload with the sites swapped: %v", err)
 	}
 	before := hits.Load()

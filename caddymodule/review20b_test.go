@@ -66,27 +66,12 @@ func TestDrainStopsASiteWithBreakerOff(t *testing.T) {
 	t.Cleanup(srv.Close)
 	dial := strings.TrimPrefix(srv.URL, "http://")
 	listen := freePort(t)
-	route := func(path, breaker string) string {
-		return `{"match":[{"path":["` + path + `"]}],"handle":[` +
-			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}],"breaker":` + breaker + `}]}`
-	}
-	cfg := `{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
-		`"],"automatic_https":{"disable":true},"routes":[` +
-		route("/a/*", `{"disabled":true}`) + `,` + route("/b/*", `{}`) + `]}}}}}`
-	if err := caddy.Load([]byte(cfg), true); err != nil {
+	cfg := sitesConfig(listen, dial, siteRoute{"a", `{"disabled":true}`}, siteRoute{"b", `{}`})
+	if err := caddy.Load(cfg, true); err != nil {
 		t.Fatalf("loading config: %v", err)
 	}
 	t.Cleanup(func() { _ = caddy.Stop() })
-	post := func(site string) int {
-		t.Helper()
-		resp, err := http.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
-			strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	post := func(site string) int { t.Helper(); return postSite(t, http.DefaultClient, listen, site) }
 	if code, _ := postBreaker(t, dial, "open"); code != http.StatusOK {
 		t.Fatalf("POST %s/open: %d", dial, code)
 	}

@@ -1,0 +1,37 @@
+package caddymodule
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// siteRoute is one route of sitesConfig: requests under /<name>/ go to an
+// llm_proxy handler (max_attempts 1) with the breaker given as JSON.
+type siteRoute struct{ name, breaker string }
+
+// sitesConfig is a JSON config (admin off) of one server on listen whose
+// routes, in their order, are sites, each in front of dial. Routes of one
+// server are provisioned in order, so the last site is provisioned last.
+func sitesConfig(listen, dial string, sites ...siteRoute) []byte {
+	routes := make([]string, len(sites))
+	for i, s := range sites {
+		routes[i] = `{"match":[{"path":["/` + s.name + `/*"]}],"handle":[` +
+			`{"handler":"llm_proxy","max_attempts":1,"upstreams":[{"dial":"` + dial + `"}],"breaker":` + s.breaker + `}]}`
+	}
+	return []byte(`{"admin":{"disabled":true,"config":{"persist":false}},"apps":{"http":{"servers":{"s":{"listen":["` + listen +
+		`"],"automatic_https":{"disable":true},"routes":[` + strings.Join(routes, ",") + `]}}}}}`)
+}
+
+// postSite sends a chat completion to site's route through c and returns
+// the status.
+func postSite(t *testing.T, c *http.Client, listen, site string) int {
+	t.Helper()
+	resp, err := c.Post("http://"+listen+"/"+site+"/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
