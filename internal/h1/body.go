@@ -1,0 +1,406 @@
+package h1
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"sync/atomic"
+	"syscall"
+)
+
+// States of a body.
+const (
+	bodyReading = iota
+	bodyDone    // read to its end; the connection was released
+	bodyClosed  // closed before its end, or failed; the connection was closed
+)
+
+// How a body is delimited.
+const (
+	modeLength  = iota // Content-Length: left bytes
+	modeChunked        // chunked transfer coding
+	modeClose          // until the server closes the connection
+)
+
+// States of the chunked decoder.
+const (
+	chunkSize    = iota // expecting a chunk-size line
+	chunkData           // left bytes of chunk data to go
+	chunkCRLF           // expecting the CRLF that ends chunk data
+	chunkTrailer        // after the last chunk: trailer lines up to an empty one
+)
+
+// maxChunkLine bounds a chunk-size line or trailer line, extensions
+// included (net/http's bound).
+const maxChunkLine = 4096
+
+var (
+	errReadOnClosedBody = errors.New("h1: read on closed response body")
+	errChunkLine        = errors.New("h1: malformed chunked encoding")
+	errChunkLineLong    = errors.New("h1: chunk line too long")
+)
+
+// body is a response body read from its connection on the caller's
+// goroutine, through a buffer it holds only while bytes are in it: a stream
+// waiting for its next event (WaitReadable) holds none. Read and Close may
+// run concurrently (Close aborts a blocked Read); Reads must not.
+type body struct {
+	c    *conn
+	stop func() bool // stops the context's close of the connection
+
+	buf    []byte // nil while released; buf[r:w] is read, not yet returned
+	r, w   int
+	pooled bool // buf came from bufPool (not grown for a long line)
+	size   int  // the buffer size to take
+
+	mode  int
+	left  int64 // modeLength: bytes to go; modeChunked: of the current chunk
+	chunk int   // chunked decoder state
+
+	state atomic.Int32
+	err   error // sticky once the body failed
+
+	// rc, readFn and rerr serve WaitReadable's raw read (sys_unix.go):
+	// the method value is made once per body, not per event.
+	rc     syscall.RawConn
+	readFn func(fd uintptr) bool
+	rerr   error
+}
+
+// bufPools holds read buffers by size: a stream takes one only while
+// bytes wait in it.
+var bufPools sync.Map // size → *sync.Pool of *[]byte
+
+func bufPoolOf(size int) *sync.Pool {
+	if p, ok := bufPools.Load(size); ok {
+		return p.(*sync.Pool)
+	}
+	p, _ := bufPools.LoadOrStore(size, &sync.Pool{})
+	return p.(*sync.Pool)
+}
+
+// buffersHeld counts the read buffers bodies hold now (tests).
+var buffersHeld atomic.Int64
+
+func (b *body) takeBuf() {
+	buffersHeld.Add(1)
+	if v := bufPoolOf(b.size).Get(); v != nil {
+		b.buf = *(v.(*[]byte))
+	} else {
+		b.buf = make([]byte, b.size)
+	}
+	b.pooled = true
+	b.r, b.w = 0, 0
+}
+
+// dropBuf gives the buffer back; what it held must have been consumed.
+func (b *body) dropBuf() {
+	if b.buf != nil && b.pooled {
+		buffersHeld.Add(-1)
+		buf := b.buf
+		bufPoolOf(b.size).Put(&buf)
+	}
+	b.buf, b.r, b.w = nil, 0, 0
+}
+
+// adopt takes the bytes the head's reader read past the head.
+func (b *body) adopt(br *bufio.Reader, size int) {
+	b.size = size
+	if n := br.Buffered(); n > 0 {
+		b.takeBuf()
+		peek, _ := br.Peek(n)
+		b.w = copy(b.buf, peek)
+	}
+}
+
+// fill reads more bytes into the buffer, after those not yet consumed;
+// it fails when a line being parsed outgrows maxChunkLine.
+func (b *body) fill() error {
+	if b.buf == nil {
+		b.takeBuf()
+	}
+	if b.r > 0 && b.r == b.w {
+		b.r, b.w = 0, 0
+	}
+	if b.w == len(b.buf) {
+		if b.r > 0 {
+			b.w = copy(b.buf, b.buf[b.r:b.w])
+			b.r = 0
+		} else {
+			if len(b.buf) >= maxChunkLine {
+				return errChunkLineLong
+			}
+			nb := make([]byte, min(2*len(b.buf), maxChunkLine))
+			copy(nb, b.buf[:b.w])
+			if b.pooled {
+				buffersHeld.Add(-1)
+				old := b.buf
+				bufPoolOf(b.size).Put(&old)
+			}
+			b.buf, b.pooled = nb, false
+		}
+	}
+	n, err := b.c.nc.Read(b.buf[b.w:])
+	b.w += n
+	if n > 0 {
+		return nil
+	}
+	if err == nil {
+		err = io.ErrNoProgress
+	}
+	return err
+}
+
+// line returns the next line without its CRLF (or LF), reading as needed.
+// Its bytes alias the buffer until the next fill.
+func (b *body) line() ([]byte, error) {
+	for {
+		if i := bytes.IndexByte(b.buf[b.r:b.w], '\n'); i >= 0 {
+			ln := b.buf[b.r : b.r+i]
+			b.r += i + 1
+			return bytes.TrimSuffix(ln, []byte{'\r'}), nil
+		}
+		if err := b.fill(); err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
+	}
+}
+
+// Read reads the body. At its end the connection is released (to the idle
+// pool when it can carry another request) before io.EOF is returned.
+func (b *body) Read(p []byte) (int, error) {
+	switch st := b.state.Load(); {
+	case st == bodyDone:
+		return 0, io.EOF
+	case b.err != nil:
+		return 0, b.err
+	case st == bodyClosed:
+		return 0, errReadOnClosedBody
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	n, err := b.read(p)
+	if err == io.EOF {
+		b.finish()
+		return n, io.EOF
+	}
+	if err != nil {
+		b.fail(b.c.abortErr(err))
+		return n, b.err
+	}
+	return n, nil
+}
+
+// read reads body bytes by the framing; io.EOF is the body's end.
+func (b *body) read(p []byte) (int, error) {
+	switch b.mode {
+	case modeLength:
+		if b.left == 0 {
+			return 0, io.EOF
+		}
+		if int64(len(p)) > b.left {
+			p = p[:b.left]
+		}
+		n, err := b.data(p)
+		b.left -= int64(n)
+		if b.left == 0 {
+			return n, io.EOF
+		}
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return n, err
+	case modeClose:
+		n, err := b.data(p)
+		if err == io.EOF {
+			b.c.keepAlive = false // the end, and of the connection too
+		}
+		return n, err
+	}
+	return b.readChunked(p)
+}
+
+// data returns buffered bytes, or reads straight into p when none are
+// buffered.
+func (b *body) data(p []byte) (int, error) {
+	if b.r < b.w {
+		n := copy(p, b.buf[b.r:b.w])
+		b.r += n
+		return n, nil
+	}
+	n, err := b.c.nc.Read(p)
+	if n > 0 {
+		return n, nil
+	}
+	if err == nil {
+		err = io.ErrNoProgress
+	}
+	return 0, err
+}
+
+// readChunked decodes the chunked transfer coding (RFC 9112 §7.1): it
+// returns chunk data as it arrives, and io.EOF after the last chunk and its
+// trailer section (trailer fields are read and dropped).
+func (b *body) readChunked(p []byte) (int, error) {
+	for {
+		switch b.chunk {
+		case chunkSize:
+			ln, err := b.line()
+			if err != nil {
+				return 0, err
+			}
+			size, err := parseChunkSize(ln)
+			if err != nil {
+				return 0, err
+			}
+			if size == 0 {
+				b.chunk = chunkTrailer
+				continue
+			}
+			b.left, b.chunk = size, chunkData
+		case chunkData:
+			if int64(len(p)) > b.left {
+				p = p[:b.left]
+			}
+			n, err := b.data(p)
+			b.left -= int64(n)
+			if b.left == 0 {
+				b.chunk = chunkCRLF
+			}
+			if n > 0 {
+				return n, nil
+			}
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return 0, err
+		case chunkCRLF:
+			ln, err := b.line()
+			if err != nil {
+				return 0, err
+			}
+			if len(ln) != 0 {
+				return 0, errChunkLine
+			}
+			b.chunk = chunkSize
+		case chunkTrailer:
+			ln, err := b.line()
+			if err != nil {
+				return 0, err
+			}
+			if len(ln) == 0 {
+				return 0, io.EOF
+			}
+		}
+	}
+}
+
+// parseChunkSize reads a chunk-size line: hex digits, then optional
+// whitespace and ";extensions", which are ignored.
+func parseChunkSize(ln []byte) (int64, error) {
+	if i := bytes.IndexByte(ln, ';'); i >= 0 {
+		ln = ln[:i]
+	}
+	ln = bytes.TrimRight(ln, " \t")
+	if len(ln) == 0 || len(ln) > 16 {
+		return 0, errChunkLine
+	}
+	var n uint64
+	for _, c := range ln {
+		switch {
+		case '0' <= c && c <= '9':
+			c -= '0'
+		case 'a' <= c && c <= 'f':
+			c = c - 'a' + 10
+		case 'A' <= c && c <= 'F':
+			c = c - 'A' + 10
+		default:
+			return 0, fmt.Errorf("%w: chunk size %q", errChunkLine, ln)
+		}
+		n = n<<4 | uint64(c)
+	}
+	if n > 1<<62 {
+		return 0, errChunkLine
+	}
+	return int64(n), nil
+}
+
+// finish ends a body read to its end: the connection goes back to the
+// pool when nothing is left in the buffer.
+func (b *body) finish() {
+	if !b.state.CompareAndSwap(bodyReading, bodyDone) {
+		return
+	}
+	clean := b.r == b.w
+	b.dropBuf()
+	b.c.release(b.stop, clean)
+}
+
+// fail ends a body on a read error: the connection is closed.
+func (b *body) fail(err error) {
+	b.err = err
+	if b.state.CompareAndSwap(bodyReading, bodyClosed) {
+		b.stop()
+		_ = b.c.nc.Close()
+		b.dropBuf()
+	}
+}
+
+// Close closes the body. Before its end that closes the connection: a
+// stream abandoned midway is not drained. Its buffer is left to the
+// garbage collector, as a Read may still be using it.
+func (b *body) Close() error {
+	if b.state.CompareAndSwap(bodyReading, bodyClosed) {
+		b.stop()
+		_ = b.c.nc.Close()
+	}
+	return nil
+}
+
+// WaitReadable blocks until the body has bytes to read (or its connection
+// has news: its end, an error), holding no buffer while it waits, and reads
+// them into a buffer taken once they are there. A relay calls it between
+// events so that a stream waiting for its next token holds no read buffer;
+// the read it does is the one Read would have done, so it costs no extra
+// system call. It returns at once when bytes are buffered or the
+// connection is not a plain socket; an error is the one the next Read
+// would return.
+func (b *body) WaitReadable() error {
+	if b.state.Load() != bodyReading || b.err != nil {
+		return nil
+	}
+	if b.mode == modeChunked && b.chunk == chunkCRLF && b.w-b.r >= 2 && b.buf[b.r] == '\r' && b.buf[b.r+1] == '\n' {
+		// The CRLF that ends the chunk just read is no data to wait for.
+		b.r += 2
+		b.chunk = chunkSize
+	}
+	if b.r < b.w {
+		return nil
+	}
+	if b.buf != nil && !b.pooled {
+		b.dropBuf() // a buffer grown for a long line: back to the usual size
+	}
+	b.r, b.w = 0, 0
+	ok, err := b.waitRead()
+	if !ok {
+		return nil
+	}
+	if err == io.EOF {
+		// The server closed: the next Read tells the framing's end
+		// from a truncation.
+		return nil
+	}
+	if err != nil {
+		err = b.c.abortErr(err)
+		b.fail(err)
+		return err
+	}
+	return nil
+}

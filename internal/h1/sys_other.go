@@ -1,0 +1,12 @@
+//go:build !unix
+
+package h1
+
+import "net"
+
+// alive is true: without a non-blocking peek, a closed idle connection is
+// found by the request written onto it.
+func alive(net.Conn) bool { return true }
+
+// waitRead cannot read without a buffer here: the next Read waits, in one.
+func (b *body) waitRead() (bool, error) { return false, nil }

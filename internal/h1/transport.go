@@ -1,0 +1,349 @@
+// Package h1 is an HTTP/1.1 client for upstream streams that runs each
+// request on its caller's goroutine.
+//
+// net/http's Transport gives every connection a reader and a writer
+// goroutine and keeps both, with their buffers, for as long as a response
+// streams. A gateway holding thousands of token streams open pays that per
+// stream: at 1,000 held streams it was two of the four goroutine stacks and
+// about a third of the memory each stream cost. Here the caller writes the
+// request and reads the response itself; the only goroutine a request may
+// start is the one that closes its connection when its context ends.
+//
+// It speaks HTTP/1.1 over the connections DialContext returns (plain TCP or
+// a Unix socket; no TLS, no HTTP/2, no forward proxy), keeps idle
+// connections per host for reuse, and reports GetConn, GotConn, WroteRequest
+// and GotFirstResponseByte to an httptrace.ClientTrace in the request's
+// context. Response bodies are framed as RFC 9112 §6.3 says: chunked,
+// Content-Length, or read until the server closes.
+package h1
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptrace"
+	"sync"
+	"time"
+)
+
+// Defaults of Transport's zero fields.
+const (
+	// DefaultMaxIdlePerHost is how many idle connections per host are kept
+	// when MaxIdlePerHost is 0 (net/http's DefaultMaxIdleConnsPerHost).
+	DefaultMaxIdlePerHost = 2
+	// DefaultReadBufferSize is the response read buffer, in bytes, when
+	// ReadBufferSize is 0 (net/http's).
+	DefaultReadBufferSize = 4 << 10
+	// DefaultMaxResponseHeaderBytes bounds the status line and headers of a
+	// response when MaxResponseHeaderBytes is 0 (net/http's transport: 10 MiB).
+	DefaultMaxResponseHeaderBytes = 10 << 20
+	// writeBufferSize is the buffer the request head is written through; a
+	// body larger than what is left of it is written straight to the
+	// connection.
+	writeBufferSize = 4 << 10
+)
+
+// Transport is an http.RoundTripper for http:// upstreams. Its zero value
+// is not usable: DialContext is required. Safe for concurrent use.
+type Transport struct {
+	// DialContext opens a connection to addr (the request URL's host) on
+	// network "tcp". Required. Caddy's dialer reads the upstream's dial
+	// address from the context and may dial a Unix socket instead.
+	DialContext func(ctx context.Context, network, addr string) (net.Conn, error)
+	// IdleTimeout is how long an idle connection is kept before it is
+	// closed; 0 keeps it until it is reused, found closed, or evicted.
+	IdleTimeout time.Duration
+	// MaxIdlePerHost bounds the idle connections kept per host; 0 means
+	// DefaultMaxIdlePerHost, a negative value keeps none. When the bound is
+	// reached the oldest idle connection is closed.
+	MaxIdlePerHost int
+	// DisableKeepAlives sends every request on a new connection with
+	// "Connection: close".
+	DisableKeepAlives bool
+	// ResponseHeaderTimeout bounds the wait for the response head after
+	// the request is written; 0 means no bound beyond the context's.
+	ResponseHeaderTimeout time.Duration
+	// MaxResponseHeaderBytes bounds the status line and headers of a
+	// response (1xx heads included); 0 means DefaultMaxResponseHeaderBytes.
+	MaxResponseHeaderBytes int64
+	// ReadBufferSize is the size in bytes of each connection's read buffer
+	// while a response is read; 0 means DefaultReadBufferSize. An idle
+	// connection holds none.
+	ReadBufferSize int
+
+	mu     sync.Mutex
+	idle   map[string][]*conn // per host, oldest first
+	sweep  *time.Timer        // armed while any connection is idle
+	closed bool
+	now    func() time.Time // time.Now; tests replace it
+}
+
+// errClosedTransport is returned by requests made after CloseIdleConnections
+// was called with the transport closed for good (Close).
+var errClosedTransport = errors.New("h1: transport closed")
+
+// errUnsupportedScheme is returned for a request that is not http://.
+var errUnsupportedScheme = errors.New("h1: only http:// requests are supported")
+
+// RoundTrip sends req on an idle connection to its host or a new one and
+// reads the response head. The response body reads from the connection;
+// reading it to its end returns the connection to the idle pool, closing it
+// early closes the connection. req.Body is always closed.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	return t.roundTrip(req, false)
+}
+
+// Fresh returns a RoundTripper over t that never reuses a connection: each
+// request dials its own, which is closed after its response. It is for
+// retrying a request whose reused connection the server had just closed.
+func (t *Transport) Fresh() http.RoundTripper { return freshTransport{t} }
+
+type freshTransport struct{ t *Transport }
+
+func (f freshTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	return f.t.roundTrip(req, true)
+}
+
+func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, error) {
+	if req.URL == nil || req.URL.Scheme != "http" {
+		closeBody(req)
+		return nil, errUnsupportedScheme
+	}
+	if req.URL.Host == "" {
+		closeBody(req)
+		return nil, errors.New("h1: request has no host")
+	}
+	if err := validRequest(req); err != nil {
+		closeBody(req)
+		return nil, err
+	}
+	ctx := req.Context()
+	trace := httptrace.ContextClientTrace(ctx)
+	key := req.URL.Host
+	if trace != nil && trace.GetConn != nil {
+		trace.GetConn(key)
+	}
+	var c *conn
+	if !fresh && !t.DisableKeepAlives {
+		c = t.takeIdle(key)
+	}
+	if c == nil {
+		nc, err := t.DialContext(ctx, "tcp", key)
+		if err != nil {
+			closeBody(req)
+			if ctx.Err() != nil {
+				return nil, context.Cause(ctx)
+			}
+			return nil, err
+		}
+		c = &conn{t: t, key: key, nc: nc}
+	}
+	if trace != nil && trace.GotConn != nil {
+		info := httptrace.GotConnInfo{Conn: c.nc, Reused: c.reused, WasIdle: c.reused}
+		if c.reused {
+			info.IdleTime = t.clock().Sub(c.idleAt)
+		}
+		trace.GotConn(info)
+	}
+	c.keepAlive = !fresh && !t.DisableKeepAlives && !req.Close
+	return c.roundTrip(ctx, req, trace)
+}
+
+func (t *Transport) clock() time.Time {
+	if t.now != nil {
+		return t.now()
+	}
+	return time.Now()
+}
+
+func (t *Transport) maxIdle() int {
+	if t.MaxIdlePerHost == 0 {
+		return DefaultMaxIdlePerHost
+	}
+	return t.MaxIdlePerHost
+}
+
+// takeIdle returns the most recently used idle connection to key that is
+// still open, closing the expired and closed ones it passes, or nil.
+func (t *Transport) takeIdle(key string) *conn {
+	now := t.clock()
+	for {
+		t.mu.Lock()
+		list := t.idle[key]
+		if len(list) == 0 {
+			t.mu.Unlock()
+			return nil
+		}
+		c := list[len(list)-1]
+		list[len(list)-1] = nil
+		t.idle[key] = list[:len(list)-1]
+		t.mu.Unlock()
+		if t.IdleTimeout > 0 && now.Sub(c.idleAt) >= t.IdleTimeout {
+			_ = c.nc.Close()
+			continue
+		}
+		// The server may have closed it while it sat idle (its own
+		// keep-alive timeout, a restart): a request written onto it would
+		// fail after the write, so look before using it.
+		if !alive(c.nc) {
+			_ = c.nc.Close()
+			continue
+		}
+		c.reused = true
+		return c
+	}
+}
+
+// putIdle keeps c for reuse, or closes it when the transport keeps none.
+func (t *Transport) putIdle(c *conn) {
+	c.idleAt = t.clock()
+	t.mu.Lock()
+	if t.closed || t.maxIdle() < 0 || t.DisableKeepAlives {
+		t.mu.Unlock()
+		_ = c.nc.Close()
+		return
+	}
+	if t.idle == nil {
+		t.idle = make(map[string][]*conn)
+	}
+	list := append(t.idle[c.key], c)
+	var evicted *conn
+	if len(list) > t.maxIdle() {
+		evicted = list[0]
+		copy(list, list[1:])
+		list[len(list)-1] = nil
+		list = list[:len(list)-1]
+	}
+	t.idle[c.key] = list
+	if t.IdleTimeout > 0 && t.sweep == nil {
+		t.sweep = time.AfterFunc(t.IdleTimeout, t.sweepIdle)
+	}
+	t.mu.Unlock()
+	if evicted != nil {
+		_ = evicted.nc.Close()
+	}
+}
+
+// sweepIdle closes the connections idle for IdleTimeout or longer and arms
+// itself for the next one to expire, so an idle connection the server
+// closes does not sit half-closed until the host is used again.
+func (t *Transport) sweepIdle() {
+	now := t.clock()
+	var expired []*conn
+	t.mu.Lock()
+	t.sweep = nil
+	next := time.Duration(-1)
+	for key, list := range t.idle {
+		kept := list[:0]
+		for _, c := range list {
+			if age := now.Sub(c.idleAt); age >= t.IdleTimeout {
+				expired = append(expired, c)
+			} else {
+				kept = append(kept, c)
+				if left := t.IdleTimeout - age; next < 0 || left < next {
+					next = left
+				}
+			}
+		}
+		clear(list[len(kept):])
+		if len(kept) == 0 {
+			delete(t.idle, key)
+		} else {
+			t.idle[key] = kept
+		}
+	}
+	if next >= 0 && !t.closed {
+		t.sweep = time.AfterFunc(next, t.sweepIdle)
+	}
+	t.mu.Unlock()
+	for _, c := range expired {
+		_ = c.nc.Close()
+	}
+}
+
+// CloseIdleConnections closes every idle connection. Connections in use are
+// not affected and return to the pool when their responses end.
+func (t *Transport) CloseIdleConnections() {
+	t.mu.Lock()
+	idle := t.idle
+	t.idle = nil
+	if t.sweep != nil {
+		t.sweep.Stop()
+		t.sweep = nil
+	}
+	t.mu.Unlock()
+	for _, list := range idle {
+		for _, c := range list {
+			_ = c.nc.Close()
+		}
+	}
+}
+
+// Close closes every idle connection and keeps none from now on: a
+// connection whose response ends later is closed. Requests still work, each
+// on a new connection.
+func (t *Transport) Close() {
+	t.mu.Lock()
+	t.closed = true
+	t.mu.Unlock()
+	t.CloseIdleConnections()
+}
+
+// idleCount is the number of idle connections to key (tests).
+func (t *Transport) idleCount(key string) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.idle[key])
+}
+
+func closeBody(req *http.Request) {
+	if req.Body != nil {
+		_ = req.Body.Close()
+	}
+}
+
+// Pools of the buffers a connection holds only while a request or
+// response is in flight.
+var (
+	writerPool sync.Pool // *bufio.Writer of writeBufferSize
+	readerPool sync.Map  // size → *sync.Pool of *bufio.Reader
+)
+
+func getWriter(w io.Writer) *bufio.Writer {
+	if v := writerPool.Get(); v != nil {
+		bw := v.(*bufio.Writer)
+		bw.Reset(w)
+		return bw
+	}
+	return bufio.NewWriterSize(w, writeBufferSize)
+}
+
+func putWriter(bw *bufio.Writer) {
+	bw.Reset(nil)
+	writerPool.Put(bw)
+}
+
+func readerPoolOf(size int) *sync.Pool {
+	if p, ok := readerPool.Load(size); ok {
+		return p.(*sync.Pool)
+	}
+	p, _ := readerPool.LoadOrStore(size, &sync.Pool{})
+	return p.(*sync.Pool)
+}
+
+func getReader(r io.Reader, size int) *bufio.Reader {
+	if v := readerPoolOf(size).Get(); v != nil {
+		br := v.(*bufio.Reader)
+		br.Reset(r)
+		return br
+	}
+	return bufio.NewReaderSize(r, size)
+}
+
+func putReader(br *bufio.Reader, size int) {
+	br.Reset(nil)
+	readerPoolOf(size).Put(br)
+}
