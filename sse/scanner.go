@@ -343,11 +343,36 @@ func (s *Scanner) event() Event {
 	return ev
 }
 
+// ReadableWaiter is a reader that can wait for input without a buffer: an
+// upstream response body of internal/h1. Between events the Scanner gives
+// its buffer back and waits with WaitReadable, so a stream waiting for its
+// next token holds no read buffer. WaitReadable returns when a Read would
+// not block (input, the end, an error) or at once when it cannot tell; its
+// error is the one the next Read would return.
+type ReadableWaiter interface {
+	WaitReadable() error
+}
+
 // fill reads more input, first making room by moving the pending event to the
 // front of the buffer and, if it still does not fit, growing the buffer up to
 // limit. Next has already checked that the pending bytes do not exceed max,
 // so there is always room for at least one more byte.
 func (s *Scanner) fill() {
+	if w, ok := s.r.(ReadableWaiter); ok && s.start == s.end && s.pooled != nil {
+		// Nothing pending: the buffer goes back while the stream waits
+		// for its next event, which may be seconds away.
+		p := s.pooled
+		s.pooled, s.buf = nil, nil
+		s.start, s.pos, s.clean, s.end = 0, 0, 0, 0
+		bufPool.Put(p)
+		err := w.WaitReadable()
+		s.pooled = bufPool.Get().(*[]byte)
+		s.buf = *s.pooled
+		if err != nil {
+			s.rerr = err
+			return
+		}
+	}
 	if s.end == len(s.buf) {
 		if s.start > 0 {
 			n := copy(s.buf, s.buf[s.start:s.end])
