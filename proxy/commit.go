@@ -58,6 +58,9 @@ func (x *exchange) commit(a *attempt) bool {
 
 	h := x.w.Header()
 	copyResponseHeader(h, a.resp.Header)
+	// Nothing reads the outbound request or the upstream's header after
+	// this: a held stream should not keep them (≈ 2 KB a stream).
+	x.outHeader, a.resp.Header, a.resp.Request = nil, nil, nil
 	x.setAdmissionHeader(h)
 	if !a.isSSE {
 		res.ResponseBytes = len(a.head)

@@ -16,6 +16,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/h1"
 )
 
 // heldStreamsEnv names the environment variable that turns on
@@ -73,6 +75,18 @@ func TestMemoryPerHeldStream(t *testing.T) {
 			p, err := New(Config{
 				Transport: schemeTransport{&http.Transport{ReadBufferSize: 1 << 10, WriteBufferSize: 1 << 10,
 					MaxIdleConnsPerHost: 2 * n, DisableCompression: true}},
+				Balancer: addrBalancer{upURL.Host}, StreamIdleTimeout: time.Hour, FirstByteTimeout: time.Minute,
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { p.ServeHTTP(w, r) })
+		}},
+		{"llm_proxy h1", func() http.Handler {
+			d := &net.Dialer{}
+			p, err := New(Config{
+				Transport: schemeTransport{&h1.Transport{DialContext: d.DialContext, ReadBufferSize: 1 << 10,
+					MaxIdlePerHost: 2 * n}},
 				Balancer: addrBalancer{upURL.Host}, StreamIdleTimeout: time.Hour, FirstByteTimeout: time.Minute,
 			})
 			if err != nil {
@@ -159,7 +173,7 @@ func TestMemoryPerHeldStream(t *testing.T) {
 	}
 	d := results["direct"]
 	t.Logf("%d held streams; per stream, less the direct connection's (heap %.1f KB + stacks %.1f KB, %.2f goroutines):", n, d.heap/1024, d.stack/1024, d.goroutines)
-	for _, name := range []string{"llm_proxy", "httputil.ReverseProxy"} {
+	for _, name := range []string{"llm_proxy", "llm_proxy h1", "httputil.ReverseProxy"} {
 		r := results[name]
 		t.Logf("  %-22s %6.1f KB (heap %5.1f KB, stacks %5.1f KB, %.2f goroutines)", name,
 			(r.perStream-d.perStream)/1024, (r.heap-d.heap)/1024, (r.stack-d.stack)/1024, r.goroutines-d.goroutines)
