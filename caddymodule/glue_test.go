@@ -188,3 +188,54 @@ func TestUpstreamIdleTimeoutDefaultsBelowServerKeepAlive(t *testing.T) {
 		})
 	}
 }
+
+// TestPlainHTTPUpstreamsUseTheGatewaysClient: http:// requests go over
+// internal/h1 with the transport's settings, unless the transport asks for
+// what only net/http does; https:// requests always go to Caddy's.
+func TestPlainHTTPUpstreamsUseTheGatewaysClient(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	for _, tc := range []struct {
+		name, raw string
+		h1        bool
+	}{
+		{"no transport", "", true},
+		{"timeouts and keep-alive", `{"protocol":"http","dial_timeout":1000000000,"response_header_timeout":2000000000,"keep_alive":{"max_idle_conns_per_host":8}}`, true},
+		{"h2c", `{"protocol":"http","versions":["h2c"]}`, false},
+		{"forward proxy", `{"protocol":"http","forward_proxy_url":"http://127.0.0.1:3128"}`, false},
+		{"max conns per host", `{"protocol":"http","max_conns_per_host":4}`, false},
+		{"compression on", `{"protocol":"http","compression":true}`, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := new(Handler)
+			if tc.raw != "" {
+				h.TransportRaw = []byte(tc.raw)
+			}
+			tr, err := newTransport(ctx, h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tr.cleanup(h.ownTransport) }()
+			if (tr.h1 != nil) != tc.h1 {
+				t.Fatalf("h1 client %v, want %v", tr.h1 != nil, tc.h1)
+			}
+			if tr.h1 == nil {
+				return
+			}
+			if tr.h1.IdleTimeout != tr.Transport.IdleConnTimeout || tr.h1.MaxIdlePerHost != tr.Transport.MaxIdleConnsPerHost ||
+				tr.h1.ResponseHeaderTimeout != tr.Transport.ResponseHeaderTimeout || tr.h1.ReadBufferSize != tr.Transport.ReadBufferSize {
+				t.Fatalf("h1 settings %+v differ from the transport's", tr.h1)
+			}
+		})
+	}
+	t.Run("HTTP_PROXY in the environment", func(t *testing.T) {
+		t.Setenv("HTTP_PROXY", "http://127.0.0.1:3128")
+		tr, err := newTransport(ctx, new(Handler))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tr.h1 != nil {
+			t.Fatal("requests would bypass HTTP_PROXY")
+		}
+	})
+}

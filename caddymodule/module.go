@@ -79,6 +79,10 @@ type Handler struct {
 	// and 1 KiB read and write buffers per connection
 	// (DefaultUpstreamBufferSize). A configured transport keeps its own
 	// idle_timeout and max_idle_conns_per_host, else gets these two.
+	// http:// requests go over the gateway's own HTTP/1.1 client with the
+	// transport's dial, keep-alive, header and buffer settings, unless the
+	// transport needs net/http's (h2c, HTTP/3, a forward proxy,
+	// max_conns_per_host, compression; see plainHTTP1).
 	TransportRaw json.RawMessage `json:"transport,omitempty" caddy:"namespace=http.reverse_proxy.transport inline_key=protocol"`
 
 	// MaxRequestBody is the largest request body accepted, in bytes; a
@@ -471,8 +475,8 @@ func (h *Handler) Cleanup() error {
 			fc.pool.Release()
 		}
 	}
-	if h.ownTransport && h.transport != nil {
-		return h.transport.Cleanup()
+	if h.transport != nil {
+		return h.transport.cleanup(h.ownTransport)
 	}
 	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/h1"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
@@ -196,12 +198,39 @@ func selector(mod any) upstream.Selector {
 	}
 }
 
-// transport is Caddy's http transport with a second round tripper that
-// never reuses a connection, for the retry of an attempt whose pooled
-// connection the upstream had just closed.
+// transport is Caddy's http transport, the gateway's own HTTP/1.1 client
+// for plain http:// upstreams when the transport's config allows it, and a
+// second round tripper that never reuses a connection, for the retry of an
+// attempt whose pooled connection the upstream had just closed.
 type transport struct {
 	*reverseproxy.HTTPTransport
 	fresh *http.Transport
+	// h1 carries http:// requests, nil when the config needs net/http
+	// (see plainHTTP1).
+	h1 *h1.Transport
+}
+
+// RoundTrip sends req on h1 when it is plain HTTP/1.1, else on Caddy's
+// transport.
+func (t *transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	t.SetScheme(req)
+	if t.h1 != nil && req.URL.Scheme == "http" {
+		return t.h1.RoundTrip(req)
+	}
+	return t.HTTPTransport.RoundTrip(req)
+}
+
+// Cleanup closes the idle connections of h1 (which the handler owns
+// whatever the config) and, for the handler's own default transport,
+// Caddy's.
+func (t *transport) cleanup(own bool) error {
+	if t.h1 != nil {
+		t.h1.Close()
+	}
+	if own {
+		return t.HTTPTransport.Cleanup()
+	}
+	return nil
 }
 
 // freshRoundTripper sends each request on a new connection.
@@ -209,7 +238,53 @@ type freshRoundTripper struct{ t *transport }
 
 func (f freshRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
 	f.t.SetScheme(req)
+	if f.t.h1 != nil && req.URL.Scheme == "http" {
+		return f.t.h1.Fresh().RoundTrip(req)
+	}
 	return f.t.fresh.RoundTrip(req)
+}
+
+// plainHTTP1 reports whether a transport's http:// requests can go over
+// the gateway's own HTTP/1.1 client (internal/h1) instead of net/http's:
+// one goroutine per stream where net/http keeps three, and no buffers while
+// a connection is idle. It cannot when the config asks for what only
+// net/http does here: h2c or HTTP/3, a forward proxy (configured, or in
+// HTTP_PROXY), a cap on connections per host, or compressed responses.
+// TLS needs no check: https:// requests still go to net/http.
+func plainHTTP1(t *reverseproxy.HTTPTransport) bool {
+	for _, v := range t.Versions {
+		if v == "h2c" || v == "3" {
+			return false
+		}
+	}
+	if len(t.NetworkProxyRaw) != 0 || t.ForwardProxyURL != "" ||
+		os.Getenv("HTTP_PROXY") != "" || os.Getenv("http_proxy") != "" {
+		return false
+	}
+	if t.MaxConnsPerHost > 0 || (t.Compression != nil && *t.Compression) {
+		return false
+	}
+	return t.Transport != nil && t.Transport.DialContext != nil
+}
+
+// newH1 is the HTTP/1.1 client for t's http:// requests, with t's dialer
+// (dial timeout, resolver, local address, PROXY protocol, read and write
+// timeouts) and keep-alive, header and buffer settings.
+func newH1(t *reverseproxy.HTTPTransport) *h1.Transport {
+	rt := t.Transport
+	maxIdle := rt.MaxIdleConnsPerHost
+	if rt.DisableKeepAlives {
+		maxIdle = -1
+	}
+	return &h1.Transport{
+		DialContext:            rt.DialContext,
+		IdleTimeout:            rt.IdleConnTimeout,
+		MaxIdlePerHost:         maxIdle,
+		DisableKeepAlives:      rt.DisableKeepAlives,
+		ResponseHeaderTimeout:  rt.ResponseHeaderTimeout,
+		MaxResponseHeaderBytes: rt.MaxResponseHeaderBytes,
+		ReadBufferSize:         rt.ReadBufferSize,
+	}
 }
 
 // newTransport loads the handler's http transport (Caddy's defaults when
@@ -252,7 +327,11 @@ func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
 	}
 	fresh := t.Transport.Clone()
 	fresh.DisableKeepAlives = true
-	return &transport{HTTPTransport: t, fresh: fresh}, nil
+	tr := &transport{HTTPTransport: t, fresh: fresh}
+	if plainHTTP1(t) {
+		tr.h1 = newH1(t)
+	}
+	return tr, nil
 }
 
 // parseUpstreamAddr turns a Caddyfile upstream ("host:port",
