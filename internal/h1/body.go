@@ -51,10 +51,11 @@ type body struct {
 	c    *conn
 	stop func() bool // stops the context's close of the connection
 
-	buf    []byte // nil while released; buf[r:w] is read, not yet returned
-	r, w   int
-	pooled bool // buf came from bufPool (not grown for a long line)
-	size   int  // the buffer size to take
+	buf  []byte // nil while released; buf[r:w] is read, not yet returned
+	r, w int
+	bufp *[]byte    // the pool's pointer to buf, nil when buf was grown
+	pool *sync.Pool // the transport's buffers, of size
+	size int        // the buffer size to take
 
 	mode  int
 	left  int64 // modeLength: bytes to go; modeChunked: of the current chunk
@@ -70,45 +71,34 @@ type body struct {
 	rerr   error
 }
 
-// bufPools holds read buffers by size: a stream takes one only while
-// bytes wait in it.
-var bufPools sync.Map // size → *sync.Pool of *[]byte
-
-func bufPoolOf(size int) *sync.Pool {
-	if p, ok := bufPools.Load(size); ok {
-		return p.(*sync.Pool)
-	}
-	p, _ := bufPools.LoadOrStore(size, &sync.Pool{})
-	return p.(*sync.Pool)
-}
-
 // buffersHeld counts the read buffers bodies hold now (tests).
 var buffersHeld atomic.Int64
 
 func (b *body) takeBuf() {
 	buffersHeld.Add(1)
-	if v := bufPoolOf(b.size).Get(); v != nil {
-		b.buf = *(v.(*[]byte))
+	if v := b.pool.Get(); v != nil {
+		b.bufp = v.(*[]byte)
 	} else {
-		b.buf = make([]byte, b.size)
+		buf := make([]byte, b.size)
+		b.bufp = &buf
 	}
-	b.pooled = true
+	b.buf = *b.bufp
 	b.r, b.w = 0, 0
 }
 
 // dropBuf gives the buffer back; what it held must have been consumed.
 func (b *body) dropBuf() {
-	if b.buf != nil && b.pooled {
+	if b.bufp != nil {
 		buffersHeld.Add(-1)
-		buf := b.buf
-		bufPoolOf(b.size).Put(&buf)
+		b.pool.Put(b.bufp)
+		b.bufp = nil
 	}
 	b.buf, b.r, b.w = nil, 0, 0
 }
 
 // adopt takes the bytes the head's reader read past the head.
-func (b *body) adopt(br *bufio.Reader, size int) {
-	b.size = size
+func (b *body) adopt(br *bufio.Reader) {
+	b.size, b.pool = b.c.t.readBufferSize(), &b.c.t.bufs
 	if n := br.Buffered(); n > 0 {
 		b.takeBuf()
 		peek, _ := br.Peek(n)
@@ -135,12 +125,12 @@ func (b *body) fill() error {
 			}
 			nb := make([]byte, min(2*len(b.buf), maxChunkLine))
 			copy(nb, b.buf[:b.w])
-			if b.pooled {
+			if b.bufp != nil {
 				buffersHeld.Add(-1)
-				old := b.buf
-				bufPoolOf(b.size).Put(&old)
+				b.pool.Put(b.bufp)
+				b.bufp = nil
 			}
-			b.buf, b.pooled = nb, false
+			b.buf = nb
 		}
 	}
 	n, err := b.c.nc.Read(b.buf[b.w:])
@@ -384,7 +374,7 @@ func (b *body) WaitReadable() error {
 	if b.r < b.w {
 		return nil
 	}
-	if b.buf != nil && !b.pooled {
+	if b.buf != nil && b.bufp == nil {
 		b.dropBuf() // a buffer grown for a long line: back to the usual size
 	}
 	b.r, b.w = 0, 0

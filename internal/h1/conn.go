@@ -253,16 +253,12 @@ func validMethod(m string) bool {
 // readResponse reads the response head (skipping 1xx heads) and frames
 // its body.
 func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*http.Response, error) {
-	size := c.t.ReadBufferSize
-	if size <= 0 {
-		size = DefaultReadBufferSize
-	}
 	limit := c.t.MaxResponseHeaderBytes
 	if limit <= 0 {
 		limit = DefaultMaxResponseHeaderBytes
 	}
 	c.src = limitedConn{nc: c.nc, n: limit}
-	c.br = getReader(&c.src, size)
+	c.br = c.t.getHeadReader(&c.src)
 	first := true
 	for {
 		if first {
@@ -299,15 +295,15 @@ func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*h
 		}
 		// The body reads through its own buffer, which it can let go
 		// of between events; the head's reader goes back now.
-		b.adopt(c.br, size)
-		putReader(c.br, size)
+		b.c = c
+		b.adopt(c.br)
+		c.t.putHeadReader(c.br)
 		c.br = nil
 		if resp.Close {
 			c.keepAlive = false
 		} else if !c.keepAlive {
 			resp.Close = true
 		}
-		b.c = c
 		resp.Body = b
 		return resp, nil
 	}

@@ -772,3 +772,44 @@ func TestStreamsWaitingForEventsHoldNoBuffer(t *testing.T) {
 		t.Fatalf("%d buffers held after the streams ended", held)
 	}
 }
+
+// TestWaitingAndReadingAnEventDoesNotAllocate: once a stream is warm,
+// WaitReadable and Read of each chunked event allocate nothing.
+func TestWaitingAndReadingAnEventDoesNotAllocate(t *testing.T) {
+	if testing.Short() {
+		t.Skip("allocation count")
+	}
+	event := []byte("c\r\ndata: token\n\r\n")
+	next := make(chan struct{})
+	addr := rawServer(t, func(c net.Conn) {
+		_, _ = readRequest(t, bufio.NewReader(c))
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+		for range next {
+			if _, err := c.Write(event); err != nil {
+				return
+			}
+		}
+	})
+	tr := newTransport(t)
+	resp, err := get(t, tr, "http://"+addr+"/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	defer close(next)
+	b := resp.Body.(*body)
+	buf := make([]byte, 256)
+	one := func() {
+		next <- struct{}{}
+		if err := b.WaitReadable(); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := b.Read(buf); err != nil || string(buf[:n]) != "data: token\n" {
+			t.Fatalf("event %q %v", buf[:n], err)
+		}
+	}
+	one()
+	if n := testing.AllocsPerRun(200, one); n != 0 {
+		t.Fatalf("%.1f allocations per event, want 0", n)
+	}
+}

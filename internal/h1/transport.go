@@ -74,6 +74,10 @@ type Transport struct {
 	// connection holds none.
 	ReadBufferSize int
 
+	// heads holds the *bufio.Reader a response head is read through,
+	// bufs the *[]byte read buffers of bodies; both of ReadBufferSize.
+	heads, bufs sync.Pool
+
 	mu     sync.Mutex
 	idle   map[string][]*conn // per host, oldest first
 	sweep  *time.Timer        // armed while any connection is idle
@@ -305,12 +309,9 @@ func closeBody(req *http.Request) {
 	}
 }
 
-// Pools of the buffers a connection holds only while a request or
-// response is in flight.
-var (
-	writerPool sync.Pool // *bufio.Writer of writeBufferSize
-	readerPool sync.Map  // size → *sync.Pool of *bufio.Reader
-)
+// writerPool holds the buffered writers requests are written through,
+// held only while a request is written.
+var writerPool sync.Pool // *bufio.Writer of writeBufferSize
 
 func getWriter(w io.Writer) *bufio.Writer {
 	if v := writerPool.Get(); v != nil {
@@ -326,24 +327,24 @@ func putWriter(bw *bufio.Writer) {
 	writerPool.Put(bw)
 }
 
-func readerPoolOf(size int) *sync.Pool {
-	if p, ok := readerPool.Load(size); ok {
-		return p.(*sync.Pool)
+// readBufferSize is ReadBufferSize or its default.
+func (t *Transport) readBufferSize() int {
+	if t.ReadBufferSize > 0 {
+		return t.ReadBufferSize
 	}
-	p, _ := readerPool.LoadOrStore(size, &sync.Pool{})
-	return p.(*sync.Pool)
+	return DefaultReadBufferSize
 }
 
-func getReader(r io.Reader, size int) *bufio.Reader {
-	if v := readerPoolOf(size).Get(); v != nil {
+func (t *Transport) getHeadReader(r io.Reader) *bufio.Reader {
+	if v := t.heads.Get(); v != nil {
 		br := v.(*bufio.Reader)
 		br.Reset(r)
 		return br
 	}
-	return bufio.NewReaderSize(r, size)
+	return bufio.NewReaderSize(r, t.readBufferSize())
 }
 
-func putReader(br *bufio.Reader, size int) {
+func (t *Transport) putHeadReader(br *bufio.Reader) {
 	br.Reset(nil)
-	readerPoolOf(size).Put(br)
+	t.heads.Put(br)
 }
