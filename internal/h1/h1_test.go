@@ -772,3 +772,30 @@ func TestStreamsWaitingForEventsHoldNoBuffer(t *testing.T) {
 		t.Fatalf("%d buffers held after the streams ended", held)
 	}
 }
+
+// TestConnectionCloseHeaderClosesTheConnection: a request whose header
+// says "Connection: close" (not req.Close) is sent with it and its
+// connection is not kept, as net/http's Transport does; dropping the
+// header kept a connection its user asked to close.
+func TestConnectionCloseHeaderClosesTheConnection(t *testing.T) {
+	var sawClose atomic.Bool
+	s, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		sawClose.Store(r.Close)
+		_, _ = io.WriteString(w, "ok")
+	})
+	tr := newTransport(t)
+	for range 2 {
+		req, _ := http.NewRequest(http.MethodGet, s.URL, nil)
+		req.Header.Set("Connection", "close")
+		resp, err := tr.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !resp.Close || mustBody(t, resp) != "ok" || !sawClose.Load() {
+			t.Fatalf("resp.Close %v, server saw close %v", resp.Close, sawClose.Load())
+		}
+	}
+	if conns.Load() != 2 || tr.idleCount(s.Listener.Addr().String()) != 0 {
+		t.Fatalf("connections %d idle %d, want 2 and 0", conns.Load(), tr.idleCount(s.Listener.Addr().String()))
+	}
+}
