@@ -524,3 +524,71 @@ func TestReleaseReusesTheBuffer(t *testing.T) {
 		t.Fatal("NextBuffered after Release returned an event")
 	}
 }
+
+// waitingReader is a reader with WaitReadable, as internal/h1's body is:
+// the Scanner gives its buffer back and waits before reading for a new
+// event.
+type waitingReader struct {
+	io.Reader
+	waits int
+	err   error // returned by WaitReadable once set
+}
+
+func (w *waitingReader) WaitReadable() error {
+	w.waits++
+	return w.err
+}
+
+// TestNextOverAReadableWaiter: the path that gives the buffer back between
+// events yields the same events, however the input is split, with no
+// allocation per event once warm, and WaitReadable's error is Next's.
+func TestNextOverAReadableWaiter(t *testing.T) {
+	for name, stream := range map[string]string{
+		"lf":   vllmStream,
+		"crlf": strings.ReplaceAll(vllmStream, "\n", "\r\n"),
+		"cr":   strings.ReplaceAll(vllmStream, "\n", "\r"),
+	} {
+		data := []byte(stream)
+		want, _ := collect(t, bytes.NewReader(data), 0, 100)
+		check := func(how string, r io.Reader) {
+			t.Helper()
+			w := &waitingReader{Reader: r}
+			got, err := collect(t, w, 0, 100)
+			if err != io.EOF || fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("%s %s: %v\n got %v\nwant %v", name, how, err, got, want)
+			}
+			if w.waits == 0 {
+				t.Fatalf("%s %s: WaitReadable never called", name, how)
+			}
+		}
+		for off := 0; off <= len(data); off++ {
+			check(fmt.Sprintf("split at %d", off), newSplitReader(data, off))
+		}
+		check("one byte per read", iotest.OneByteReader(bytes.NewReader(data)))
+		check("half reads", iotest.HalfReader(bytes.NewReader(data)))
+		check("data with EOF", iotest.DataErrReader(bytes.NewReader(data)))
+	}
+
+	for _, chunk := range []int{1 << 10, 32 << 10, 7} {
+		s := sse.NewScanner(&waitingReader{Reader: &loopReader{data: steadyStream, chunk: chunk}}, 0)
+		for range 100 {
+			if _, err := s.Next(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		allocs := testing.AllocsPerRun(1000, func() {
+			if _, err := s.Next(); err != nil {
+				t.Fatal(err)
+			}
+		})
+		if allocs != 0 {
+			t.Errorf("reads of %d bytes: %v allocs per event, want 0", chunk, allocs)
+		}
+	}
+
+	cut := errors.New("cut")
+	w := &waitingReader{Reader: strings.NewReader("data: 1\n\n"), err: cut}
+	if _, err := collect(t, w, 0, 10); err != cut {
+		t.Fatalf("error %v, want WaitReadable's", err)
+	}
+}

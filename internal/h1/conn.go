@@ -11,6 +11,7 @@ import (
 	"net/http/httptrace"
 	"net/http/httputil"
 	"net/textproto"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -112,17 +113,18 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrac
 		// a 503 from a full queue) and close: its answer is worth more
 		// than the failed write. Only a write the server cut short (a
 		// reset, a broken pipe) has such an answer to look for.
-		if c.aborted.Load() || !(errors.Is(werr, syscall.EPIPE) || errors.Is(werr, syscall.ECONNRESET)) {
+		if c.aborted.Load() || !(errors.Is(werr, syscall.EPIPE) || errors.Is(werr, syscall.ECONNRESET) ||
+			errors.Is(werr, errAnsweredEarly)) {
 			return fail(werr)
 		}
 		c.keepAlive = false
 	}
-	if d := c.t.ResponseHeaderTimeout; d > 0 && werr == nil {
+	if d := c.t.ResponseHeaderTimeout; d > 0 && (werr == nil || errors.Is(werr, errAnsweredEarly)) {
 		_ = c.nc.SetReadDeadline(c.t.clock().Add(d))
 	}
 	resp, err := c.readResponse(req, trace)
 	if err != nil {
-		if werr != nil {
+		if werr != nil && !errors.Is(werr, errAnsweredEarly) {
 			return fail(werr)
 		}
 		var ne net.Error
@@ -159,7 +161,16 @@ func (c *conn) writeRequest(req *http.Request) error {
 	if method == "" {
 		method = http.MethodGet
 	}
-	bw := getWriter(c.nc)
+	hasBody := req.Body != nil && req.Body != http.NoBody
+	var w io.Writer = c.nc
+	if hasBody && rawConn(c.nc) != nil {
+		// A server may answer without reading the body and keep the
+		// connection open: a write would then block until the context
+		// ends. Look for its answer whenever the write stalls.
+		w = &answerWatch{nc: c.nc}
+		defer func() { _ = c.nc.SetWriteDeadline(time.Time{}) }()
+	}
+	bw := getWriter(w)
 	defer putWriter(bw)
 	uri := req.URL.RequestURI()
 	_, _ = bw.WriteString(method)
@@ -178,7 +189,6 @@ func (c *conn) writeRequest(req *http.Request) error {
 	if !c.keepAlive {
 		_, _ = bw.WriteString("Connection: close\r\n")
 	}
-	hasBody := req.Body != nil && req.Body != http.NoBody
 	chunked := false
 	switch {
 	case req.ContentLength > 0 && hasBody:
@@ -217,6 +227,44 @@ func (c *conn) writeRequest(req *http.Request) error {
 		}
 	}
 	return bw.Flush()
+}
+
+// answerPoll is how long a request write may stall before the connection
+// is checked for the server's answer.
+const answerPoll = 100 * time.Millisecond
+
+// errAnsweredEarly ends a request write that stalled while the server had
+// already answered: the answer is read instead, and the connection closed
+// after it (the body was not all sent).
+var errAnsweredEarly = errors.New("h1: server answered before reading the whole request body")
+
+// answerWatch writes to a plain socket under a write deadline it renews
+// every answerPoll: a write stalled past it (a server not reading) looks
+// for an answer, or for the server's close, and stops if there is one.
+// Only plain sockets are watched: a wrapper that sets its own write
+// deadline (Caddy's write_timeout) would make its timeout look like ours.
+type answerWatch struct {
+	nc    net.Conn
+	armed bool
+}
+
+func (a *answerWatch) Write(p []byte) (int, error) {
+	written := 0
+	for {
+		if !a.armed {
+			_ = a.nc.SetWriteDeadline(time.Now().Add(answerPoll))
+			a.armed = true
+		}
+		n, err := a.nc.Write(p[written:])
+		written += n
+		if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+			return written, err
+		}
+		a.armed = false
+		if !alive(a.nc) {
+			return written, errAnsweredEarly
+		}
+	}
 }
 
 // validRequest refuses what net/http refuses to write: a method that is

@@ -813,3 +813,61 @@ func TestWaitingAndReadingAnEventDoesNotAllocate(t *testing.T) {
 		t.Fatalf("%.1f allocations per event, want 0", n)
 	}
 }
+
+// TestConnectionCloseHeaderClosesTheConnection: a request whose header
+// says "Connection: close" (not req.Close) is sent with it and its
+// connection is not kept, as net/http's Transport does; dropping the
+// header kept a connection its user asked to close.
+func TestConnectionCloseHeaderClosesTheConnection(t *testing.T) {
+	var sawClose atomic.Bool
+	s, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		sawClose.Store(r.Close)
+		_, _ = io.WriteString(w, "ok")
+	})
+	tr := newTransport(t)
+	for range 2 {
+		req, _ := http.NewRequest(http.MethodGet, s.URL, nil)
+		req.Header.Set("Connection", "close")
+		resp, err := tr.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !resp.Close || mustBody(t, resp) != "ok" || !sawClose.Load() {
+			t.Fatalf("resp.Close %v, server saw close %v", resp.Close, sawClose.Load())
+		}
+	}
+	if conns.Load() != 2 || tr.idleCount(s.Listener.Addr().String()) != 0 {
+		t.Fatalf("connections %d idle %d, want 2 and 0", conns.Load(), tr.idleCount(s.Listener.Addr().String()))
+	}
+}
+
+// TestAnswerBeforeTheBodyIsReadOnAnOpenConnection: a server that answers
+// (a 503 from a full queue) without reading a large body and without
+// closing. net/http reads while it writes and returns the answer; writing
+// first and reading after blocked on the full socket until the context
+// ended.
+func TestAnswerBeforeTheBodyIsReadOnAnOpenConnection(t *testing.T) {
+	hold := make(chan struct{})
+	addr := rawServer(t, func(c net.Conn) {
+		tp := textproto.NewReader(bufio.NewReader(c))
+		_, _ = tp.ReadLine()
+		_, _ = tp.ReadMIMEHeader()
+		_, _ = io.WriteString(c, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+		<-hold // neither reads nor closes
+	})
+	defer close(hold)
+	tr := newTransport(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/", bytes.NewReader(make([]byte, 64<<20)))
+	resp, err := tr.RoundTrip(req)
+	if err != nil {
+		t.Fatalf("err %v, want the 503", err)
+	}
+	if resp.StatusCode != 503 || mustBody(t, resp) != "busy" || !resp.Close {
+		t.Fatalf("status %d close %v", resp.StatusCode, resp.Close)
+	}
+	if n := tr.idleCount(addr); n != 0 {
+		t.Fatalf("idle %d: a connection with a body half sent was kept", n)
+	}
+}

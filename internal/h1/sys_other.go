@@ -2,7 +2,10 @@
 
 package h1
 
-import "net"
+import (
+	"net"
+	"syscall"
+)
 
 // alive is true: without a non-blocking peek, a closed idle connection is
 // found by the request written onto it.
@@ -10,3 +13,6 @@ func alive(net.Conn) bool { return true }
 
 // waitRead cannot read without a buffer here: the next Read waits, in one.
 func (b *body) waitRead() (bool, error) { return false, nil }
+
+// rawConn is nil: no connection is read or watched through its socket here.
+func rawConn(net.Conn) syscall.RawConn { return nil }

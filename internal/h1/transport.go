@@ -27,6 +27,8 @@ import (
 	"net/http/httptrace"
 	"sync"
 	"time"
+
+	"golang.org/x/net/http/httpguts"
 )
 
 // Defaults of Transport's zero fields.
@@ -152,7 +154,11 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 		}
 		trace.GotConn(info)
 	}
-	c.keepAlive = !fresh && !t.DisableKeepAlives && !req.Close
+	// The header is not copied (the transport writes its own Connection
+	// field), so a close it asks for must be honoured here, as net/http
+	// does, or the connection would be kept against the caller's word.
+	c.keepAlive = !fresh && !t.DisableKeepAlives && !req.Close &&
+		!httpguts.HeaderValuesContainsToken(req.Header["Connection"], "close")
 	return c.roundTrip(ctx, req, trace)
 }
 
