@@ -268,8 +268,8 @@ func plainHTTP1(t *reverseproxy.HTTPTransport) bool {
 }
 
 // newH1 is the HTTP/1.1 client for t's http:// requests, with t's dialer
-// (dial timeout, resolver, local address, PROXY protocol, read and write
-// timeouts) and keep-alive, header and buffer settings.
+// (dial timeout, resolver, local address, read and write timeouts) and
+// keep-alive, header and buffer settings.
 func newH1(t *reverseproxy.HTTPTransport) *h1.Transport {
 	rt := t.Transport
 	maxIdle := rt.MaxIdleConnsPerHost

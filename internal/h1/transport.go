@@ -280,8 +280,9 @@ func (t *Transport) CloseIdleConnections() {
 	t.mu.Lock()
 	idle := t.idle
 	t.idle = nil
-	if t.sweep != nil {
-		t.sweep.Stop()
+	// A sweep that already fired clears sweep itself; clearing it here
+	// too would let putIdle arm a second chain beside it.
+	if t.sweep != nil && t.sweep.Stop() {
 		t.sweep = nil
 	}
 	t.mu.Unlock()
