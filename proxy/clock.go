@@ -42,6 +42,14 @@ func (realClock) AfterFunc(d time.Duration, f func()) Timer {
 }
 
 // realTimer is one pointer wide, so converting it to Timer does not allocate.
+// stoppedTimer is a Timer that has fired or been stopped: what an attempt
+// keeps in place of its first-byte timer once it has committed.
+type stoppedTimer struct{}
+
+func (stoppedTimer) C() <-chan time.Time      { return nil }
+func (stoppedTimer) Stop() bool               { return false }
+func (stoppedTimer) Reset(time.Duration) bool { return false }
+
 type realTimer struct{ t *time.Timer }
 
 func (t realTimer) C() <-chan time.Time        { return t.t.C }

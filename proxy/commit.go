@@ -78,7 +78,11 @@ func (x *exchange) commit(a *attempt) bool {
 	h["X-Accel-Buffering"] = streamHeaders[1:2:2]
 	x.w.WriteHeader(a.resp.StatusCode)
 	x.out = *http.NewResponseController(x.w)
-	if !x.send(a.head, a.headEvents) {
+	sent := x.send(a.head, a.headEvents)
+	// The head is the client's now; the stopped first-byte timer is
+	// nothing's: a held stream keeps neither.
+	a.head, a.fbTimer = nil, stoppedTimer{}
+	if !sent {
 		a.clientLeft()
 		return false
 	}
