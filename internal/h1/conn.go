@@ -163,7 +163,7 @@ func (c *conn) writeRequest(req *http.Request) error {
 	}
 	hasBody := req.Body != nil && req.Body != http.NoBody
 	var w io.Writer = c.nc
-	if hasBody && rawConn(c.nc) != nil {
+	if hasBody && (req.ContentLength < 0 || req.ContentLength > unwatchedBody) && rawConn(c.nc) != nil {
 		// A server may answer without reading the body and keep the
 		// connection open: a write would then block until the context
 		// ends. Look for its answer whenever the write stalls.
@@ -228,6 +228,13 @@ func (c *conn) writeRequest(req *http.Request) error {
 	}
 	return bw.Flush()
 }
+
+// unwatchedBody is the largest request body written without answerWatch:
+// a write this small completes into the socket buffers (the receiver's
+// alone holds 128 KiB by default on Linux) whether or not the server
+// reads, so it cannot stall, and the common request (a prompt of a few
+// KiB) pays neither the watch's allocation nor its two deadline calls.
+const unwatchedBody = 64 << 10
 
 // answerPoll is how long a request write may stall before the connection
 // is checked for the server's answer.
