@@ -74,6 +74,16 @@ func rawServer(t *testing.T, serve func(c net.Conn)) string {
 	return ln.Addr().String()
 }
 
+// cannedServer answers the first request on each connection with the
+// bytes of response, as they are, and stops.
+func cannedServer(t *testing.T, response string) string {
+	t.Helper()
+	return rawServer(t, func(c net.Conn) {
+		_, _ = readRequest(t, bufio.NewReader(c))
+		_, _ = io.WriteString(c, response)
+	})
+}
+
 // readRequest reads one request (head and body) from br.
 func readRequest(t *testing.T, br *bufio.Reader) (*http.Request, []byte) {
 	t.Helper()
@@ -346,10 +356,7 @@ func TestMalformedResponsesFail(t *testing.T) {
 		"switching":          "HTTP/1.1 101 Switching Protocols\r\n\r\n",
 	} {
 		t.Run(name, func(t *testing.T) {
-			addr := rawServer(t, func(c net.Conn) {
-				_, _ = readRequest(t, bufio.NewReader(c))
-				_, _ = io.WriteString(c, response)
-			})
+			addr := cannedServer(t, response)
 			tr := newTransport(t)
 			resp, err := get(t, tr, "http://"+addr+"/")
 			if err == nil {
@@ -371,10 +378,7 @@ func TestTruncatedBodiesFail(t *testing.T) {
 		"no last chunk":  "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n",
 	} {
 		t.Run(name, func(t *testing.T) {
-			addr := rawServer(t, func(c net.Conn) {
-				_, _ = readRequest(t, bufio.NewReader(c))
-				_, _ = io.WriteString(c, response)
-			})
+			addr := cannedServer(t, response)
 			tr := newTransport(t)
 			resp, err := get(t, tr, "http://"+addr+"/")
 			if err != nil {
@@ -627,10 +631,7 @@ func TestResponseHeaderTimeout(t *testing.T) {
 
 // TestHeadTooLarge fails a head over MaxResponseHeaderBytes.
 func TestHeadTooLarge(t *testing.T) {
-	addr := rawServer(t, func(c net.Conn) {
-		_, _ = readRequest(t, bufio.NewReader(c))
-		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nX-Big: "+strings.Repeat("a", 4096)+"\r\n\r\n")
-	})
+	addr := cannedServer(t, "HTTP/1.1 200 OK\r\nX-Big: "+strings.Repeat("a", 4096)+"\r\n\r\n")
 	tr := newTransport(t)
 	tr.MaxResponseHeaderBytes = 1024
 	if _, err := get(t, tr, "http://"+addr+"/"); !errors.Is(err, errHeaderTooLarge) {
