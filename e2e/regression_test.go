@@ -8,6 +8,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -307,7 +308,14 @@ func TestMaxRequestsBoundsAttemptsInFlight(t *testing.T) {
 		cs[i] = newClient(t)
 		// A warm keep-alive connection, so that a round's requests reach
 		// the gateway together rather than one TCP handshake apart.
-		if r, err := doPlain(ctx, cs[i], url, chatBody("Warm up.", false), "X-Mock-Tokens: 1", "X-Mock-TTFT: 0"); err != nil || r.Status != http.StatusOK {
+		r, err := doPlain(ctx, cs[i], url, chatBody("Warm up.", false), "X-Mock-Tokens: 1", "X-Mock-TTFT: 0")
+		if errors.Is(err, io.EOF) {
+			// The config was just reloaded: a connection accepted as the
+			// old server hands over can be closed unanswered (seen once in
+			// a loaded CI run). The warm-up is not what is tested.
+			r, err = doPlain(ctx, cs[i], url, chatBody("Warm up.", false), "X-Mock-Tokens: 1", "X-Mock-TTFT: 0")
+		}
+		if err != nil || r.Status != http.StatusOK {
 			t.Fatalf("warm-up %d: %v %v", i, err, r)
 		}
 	}
