@@ -607,6 +607,10 @@ func TestTenant429sCarryRetryAfterAndExactRateLimitHeaders(t *testing.T) {
 	checkRateHeaders(t, "tpm-500 tenant, max_tokens 600 (can never fit)", r.Header, rateHeaders{TokLimit: 500, TokRemaining: 500})
 
 	// A default reservation is capped at what is left: admitted, remaining 0.
+	// The mock counts a finished request in flight until its handler has
+	// returned, a moment after the client has the answer: wait for the
+	// earlier ones to be gone, so that the count of 1 below is the held one.
+	waitInFlight(t, fleet, 0, 3*time.Second)
 	hold := asyncSend(ctx, c, url, chatOf(content40, false, nil), bearer(keyT), "X-Request-Id: held", "X-Mock-TTFT: 1500ms")
 	waitInFlight(t, fleet, 1, 3*time.Second)
 	r = mustSend(ctx, t, c, url, chatOf(content40, false, nil), bearer(keyT))
