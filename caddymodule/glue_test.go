@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"context"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -228,6 +229,12 @@ func TestPlainHTTPUpstreamsUseTheGatewaysClient(t *testing.T) {
 			}
 		})
 	}
+	t.Run("proxy_protocol is refused", func(t *testing.T) {
+		h := &Handler{TransportRaw: []byte(`{"protocol":"http","proxy_protocol":"v2"}`)}
+		if _, err := newTransport(ctx, h); err == nil || !strings.Contains(err.Error(), "proxy_protocol") {
+			t.Fatalf("err %v, want proxy_protocol refused", err)
+		}
+	})
 	t.Run("HTTP_PROXY in the environment", func(t *testing.T) {
 		t.Setenv("HTTP_PROXY", "http://127.0.0.1:3128")
 		tr, err := newTransport(ctx, new(Handler))

@@ -316,6 +316,12 @@ func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
 		if t, ok = mod.(*reverseproxy.HTTPTransport); !ok {
 			return nil, fmt.Errorf("transport %T: llm_proxy supports only the http transport", mod)
 		}
+		if t.ProxyProtocol != "" {
+			// Caddy's dialer writes the PROXY header from the client
+			// address that only reverse_proxy puts in the request's
+			// context: every dial would fail. Refused here instead.
+			return nil, fmt.Errorf("transport http: proxy_protocol %s is not supported by llm_proxy", t.ProxyProtocol)
+		}
 		if keep.KeepAlive == nil || keep.KeepAlive.IdleTimeout == nil {
 			t.KeepAlive.IdleConnTimeout = caddy.Duration(DefaultUpstreamIdleTimeout)
 			t.Transport.IdleConnTimeout = DefaultUpstreamIdleTimeout
