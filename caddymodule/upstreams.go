@@ -213,11 +213,16 @@ type transport struct {
 // RoundTrip sends req on h1 when it is plain HTTP/1.1, else on Caddy's
 // transport.
 func (t *transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	t.SetScheme(req)
-	if t.h1 != nil && req.URL.Scheme == "http" {
+	if t.plain(req) {
 		return t.h1.RoundTrip(req)
 	}
 	return t.HTTPTransport.RoundTrip(req)
+}
+
+// plain sets req's scheme and reports whether h1 carries it.
+func (t *transport) plain(req *http.Request) bool {
+	t.SetScheme(req)
+	return t.h1 != nil && req.URL.Scheme == "http"
 }
 
 // Cleanup closes the idle connections of h1 (which the handler owns
@@ -237,8 +242,7 @@ func (t *transport) cleanup(own bool) error {
 type freshRoundTripper struct{ t *transport }
 
 func (f freshRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
-	f.t.SetScheme(req)
-	if f.t.h1 != nil && req.URL.Scheme == "http" {
+	if f.t.plain(req) {
 		return f.t.h1.Fresh().RoundTrip(req)
 	}
 	return f.t.fresh.RoundTrip(req)
@@ -272,14 +276,10 @@ func plainHTTP1(t *reverseproxy.HTTPTransport) bool {
 // keep-alive, header and buffer settings.
 func newH1(t *reverseproxy.HTTPTransport) *h1.Transport {
 	rt := t.Transport
-	maxIdle := rt.MaxIdleConnsPerHost
-	if rt.DisableKeepAlives {
-		maxIdle = -1
-	}
 	return &h1.Transport{
 		DialContext:            rt.DialContext,
 		IdleTimeout:            rt.IdleConnTimeout,
-		MaxIdlePerHost:         maxIdle,
+		MaxIdlePerHost:         rt.MaxIdleConnsPerHost,
 		DisableKeepAlives:      rt.DisableKeepAlives,
 		ResponseHeaderTimeout:  rt.ResponseHeaderTimeout,
 		MaxResponseHeaderBytes: rt.MaxResponseHeaderBytes,

@@ -96,6 +96,8 @@ type Scanner struct {
 
 	// pooled is the buffer taken from bufPool, given back by Release.
 	pooled *[]byte
+	// waiter is r when it can wait for input without a buffer, else nil.
+	waiter ReadableWaiter
 }
 
 // NewScanner returns a Scanner reading from r. maxEventSize bounds the size
@@ -107,6 +109,7 @@ func NewScanner(r io.Reader, maxEventSize int) *Scanner {
 	}
 	limit := maxEventSize + 1
 	s := &Scanner{r: r, max: maxEventSize, limit: limit}
+	s.waiter, _ = r.(ReadableWaiter)
 	if limit >= initialBufSize {
 		s.pooled = bufPool.Get().(*[]byte)
 		s.buf = *s.pooled
@@ -358,7 +361,7 @@ type ReadableWaiter interface {
 // limit. Next has already checked that the pending bytes do not exceed max,
 // so there is always room for at least one more byte.
 func (s *Scanner) fill() {
-	if w, ok := s.r.(ReadableWaiter); ok && s.start == s.end && s.pooled != nil {
+	if w := s.waiter; w != nil && s.start == s.end && s.pooled != nil {
 		// Nothing pending: the buffer goes back while the stream waits
 		// for its next event, which may be seconds away.
 		p := s.pooled

@@ -325,9 +325,14 @@ func parseChunkSize(ln []byte) (int64, error) {
 // finish ends a body read to its end: the connection goes back to the
 // pool when nothing is left in the buffer.
 func (b *body) finish() {
-	if !b.state.CompareAndSwap(bodyReading, bodyDone) {
-		return
+	if b.state.CompareAndSwap(bodyReading, bodyDone) {
+		b.releaseConn()
 	}
+}
+
+// releaseConn gives back the buffer and the connection of a body at its
+// end: to the idle pool when nothing is left in the buffer.
+func (b *body) releaseConn() {
 	clean := b.r == b.w
 	b.dropBuf()
 	b.c.release(b.stop, clean)

@@ -102,13 +102,10 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrac
 		return nil, c.abortErr(err)
 	}
 	werr := c.writeRequest(req)
-	if werr == nil && trace != nil && trace.WroteRequest != nil {
-		trace.WroteRequest(httptrace.WroteRequestInfo{})
+	if trace != nil && trace.WroteRequest != nil {
+		trace.WroteRequest(httptrace.WroteRequestInfo{Err: werr})
 	}
 	if werr != nil {
-		if trace != nil && trace.WroteRequest != nil {
-			trace.WroteRequest(httptrace.WroteRequestInfo{Err: werr})
-		}
 		// A server may answer before it has read the whole body (a 413,
 		// a 503 from a full queue) and close: its answer is worth more
 		// than the failed write. Only a write the server cut short (a
@@ -137,16 +134,13 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrac
 		_ = c.nc.SetReadDeadline(time.Time{})
 	}
 	b := resp.Body.(*body)
+	b.stop = stop
 	if b.state.Load() == bodyDone {
 		// No body (HEAD, 204, 304, Content-Length: 0): the connection is
 		// free now.
-		clean := b.r == b.w
-		b.dropBuf()
-		c.release(stop, clean)
+		b.releaseConn()
 		resp.Body = http.NoBody
-		return resp, nil
 	}
-	b.stop = stop
 	return resp, nil
 }
 
@@ -217,7 +211,13 @@ func (c *conn) writeRequest(req *http.Request) error {
 			}
 			_, _ = bw.WriteString("\r\n")
 		} else {
-			n, err := io.Copy(bw, io.LimitReader(req.Body, req.ContentLength))
+			var src io.Reader = io.LimitReader(req.Body, req.ContentLength)
+			if l, ok := req.Body.(interface{ Len() int }); ok && int64(l.Len()) == req.ContentLength {
+				// Exactly ContentLength bytes: its WriteTo (a bytes.Reader,
+				// the lifecycle's kept body) hands them over in one write.
+				src = req.Body
+			}
+			n, err := io.Copy(bw, src)
 			if err != nil {
 				return err
 			}
@@ -302,7 +302,7 @@ func validRequest(req *http.Request) error {
 }
 
 func validMethod(m string) bool {
-	return m == "" || (len(m) > 0 && strings.IndexFunc(m, func(r rune) bool { return !httpguts.IsTokenRune(r) }) < 0)
+	return strings.IndexFunc(m, func(r rune) bool { return !httpguts.IsTokenRune(r) }) < 0 // "" is GET
 }
 
 // readResponse reads the response head (skipping 1xx heads) and frames

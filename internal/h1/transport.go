@@ -87,10 +87,6 @@ type Transport struct {
 	now    func() time.Time // time.Now; tests replace it
 }
 
-// errClosedTransport is returned by requests made after CloseIdleConnections
-// was called with the transport closed for good (Close).
-var errClosedTransport = errors.New("h1: transport closed")
-
 // errUnsupportedScheme is returned for a request that is not http://.
 var errUnsupportedScheme = errors.New("h1: only http:// requests are supported")
 
