@@ -154,6 +154,23 @@ func recordsBetween(recs []mockllm.RequestRecord, from, to time.Time) []mockllm.
 	return out
 }
 
+// waitEnded returns records as the replica holds them once each has ended,
+// waiting up to 2s: the gateway re-opens a breaker as it abandons a probe,
+// and the mock records the probe's end once it sees the connection go, a
+// moment later (fresh CI runs read it a few ms too soon). A probe that
+// still hangs comes back unended, and the caller's check fails on it.
+func waitEnded(r *mockllm.Replica, records []mockllm.RequestRecord) []mockllm.RequestRecord {
+	waitFor(2*time.Second, func() bool {
+		for _, rec := range recordsByID(r.Stats().Recent, records) {
+			if rec.Ended.IsZero() {
+				return false
+			}
+		}
+		return true
+	})
+	return recordsByID(r.Stats().Recent, records)
+}
+
 // checkNoOverlap fails the test when two of the requests (in arrival
 // order) were in progress at the same time at the upstream, or one has not
 // ended.
@@ -254,18 +271,7 @@ func TestHangingUpstreamTripsAndIsProbedOneAtATimeUntilItRecovers(t *testing.T) 
 		t.Errorf("the upstream received %d requests between the cooldown's end and the re-open, want exactly 1 probe:%s",
 			len(probes), fmtRecords(probes))
 	}
-	// The gateway re-opens the breaker as it abandons the probe; the mock
-	// records the probe's end once it sees the connection go, a moment
-	// later (a fresh CI run read it a few ms too soon).
-	waitFor(2*time.Second, func() bool {
-		for _, r := range recordsByID(sick.Stats().Recent, probes) {
-			if r.Ended.IsZero() {
-				return false
-			}
-		}
-		return true
-	})
-	probes = recordsByID(sick.Stats().Recent, probes)
+	probes = waitEnded(sick, probes)
 	checkNoOverlap(t, "probe", probes)
 	for _, p := range probes {
 		if d := reopened.Since.Sub(p.Started); d < 400*time.Millisecond || d > 1500*time.Millisecond {
@@ -599,6 +605,7 @@ func TestHangingActiveProbeFailsAtFirstByteTimeoutAlone(t *testing.T) {
 	if len(probes) != 2 {
 		t.Errorf("the upstream got %d requests after the trip, want 2 probes:%s", len(probes), fmtRecords(probes))
 	}
+	probes = waitEnded(sick, probes)
 	checkNoOverlap(t, "probe", probes)
 	for _, p := range probes {
 		if ua := p.Headers["user-agent"]; ua != "caddy-llm-proxy-probe" {
