@@ -133,7 +133,11 @@ type Breaker struct {
 	brokenRun atomic.Int64
 	// peer is the pool's failure ratio (SetPeerRatio), as float64 bits.
 	peer atomic.Uint64
-	cfg  atomic.Pointer[config]
+	// probation (Closed) is until when a breaker that recovered from a
+	// hold on statistical evidence stays on probation (OnProbation), in
+	// nanoseconds since base; 0 when not.
+	probation atomic.Int64
+	cfg       atomic.Pointer[config]
 	// dirty is the flag Join returned: key's fleet consecutive count may
 	// be non-zero, so a success must tell the fleet. It points to
 	// notDirty (never set) without a fleet, so the success path reads one
@@ -638,7 +642,11 @@ func (b *Breaker) tickLocked(now time.Time) {
 		}
 	}
 	if b.successes >= c.s.RecoverySuccesses && !now.Before(b.minOpenUntil) {
+		ejected := Evidence(b.evidence.Load()) == Statistical
 		b.closeLocked(now, b.recoveredLocked(""), false, !b.local)
+		if ejected {
+			b.probation.Store(b.mono(now.Add(c.s.RatioWindow)))
+		}
 	}
 }
 
@@ -760,6 +768,7 @@ func (b *Breaker) closeLocked(now time.Time, reason string, reset, publish bool)
 	b.local = false
 	b.observed.Store(false)
 	b.evidence.Store(uint32(EvidenceNone))
+	b.probation.Store(0)
 	b.openedAt, b.openUntil, b.minOpenUntil, b.useMinOpen = time.Time{}, time.Time{}, time.Time{}, false
 	b.busyUntil.Store(0)
 	if reset {

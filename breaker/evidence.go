@@ -180,6 +180,28 @@ func (b *Breaker) Eject(reason string, peer float64) bool {
 	return true
 }
 
+// OnProbation reports whether the breaker closed after a hold on
+// statistical evidence (Eject) less than RatioWindow ago and its ratio
+// window has not yet seen MinRequests requests: its pool still counts it
+// against the ejection cap. Without this, a pool's worst upstream that
+// closed after its cooldown, with an empty window, left its place to the
+// next worst, judged against the best alone (of 10%, 30% and 60% failing
+// replicas under a cap of one, the 30% one took the place and the 60%
+// one served in turn, half the time). Once the window holds MinRequests,
+// the upstream is judged on them like any other. Lock-free.
+func (b *Breaker) OnProbation() bool {
+	until := b.probation.Load()
+	if until == 0 || stateOf(b.word.Load()) != Closed {
+		return false
+	}
+	now := b.clock.Now()
+	if b.mono(now) >= until {
+		return false
+	}
+	c := b.cfg.Load()
+	return c.ratio != nil && c.ratio.sum(now).requests < c.s.MinRequests
+}
+
 // lifeWithin reports whether the upstream showed a sign of life (Live, or
 // a success) within d before now.
 func (b *Breaker) lifeWithin(now time.Time, d time.Duration) bool {

@@ -146,6 +146,70 @@ func TestEject(t *testing.T) {
 	}
 }
 
+// A breaker back from an ejection stays on probation until its ratio
+// window holds MinRequests requests, or RatioWindow passes: its pool keeps
+// its place under the ejection cap meanwhile. A hard open's recovery, an
+// operator's close and a fresh open end or give none.
+func TestProbationAfterAnEjection(t *testing.T) {
+	recovered := func(t *testing.T) *fixture {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.1)
+		f.clk.Advance(f.openFor())
+		for f.b.State() != breaker.Closed {
+			p := f.probe()
+			p.Done(ok, 0, "")
+		}
+		if !f.b.OnProbation() {
+			t.Fatalf("closed after an ejection, not on probation: %+v", f.b.Snapshot())
+		}
+		return f
+	}
+	t.Run("until MinRequests", func(t *testing.T) {
+		f := recovered(t)
+		f.succeed(19)
+		if !f.b.OnProbation() {
+			t.Fatal("off probation after 19 of 20 requests")
+		}
+		f.succeed(1)
+		if f.b.OnProbation() {
+			t.Fatal("still on probation with 20 requests in the window")
+		}
+	})
+	t.Run("until RatioWindow", func(t *testing.T) {
+		f := recovered(t)
+		f.clk.Advance(30*time.Second - time.Nanosecond)
+		if !f.b.OnProbation() {
+			t.Fatal("off probation before RatioWindow")
+		}
+		f.clk.Advance(time.Nanosecond)
+		if f.b.OnProbation() {
+			t.Fatal("still on probation after RatioWindow")
+		}
+	})
+	t.Run("forced close", func(t *testing.T) {
+		f := recovered(t)
+		f.b.ForceOpen(time.Minute, "operator")
+		f.b.ForceClose("operator")
+		if f.b.OnProbation() {
+			t.Fatal("on probation after an operator's close")
+		}
+	})
+	t.Run("hard open", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.succeed(1)
+		f.calls(down, down, down)
+		f.wantState(breaker.Open)
+		f.clk.Advance(f.openFor())
+		for f.b.State() != breaker.Closed {
+			p := f.probe()
+			p.Done(ok, 0, "")
+		}
+		if f.b.OnProbation() {
+			t.Fatal("on probation after a hard open's recovery")
+		}
+	})
+}
+
 // Recovery judged fairly: a half-open upstream whose probes fail at the
 // pool's rate closes; one that fails more re-opens, with a grown cooldown.
 func TestHalfOpenJudgedAgainstThePool(t *testing.T) {

@@ -181,6 +181,10 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 		}
 		switch pb.Evidence() {
 		case breaker.EvidenceNone:
+			if pb.OnProbation() {
+				held++ // back from an ejection and not judged again yet
+				return
+			}
 			rc := pb.RatioCounts()
 			peerReq += rc.Requests
 			peerFail += rc.Failures
