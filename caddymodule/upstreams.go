@@ -67,7 +67,9 @@ func newTarget(u *reverseproxy.Upstream) (upstream.Target, error) {
 	if na.IsUnixNetwork() {
 		addr = na.Host
 	}
-	di := reverseproxy.DialInfo{Upstream: u, Network: na.Network, Address: na.JoinHostPort(0), Host: na.Host, Port: fmt.Sprint(na.StartPort)}
+	// Boxed once: WithValue of the struct itself boxed it on every
+	// attempt, and a held stream's context kept the copy.
+	var di any = reverseproxy.DialInfo{Upstream: u, Network: na.Network, Address: na.JoinHostPort(0), Host: na.Host, Port: fmt.Sprint(na.StartPort)}
 	return upstream.Target{
 		Addr:        addr,
 		MaxRequests: u.MaxRequests,

@@ -193,7 +193,9 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 // upstream hands c to the proxy for one attempt: its slot and permit are
 // given back exactly once, by Done.
 func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
-	e, br, t := c.Entry, c.br, c.Target
+	// The closures capture what they use, not the Candidate: a held
+	// stream keeps them.
+	e, br, t, key := c.Entry, c.br, c.Target, c.key
 	epoch := e.startAttempt()
 	return proxy.Upstream{
 		Addr:       t.Addr,
@@ -215,7 +217,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			e.endAttempt(epoch)
 			e.releaseSlot()
 			if permit != nil && record(br, permit, rep) {
-				p.judge(c.key, e, br)
+				p.judge(key, e, br)
 			}
 		},
 	}
