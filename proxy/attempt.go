@@ -8,10 +8,11 @@ import (
 
 // attempt is step 5: it runs attempts until one reaches its commit point
 // and returns it, or returns nil with x.failure saying why none did.
-// Attempts have their own contexts and report on a channel; with hedging
-// they run in their own goroutines, so the loop can wait at once on them,
-// on the hedge timer and on the client; without, one runs at a time, on
-// the request's goroutine (startAttempt). A retryable failure asks the retry budget, backs off
+// Attempts have their own contexts. With hedging they run in their own
+// goroutines and report on a channel, so the loop can wait at once on
+// them, on the hedge timer and on the client; without, one runs at a
+// time, on the request's goroutine (startAttempt), and its result is
+// ready when it returns. A retryable failure asks the retry budget, backs off
 // and picks again; when no first event has arrived after the hedge delay, a
 // backup starts.
 //
@@ -19,7 +20,7 @@ import (
 // then the retry budget, then hedging.
 func (x *exchange) attempt() *attempt {
 	pool := x.rung.pool
-	rc := &race{x: x, pool: pool, results: make(chan *attempt, x.p.cfg.MaxAttempts)}
+	rc := &race{x: x, pool: pool}
 	if x.rc != nil {
 		rc.counted = x.rc.counted // the ladder's earlier pools
 	}
@@ -40,6 +41,8 @@ func (x *exchange) attempt() *attempt {
 		rc.hedgeDelay, rc.hedging = h.Delay(x.res.Info)
 	}
 	if rc.hedging {
+		// Hedged attempts run in goroutines of their own and report here.
+		rc.results = make(chan *attempt, x.p.cfg.MaxAttempts)
 		// Armed by each primary when it starts (launch), not here.
 		rc.hedgeTimer = x.p.clock.NewTimer(time.Hour)
 		rc.hedgeTimer.Stop()
@@ -63,39 +66,45 @@ func (x *exchange) attempt() *attempt {
 			x.failure = &failure{last: rc.last, ctxErr: context.Cause(x.ctx)}
 			return nil
 		}
-		select {
-		case a := <-rc.results:
-			rc.inflight--
-			if a.ok {
-				return a
-			}
-			a.end()
-			rc.last = a
-			if rc.inflight > 0 {
-				if a.outcome.Retryable() || a.outcome == AttemptCanceled {
-					continue // the other attempt of a hedged pair may still commit
+		var a *attempt
+		if rc.ready != nil {
+			a, rc.ready = rc.ready, nil // an inline attempt's result
+		} else {
+			select {
+			case a = <-rc.results:
+			case <-hedgeC:
+				rc.hedgeArmed = false
+				if rc.hedge() && rc.hedges < pool.Hedging.MaxHedges() {
+					rc.armHedge()
 				}
-				// A 4xx: the request is at fault, and the other attempt
-				// will hear the same. Answer now.
-				rc.cancelAll(nil)
+				continue
+			case <-x.ctx.Done():
 				rc.abandon()
-				x.failure = &failure{last: a}
+				x.failure = &failure{last: rc.last, ctxErr: context.Cause(x.ctx)}
 				return nil
 			}
-			// No primary runs any more: its hedge delay goes with it.
-			rc.disarmHedge()
-			if f := rc.retry(); f != nil {
-				x.failure = f
-				return nil
+		}
+		rc.inflight--
+		if a.ok {
+			return a
+		}
+		a.end()
+		rc.last = a
+		if rc.inflight > 0 {
+			if a.outcome.Retryable() || a.outcome == AttemptCanceled {
+				continue // the other attempt of a hedged pair may still commit
 			}
-		case <-hedgeC:
-			rc.hedgeArmed = false
-			if rc.hedge() && rc.hedges < pool.Hedging.MaxHedges() {
-				rc.armHedge()
-			}
-		case <-x.ctx.Done():
+			// A 4xx: the request is at fault, and the other attempt
+			// will hear the same. Answer now.
+			rc.cancelAll(nil)
 			rc.abandon()
-			x.failure = &failure{last: rc.last, ctxErr: context.Cause(x.ctx)}
+			x.failure = &failure{last: a}
+			return nil
+		}
+		// No primary runs any more: its hedge delay goes with it.
+		rc.disarmHedge()
+		if f := rc.retry(); f != nil {
+			x.failure = f
 			return nil
 		}
 	}
@@ -108,7 +117,10 @@ type race struct {
 	// attempts counts the attempts started on pool, hedges included,
 	// against max_attempts.
 	attempts int
+	// results is where hedged attempts report (nil without hedging);
+	// ready holds an inline attempt's result until the loop takes it.
 	results  chan *attempt
+	ready    *attempt
 	tried    []string
 	inflight int
 	running  []*attempt // every attempt launched, for cancelling losers
@@ -168,8 +180,12 @@ func (rc *race) launch(up Upstream, hedge bool) {
 			rc.armHedge()
 		}
 	}
-	// Without hedging no attempt runs beside another: it runs inline.
-	a := x.startAttempt(up, rc.results, !rc.hedging)
+	// Without hedging no attempt runs beside another: it runs inline,
+	// and its result is ready when startAttempt returns.
+	a := x.startAttempt(up, rc.results)
+	if rc.results == nil {
+		rc.ready = a
+	}
 	a.hedge = hedge
 	rc.running = append(rc.running, a)
 	rc.inflight++
@@ -355,6 +371,12 @@ func (rc *race) cancelAll(keep *attempt) {
 func (rc *race) abandon() {
 	n := rc.inflight
 	rc.inflight = 0
+	if a := rc.ready; a != nil {
+		rc.ready = nil
+		n--
+		a.cancel(errLostRace)
+		a.end()
+	}
 	if n == 0 {
 		return
 	}

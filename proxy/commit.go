@@ -16,6 +16,16 @@ func (x *exchange) releaseBody(a *attempt) {
 	if b, ok := x.r.Body.(*Body); ok {
 		b.drop()
 	}
+	x.releaseFallbackBodies()
+}
+
+// releaseFallbackBodies gives back the body budget's charge for the
+// fallbacks' rewritten bodies, once.
+func (x *exchange) releaseFallbackBodies() {
+	if x.fbCharged > 0 {
+		x.p.cfg.BodyBudget.release(x.fbCharged)
+		x.fbCharged = 0
+	}
 }
 
 // commit is step 6: a, the first attempt to reach its commit point, becomes
@@ -53,19 +63,20 @@ func (x *exchange) commit(a *attempt) bool {
 	res.TTFT = x.since(x.start)
 	res.AttemptTTFT = a.ttft
 	res.Committed = true
-	res.Status = a.resp.StatusCode
+	res.Status = a.status
 	res.Usage = a.st.Usage
 
 	h := x.w.Header()
 	copyResponseHeader(h, a.resp.Header)
-	// Nothing reads the outbound request or the upstream's header after
-	// this: a held stream should not keep them (≈ 2 KB a stream).
-	x.outHeader, a.resp.Header, a.resp.Request = nil, nil, nil
+	// Nothing reads the outbound request or the upstream's response
+	// beyond its status and body after this: a held stream should not
+	// keep them (≈ 2 KB a stream).
+	x.outHeader, a.resp = nil, nil
 	x.setAdmissionHeader(h)
 	if !a.isSSE {
 		res.ResponseBytes = len(a.head)
 		h.Set("Content-Length", strconv.Itoa(len(a.head)))
-		x.w.WriteHeader(a.resp.StatusCode)
+		x.w.WriteHeader(a.status)
 		if _, err := x.w.Write(a.head); err != nil {
 			a.writeFailed, a.writeErr = true, err
 		}
@@ -76,7 +87,7 @@ func (x *exchange) commit(a *attempt) bool {
 	streamHeaders := []string{"no-cache", "no"} // one allocation for both
 	h["Cache-Control"] = streamHeaders[0:1:1]
 	h["X-Accel-Buffering"] = streamHeaders[1:2:2]
-	x.w.WriteHeader(a.resp.StatusCode)
+	x.w.WriteHeader(a.status)
 	x.out = *http.NewResponseController(x.w)
 	sent := x.send(a.head, a.headEvents)
 	// The head is the client's now; the stopped first-byte timer is

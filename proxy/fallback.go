@@ -356,27 +356,24 @@ func (x *exchange) degrade(why string) bool {
 			continue
 		}
 		// The rewritten copy is memory too: charged to the body budget
-		// until the request ends, as the client's body is.
-		uncharge := func() {}
+		// until commit or the request's end, as the client's body is.
+		var charged int64
 		if b := x.p.cfg.BodyBudget; b != nil && f.rewrites(setMax) {
-			n := int64(cap(body))
-			if err := b.acquire(x.ctx, x.p.clock, n); err != nil {
+			charged = int64(cap(body))
+			if err := b.acquire(x.ctx, x.p.clock, charged); err != nil {
 				x.refuseFallback(f, "no body memory for its rewritten request (max_buffered_bodies)")
 				continue
-			}
-			stop := context.AfterFunc(x.ctx, func() { b.release(n) })
-			uncharge = func() {
-				if stop() {
-					b.release(n)
-				}
 			}
 		}
 		// A fallback is taken only with room now: the request has waited
 		// for the pools above already.
 		if !x.movePool(f, info) {
-			uncharge()
+			if charged > 0 {
+				x.p.cfg.BodyBudget.release(charged)
+			}
 			continue
 		}
+		x.fbCharged += charged
 		if i < 64 {
 			x.tried |= 1 << i
 		}

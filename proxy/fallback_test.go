@@ -4,9 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -553,13 +553,9 @@ func TestFallbackRewriteIsChargedToTheBodyBudget(t *testing.T) {
 	if e := errorBodyOf(t, w); !strings.Contains(e.Message, "fallback small refused: no body memory") {
 		t.Fatalf("error %+v", e)
 	}
-	// Charges go back when the request's context ends (context.AfterFunc,
-	// in its own goroutine).
-	for deadline := time.Now().Add(5 * time.Second); budget.InUse() != 0; {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d bytes still charged after the request", budget.InUse())
-		}
-		runtime.Gosched()
+	// Every charge is back when ServeHTTP returns (finish gives them back).
+	if n := budget.InUse(); n != 0 {
+		t.Fatalf("%d bytes still charged after the request", n)
 	}
 	// Without a model rewrite or a clamp, no copy is made: the fallback serves.
 	p, _ = fallbackProxy(t, Config{BodyBudget: budget}, Fallback{}, []*upstream{primary}, small)
@@ -567,5 +563,43 @@ func TestFallbackRewriteIsChargedToTheBodyBudget(t *testing.T) {
 	p.ServeHTTP(w, post(body))
 	if w.Code != 200 || small.calls.Load() != 1 {
 		t.Fatalf("status %d, fallback calls %d", w.Code, small.calls.Load())
+	}
+}
+
+// A fallback's rewritten body goes back to the body budget at commit, as
+// the client's body does: a stream served by a fallback for minutes holds
+// neither.
+func TestFallbackRewriteIsReleasedAtCommit(t *testing.T) {
+	primary := newUpstream(t, failing(503))
+	release := make(chan struct{})
+	small := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, chunkA)
+		w.(http.Flusher).Flush()
+		<-release
+		_, _ = io.WriteString(w, chunkEnd+done)
+	})
+	body := `{"model":"big","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 1000) + `"}]}`
+	budget, err := NewBodyBudget(int64(len(body))*8, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _ := fallbackProxy(t, Config{BodyBudget: budget}, Fallback{Model: "small"}, []*upstream{primary}, small)
+	w := &firstWriteWriter{discardWriter: discardWriter{h: http.Header{}}, wrote: make(chan struct{})}
+	duringStream := make(chan int64, 1)
+	go func() {
+		<-w.wrote // committed: the first event reached the client
+		duringStream <- budget.InUse()
+		close(release)
+	}()
+	res := p.ServeHTTP(w, post(body))
+	if res.Outcome != OutcomeSuccess || res.Fallback != "small" || small.calls.Load() != 1 {
+		t.Fatalf("outcome %v, fallback %q, fallback calls %d", res.Outcome, res.Fallback, small.calls.Load())
+	}
+	if n := <-duringStream; n != 0 {
+		t.Errorf("budget in use while the fallback's stream runs: %d bytes, want 0", n)
+	}
+	if n := budget.InUse(); n != 0 {
+		t.Errorf("budget in use after the request: %d bytes", n)
 	}
 }

@@ -31,6 +31,7 @@ func (x *exchange) finish() {
 	if x.held != nil {
 		defer x.held.Release()
 	}
+	defer x.releaseFallbackBodies()
 	released := false
 	defer func() {
 		if !released && x.admission != nil {
@@ -146,7 +147,7 @@ func (x *exchange) answerFailure(f *failure) Outcome {
 	a := f.last
 	switch a.outcome {
 	case AttemptHTTP4xx:
-		res.TenantFault = tenantFaultStatus(a.resp.StatusCode)
+		res.TenantFault = tenantFaultStatus(a.status)
 		x.passThrough(a)
 		return OutcomeClientError
 	case AttemptHTTP429:
@@ -252,7 +253,7 @@ func (a *attempt) classify() {
 	case failRoundTrip:
 		a.outcome = causeOutcome(a.cause, AttemptConnectError)
 	case failStatus:
-		a.outcome = classifyStatus(a.resp.StatusCode)
+		a.outcome = classifyStatus(a.status)
 		if a.gone {
 			a.outcome = AttemptCanceled
 		}
@@ -355,13 +356,16 @@ func (a *attempt) end() {
 	a.ended = true
 	a.classify()
 	a.fbTimer.Stop()
+	// The request's end no longer reaches the attempt: a drain outlives
+	// it, and any other attempt is cancelled below. (Left linked, the
+	// request's end ran the link in a goroutine of its own.)
+	a.unlink()
 	switch {
-	case a.resp != nil && a.drain:
+	case a.rbody != nil && a.drain:
 		// Closing a body before EOF closes its connection; a stream that
 		// sent [DONE] is about to end, so read its end off the wire,
 		// past the end of the request.
-		a.unlink()
-		body, cancel := a.resp.Body, a.cancel
+		body, cancel := a.rbody, a.cancel
 		go func() {
 			t := a.x.p.clock.AfterFunc(drainTimeout, func() { cancel(errLostRace) })
 			_, _ = io.Copy(io.Discard, io.LimitReader(body, drainLimit))
@@ -369,9 +373,9 @@ func (a *attempt) end() {
 			cancel(errLostRace)
 			_ = body.Close()
 		}()
-	case a.resp != nil:
+	case a.rbody != nil:
 		a.cancel(errLostRace)
-		_ = a.resp.Body.Close()
+		_ = a.rbody.Close()
 	default:
 		a.cancel(errLostRace)
 	}
@@ -384,8 +388,8 @@ func (a *attempt) end() {
 		Committed: a.committed,
 		Err:       a.err,
 	}
-	if a.resp != nil {
-		rep.Status = a.resp.StatusCode
+	if a.rbody != nil {
+		rep.Status = a.status
 		rep.RetryAfter = a.retryAfter
 	}
 	if a.up.Done != nil {

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/llmproxy/caddy-llm-proxy/internal/h1"
 )
@@ -177,5 +178,21 @@ func TestMemoryPerHeldStream(t *testing.T) {
 		r := results[name]
 		t.Logf("  %-22s %6.1f KB (heap %5.1f KB, stacks %5.1f KB, %.2f goroutines)", name,
 			(r.perStream-d.perStream)/1024, (r.heap-d.heap)/1024, (r.stack-d.stack)/1024, r.goroutines-d.goroutines)
+	}
+}
+
+// A held stream keeps its exchange and its committed attempt for as long
+// as it lasts, each one allocation: they stay within the 768-byte size
+// class (the next is 896), where the issue 22 cuts brought them. A field
+// added to either must pay for itself elsewhere in the struct.
+func TestHeldStreamStructsStayInTheirSizeClass(t *testing.T) {
+	const sizeClass = 768
+	for name, size := range map[string]uintptr{
+		"exchange": unsafe.Sizeof(exchange{}),
+		"attempt":  unsafe.Sizeof(attempt{}),
+	} {
+		if size > sizeClass {
+			t.Errorf("%s is %d bytes, over the %d-byte size class a held stream pays for it", name, size, sizeClass)
+		}
 	}
 }

@@ -22,16 +22,16 @@ import (
 // never held back waiting for another.
 func (x *exchange) relay(a *attempt) {
 	w := &a.idle
-	w.start(x.p.clock, x.p.cfg.StreamIdleTimeout, a)
+	w.start(x.p.cfg.StreamIdleTimeout, a)
 	defer w.stop()
 	// Nothing reads the scanner after the relay: its buffer goes back to
 	// the pool (finish drains a finished body straight from the response).
 	defer a.sc.Release()
 	var gaps GapRecorder
+	var last time.Time // the first event's, then the last one's
 	if g, ok := x.p.obs.(GapObserver); ok {
-		gaps = g.StreamGaps(a.up.Addr, x.res.Info.Model)
+		gaps, last = g.StreamGaps(a.up.Addr, x.res.Info.Model), x.p.clock.Now()
 	}
-	last := w.base // the first event's
 	for {
 		ev, err := a.sc.Next()
 		if err != nil {
@@ -195,14 +195,12 @@ func (x *exchange) send(p []byte, events int) bool {
 // it looks at when the relay last started to wait and, if that was less
 // than idle ago (or the relay is writing), re-arms itself for the rest.
 type idleWatch struct {
-	clock Clock
-	idle  time.Duration
-	base  time.Time // since is measured from here
-	a     *attempt
-	t     Timer
+	idle time.Duration
+	a    *attempt // its exchange's clock and start time the watch
+	t    Timer
 	// since is when the relay started waiting on the upstream, as the
-	// time since base; idleBusy while it handles events, idleDone once the
-	// relay has ended.
+	// time since the exchange's start; idleBusy while it handles events,
+	// idleDone once the relay has ended.
 	since atomic.Int64
 }
 
@@ -212,20 +210,22 @@ const (
 )
 
 // start arms the watch on a for a relay that is about to wait.
-func (w *idleWatch) start(clock Clock, idle time.Duration, a *attempt) {
-	w.clock, w.idle, w.a = clock, idle, a
-	w.base = clock.Now()
-	w.since.Store(0)
+func (w *idleWatch) start(idle time.Duration, a *attempt) {
+	w.idle, w.a = idle, a
+	w.since.Store(int64(w.now()))
 	// Armed once t is set, so that a callback always finds it.
-	w.t = clock.AfterFunc(time.Hour, w.check)
+	w.t = a.x.p.clock.AfterFunc(time.Hour, w.check)
 	w.t.Reset(idle)
 }
+
+// now is the time since the exchange's start.
+func (w *idleWatch) now() time.Duration { return w.a.x.since(w.a.x.start) }
 
 // busy marks the relay as handling events (writing to the client).
 func (w *idleWatch) busy() { w.since.Store(idleBusy) }
 
 // wait marks the relay as waiting on the upstream from now.
-func (w *idleWatch) wait() { w.since.Store(int64(w.clock.Now().Sub(w.base))) }
+func (w *idleWatch) wait() { w.since.Store(int64(w.now())) }
 
 // stop ends the watch; a callback already running does nothing more.
 func (w *idleWatch) stop() {
@@ -240,7 +240,7 @@ func (w *idleWatch) check() {
 	case idleBusy:
 		w.t.Reset(w.idle)
 	default:
-		left := w.idle - (w.clock.Now().Sub(w.base) - time.Duration(s))
+		left := w.idle - (w.now() - time.Duration(s))
 		if left <= 0 {
 			w.a.cancel(errIdleTimeout)
 			return

@@ -216,8 +216,9 @@ func TestRelayAllocatesNothingPerEvent(t *testing.T) {
 // watched returns an attempt whose idle watch runs on clk, and its context.
 func watched(clk Clock, idle time.Duration) (*attempt, context.Context) {
 	ctx, cancel := context.WithCancelCause(context.Background())
-	a := &attempt{ctx: ctx, cancel: cancel}
-	a.idle.start(clk, idle, a)
+	x := &exchange{p: &Proxy{clock: clk}, start: clk.Now()}
+	a := &attempt{x: x, ctx: ctx, cancel: cancel}
+	a.idle.start(idle, a)
 	return a, ctx
 }
 

@@ -50,14 +50,16 @@ type attempt struct {
 	up      Upstream
 	ctx     context.Context
 	cancel  context.CancelCauseFunc
-	unlink  func() bool // stops the request's cancellation reaching ctx
-	started time.Time
+	unlink  func() bool   // stops the request's cancellation reaching ctx
+	started time.Duration // since the exchange's start
 	fbTimer Timer
 
-	resp *http.Response
-	// isSSE is true when the response is an event stream read through sc.
-	isSSE bool
-	sc    *sse.Scanner
+	// resp is the upstream's response until commit, which keeps only its
+	// status and body (a held stream need not hold the rest).
+	resp   *http.Response
+	status int
+	rbody  io.ReadCloser
+	sc     *sse.Scanner
 	// head is what the client receives at commit: the lifecycle events
 	// held and the first generated event, or the whole non-streaming body.
 	head       []byte
@@ -69,23 +71,14 @@ type attempt struct {
 	// Usage is the body's.
 	st   api.Stream
 	ttft time.Duration
-	// hedge is true for a backup attempt started by the hedge timer.
-	hedge bool
 	// conn tells a stale keep-alive connection from a failing upstream.
 	conn connTrace
 
-	// Facts of the pre-commit phase.
-	//
-	// ok is true when the phase produced something to commit.
-	ok bool
-	// failed says where the phase failed; err what went wrong.
-	failed failKind
-	err    error
-	// cause is the attempt context's cancellation cause when it failed
-	// (nil while live: a genuine transport failure); gone is whether the
-	// client was gone then.
+	// Facts of the pre-commit phase: err is what went wrong; cause is
+	// the attempt context's cancellation cause when it failed (nil while
+	// live: a genuine transport failure).
+	err   error
 	cause error
-	gone  bool
 	// errBody is an upstream error response body kept for passing through.
 	errBody []byte
 	// inband is the in-band error event that failed the attempt, if any.
@@ -93,36 +86,52 @@ type attempt struct {
 	// retryAfter is the upstream's Retry-After on a 429 or 5xx, 0 if none.
 	retryAfter time.Duration
 
-	// Facts after commit (commit.go, relay.go).
-	committed bool
-	// writeFailed: writing to the client failed (writeErr for a body).
-	writeFailed bool
-	writeErr    error
-	// sawDone: the API's last event of a finished stream was relayed
-	// ([DONE], response.completed, message_stop); st.Finished says whether
-	// the stream carried its normal end.
-	sawDone bool
+	// Facts after commit (commit.go, relay.go): writeErr is why writing
+	// a body to the client failed.
+	writeErr error
 	// postInband is an upstream error event relayed after commit.
 	postInband *api.InbandError
-	// streamErr is why reading the stream stopped, with goneAtEnd
-	// whether the client was gone by then.
+	// streamErr is why reading the stream stopped.
 	streamErr error
-	goneAtEnd bool
 	// idle is the stream idle timeout while the relay runs.
 	idle idleWatch
 
-	// classified and ended make classify and end run once.
-	classified, ended bool
-	outcome           AttemptOutcome
-	// drain asks end() to read the rest of a finished response (the
-	// chunked terminator after [DONE]) so the connection can be reused.
-	drain bool
 	// body is the request body this attempt sends (its GetBody's bytes),
 	// nil once the attempt is committed: nothing sends it again.
 	body []byte
 	// report is what end() reports to Upstream.Done and the Observer
 	// (held here: no allocation of its own).
 	report AttemptReport
+
+	// The flags, together (each alone between wider fields took eight
+	// bytes).
+	//
+	// isSSE is true when the response is an event stream read through sc.
+	isSSE bool
+	// hedge is true for a backup attempt started by the hedge timer.
+	hedge bool
+	// ok is true when the pre-commit phase produced something to commit;
+	// failed says where it failed; gone is whether the client was gone
+	// when it failed.
+	ok     bool
+	failed failKind
+	gone   bool
+	// committed: the attempt's response reached the client.
+	committed bool
+	// writeFailed: writing to the client failed (writeErr for a body).
+	writeFailed bool
+	// sawDone: the API's last event of a finished stream was relayed
+	// ([DONE], response.completed, message_stop); st.Finished says whether
+	// the stream carried its normal end.
+	sawDone bool
+	// goneAtEnd: the client was gone when the stream stopped.
+	goneAtEnd bool
+	// classified and ended make classify and end run once.
+	classified, ended bool
+	outcome           AttemptOutcome
+	// drain asks end() to read the rest of a finished response (the
+	// chunked terminator after [DONE]) so the connection can be reused.
+	drain bool
 }
 
 // failKind is where an attempt's pre-commit phase failed.
@@ -145,33 +154,33 @@ const (
 	drainLimit   = 64 << 10
 )
 
-// startAttempt launches an attempt on up; its result arrives on results
-// (buffered: it never blocks). With inline the attempt runs to its commit
-// point on the calling goroutine and its result is on results when
-// startAttempt returns: without hedging nothing else runs beside an
-// attempt, and a goroutine of its own would cost two scheduler hand-offs
+// startAttempt launches an attempt on up. With results it runs in a
+// goroutine of its own and reports there (buffered: it never blocks);
+// without, it runs to its commit point on the calling goroutine and is
+// done when startAttempt returns: without hedging nothing else runs beside
+// an attempt, and a goroutine of its own would cost two scheduler hand-offs
 // before the first byte, which at saturated cores is where the tail of
 // time to first token came from (issue 22). Everything that must
 // interrupt it (the client leaving, stream_timeout, first_byte_timeout)
 // does so through its context, as in its own goroutine.
-func (x *exchange) startAttempt(up Upstream, results chan<- *attempt, inline bool) *attempt {
+func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
 	// The attempt's context carries the request's values but is cancelled
-	// only through the link below, which end() may cut: a finished
-	// stream's connection can then be drained after the request is over.
+	// only through the link below, which end() cuts: a finished stream's
+	// connection can then be drained after the request is over.
 	ctx, cancel := context.WithCancelCause(context.WithoutCancel(x.ctx))
 	unlink := context.AfterFunc(x.ctx, func() { cancel(context.Cause(x.ctx)) })
-	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: x.p.clock.Now()}
+	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: x.since(x.start)}
 	a.fbTimer = x.p.clock.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
-	if inline {
-		a.run(results)
+	if results == nil {
+		a.run(nil)
 	} else {
 		go a.run(results)
 	}
 	return a
 }
 
-// run runs the attempt to its commit point and reports it on results, a
-// panic included (as a failed attempt).
+// run runs the attempt to its commit point and reports it on results when
+// set, a panic included (as a failed attempt).
 func (a *attempt) run(results chan<- *attempt) {
 	defer func() {
 		if v := recover(); v != nil {
@@ -179,20 +188,20 @@ func (a *attempt) run(results chan<- *attempt) {
 			a.failAt(failPanic, fmt.Errorf("upstream %s: panic in attempt: %v", a.up.Addr, v))
 			a.x.p.log.Error("attempt panicked", zap.String("upstream", a.up.Addr), zap.Any("panic", v), zap.Stack("stack"))
 		}
-		results <- a
+		if results != nil {
+			results <- a
+		}
 	}()
 	a.preCommit()
 }
 
-// preCommit runs the attempt up to its commit point: the first generated
-// SSE event, the complete non-streaming body, or a failure.
 func (a *attempt) preCommit() {
 	resp, err := a.roundTrip()
 	if err != nil {
 		a.failAt(failRoundTrip, fmt.Errorf("upstream %s: %w", a.up.Addr, a.errWithCause(err)))
 		return
 	}
-	a.resp = resp
+	a.resp, a.status, a.rbody = resp, resp.StatusCode, resp.Body
 	if resp.StatusCode >= 400 {
 		a.readErrorResponse()
 		return
@@ -213,7 +222,7 @@ func (a *attempt) preCommit() {
 		a.failAt(failLate, fmt.Errorf("upstream %s: %w", a.up.Addr, errFirstByteTimeout))
 		return
 	}
-	a.ttft = a.x.since(a.started)
+	a.ttft = a.x.since(a.x.start) - a.started
 }
 
 // roundTrip sends the request. Inference servers close idle keep-alive
