@@ -345,6 +345,17 @@ func recordByID(f *mockllm.Fleet, id string) (mockllm.RequestRecord, bool) {
 	return mockllm.RequestRecord{}, false
 }
 
+// endedRecordByID is recordByID once the mock has recorded the request's
+// end (with its usage): the client can have the whole answer a moment
+// before the mock's handler returns and records it.
+func endedRecordByID(f *mockllm.Fleet, id string) (mockllm.RequestRecord, bool) {
+	waitFor(2*time.Second, func() bool {
+		rec, ok := recordByID(f, id)
+		return ok && !rec.Ended.IsZero()
+	})
+	return recordByID(f, id)
+}
+
 // lastRecord returns the most recent request the fleet received.
 func lastRecord(t testing.TB, f *mockllm.Fleet) (mockllm.RequestRecord, mockllm.ReplicaStats) {
 	t.Helper()

@@ -457,7 +457,7 @@ func TestTenantStreamUsageIsCountedWithoutChangingWhatClientsSee(t *testing.T) {
 		if s.Status != http.StatusOK || s.Err != nil || len(s.Events) == 0 || !s.Events[len(s.Events)-1].IsDone() {
 			t.Fatalf("%s: status %d, %d events, ended with %v; want a complete stream", name, s.Status, len(s.Events), s.Err)
 		}
-		rec, ok := recordByID(fleet, id)
+		rec, ok := endedRecordByID(fleet, id)
 		_, st := lastRecord(t, fleet)
 		if !ok || rec.Usage == nil {
 			t.Fatalf("%s: the mock reported no usage for the request (record found %v): the gateway did not ask the upstream for it", name, ok)
@@ -629,7 +629,7 @@ func TestTenant429sCarryRetryAfterAndExactRateLimitHeaders(t *testing.T) {
 	}
 
 	// Settled with the mock's usage; the next reservation is 10 + 50.
-	rec, ok := recordByID(fleet, "held")
+	rec, ok := endedRecordByID(fleet, "held")
 	if !ok || rec.Usage == nil {
 		t.Fatalf("the mock has no usage for the held request")
 	}

@@ -70,14 +70,14 @@ func (nopAdmitter) Admit(context.Context, Identity, RequestInfo) (Admission, err
 func (x *exchange) admit() bool {
 	pa, ladder := x.p.cfg.Admitter.(PoolAdmitter)
 	if !ladder || !x.p.saturatedRungs {
-		adm, err := x.p.cfg.Admitter.Admit(x.ctx, x.res.Identity, x.res.Info)
+		adm, err := x.p.cfg.Admitter.Admit(x.ctx, x.result.Identity, x.result.Info)
 		if err != nil {
 			return x.refuse(err)
 		}
 		x.admitted(adm)
 		return true
 	}
-	adm, saturated, err := pa.AdmitNoWait(x.ctx, x.res.Identity, x.res.Info)
+	adm, saturated, err := pa.AdmitNoWait(x.ctx, x.result.Identity, x.result.Info)
 	if err != nil {
 		return x.refuse(err)
 	}
@@ -85,7 +85,7 @@ func (x *exchange) admit() bool {
 	if !saturated || x.degrade(DegradeSaturated) {
 		return true
 	}
-	if err := adm.(PoolAdmission).Queue(x.ctx, x.res.Info); err != nil {
+	if err := adm.(PoolAdmission).Queue(x.ctx, x.result.Info); err != nil {
 		return x.refuse(err) // the notes say why no fallback took it
 	}
 	x.admitted(adm)
@@ -98,9 +98,8 @@ func (x *exchange) admitted(adm Admission) {
 	x.admission = adm
 	if adm != nil {
 		if qw, ok := adm.(QueueWaiter); ok {
-			x.res.QueueWait = qw.QueueWait()
+			x.result.QueueWait = qw.QueueWait()
 		}
-		x.admHeader, _ = adm.(HeaderAdmission)
 	}
 }
 
@@ -108,7 +107,7 @@ func (x *exchange) admitted(adm Admission) {
 func (x *exchange) refuse(err error) bool {
 	var qw QueueWaiter
 	if errors.As(err, &qw) {
-		x.res.QueueWait = qw.QueueWait()
+		x.result.QueueWait = qw.QueueWait()
 	}
 	x.refusal = err
 	return false
@@ -129,13 +128,13 @@ func (x *exchange) setAdmissionHeader(h http.Header) {
 			}
 		}
 	}
-	if x.admHeader != nil {
-		x.admHeader.SetHeader(h)
+	if ha, ok := x.admission.(HeaderAdmission); ok {
+		ha.SetHeader(h)
 		if api.AnthropicShaped(x.api) {
 			setAnthropicRateLimitHeaders(h, time.Now())
 		}
 	}
-	if x.degraded != "" {
-		h.Set(HeaderDegraded, x.degraded)
+	if d := x.result.Degraded; d != "" {
+		h.Set(HeaderDegraded, d)
 	}
 }

@@ -38,7 +38,7 @@ func (x *exchange) attempt() *attempt {
 			rc.counted = append(rc.counted, h)
 			h.Request()
 		}
-		rc.hedgeDelay, rc.hedging = h.Delay(x.res.Info)
+		rc.hedgeDelay, rc.hedging = h.Delay(x.result.Info)
 	}
 	if rc.hedging {
 		// Hedged attempts run in goroutines of their own and report here.
@@ -171,9 +171,9 @@ func (rc *race) launch(up Upstream, hedge bool) {
 	x := rc.x
 	rc.tried = append(rc.tried, up.Addr)
 	rc.attempts++
-	x.res.Attempts++
-	x.res.Upstream = up.Addr
-	x.res.Saturation = up.Saturation
+	x.result.Attempts++
+	x.result.Upstream = up.Addr
+	x.result.Saturation = up.Saturation
 	if !hedge {
 		rc.primaryClosed = up.Closed
 		if rc.hedging && rc.hedges < rc.pool.Hedging.MaxHedges() {
@@ -285,7 +285,7 @@ func (rc *race) retry() *failure {
 	}
 	x.p.obs.Retry(last.up.Addr, last.outcome)
 	rc.retries++
-	x.res.Retries = rc.retries
+	x.result.Retries = rc.retries
 	rc.launch(up, false)
 	return nil
 }
@@ -351,7 +351,7 @@ func (rc *race) hedge() bool {
 	}
 	rc.launch(up, true)
 	rc.hedges++
-	x.res.Hedged = true
+	x.result.Hedged = true
 	x.p.obs.Hedge(HedgeFired)
 	return true
 }

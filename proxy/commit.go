@@ -15,6 +15,9 @@ func (x *exchange) releaseBody(a *attempt) {
 	x.body, x.client, a.body = nil, nil, nil
 	if b, ok := x.r.Body.(*Body); ok {
 		b.drop()
+		// Nothing reads the request body after commit (the handler is the
+		// last; net/http drains its own), and the holder is garbage too.
+		x.r.Body, x.held = http.NoBody, nil
 	}
 	x.releaseFallbackBodies()
 }
@@ -50,14 +53,14 @@ func (x *exchange) commit(a *attempt) bool {
 		}
 	}
 	if h := x.rung.pool.Hedging; h != nil {
-		h.Observe(x.res.Info, a.ttft)
+		h.Observe(x.result.Info, a.ttft)
 	}
 
 	a.committed = true
 	if a.up.Committed != nil {
 		a.up.Committed(a.ttft)
 	}
-	res := x.res
+	res := &x.result
 	res.Upstream = a.up.Addr
 	res.Saturation = a.up.Saturation
 	res.TTFT = x.since(x.start)

@@ -324,14 +324,14 @@ func (x *exchange) degrade(why string) bool {
 		want = WhenSaturated
 	}
 	if x.client == nil {
-		x.client = &clientRequest{body: x.body, info: x.res.Info}
+		x.client = &clientRequest{body: x.body, info: x.result.Info}
 	}
 	for i := x.rung.index + 1; i < len(fbs); i++ {
 		f := &fbs[i]
 		if f.when()&want == 0 || (i < 64 && x.tried&(1<<i) != 0) {
 			continue
 		}
-		if tier := x.res.Identity.Tier; !f.allows(tier) {
+		if tier := x.result.Identity.Tier; !f.allows(tier) {
 			x.refuseFallback(f, fmt.Sprintf("tier %q may not degrade to it", tier))
 			continue
 		}
@@ -377,10 +377,9 @@ func (x *exchange) degrade(why string) bool {
 		if i < 64 {
 			x.tried |= 1 << i
 		}
-		x.body, x.res.Info = body, info
+		x.body, x.result.Info = body, info
 		x.rung = rung{index: i, fb: f, pool: &f.Pool, reason: why}
-		x.degraded = degradedHeader(f, note)
-		x.res.Degraded, x.res.Fallback, x.res.DegradeReason = x.degraded, f.Name, why
+		x.result.Degraded, x.result.Fallback, x.result.DegradeReason = degradedHeader(f, note), f.Name, why
 		x.failure = nil
 		return true
 	}
@@ -411,7 +410,7 @@ func (x *exchange) movePool(f *Fallback, info RequestInfo) bool {
 		return false
 	}
 	if qw, ok := x.admission.(QueueWaiter); ok {
-		x.res.QueueWait = qw.QueueWait()
+		x.result.QueueWait = qw.QueueWait()
 	}
 	return true
 }
@@ -442,12 +441,12 @@ func (x *exchange) backToPrimary() bool {
 		return false
 	}
 	if qw, ok := x.admission.(QueueWaiter); ok {
-		x.res.QueueWait = qw.QueueWait()
+		x.result.QueueWait = qw.QueueWait()
 	}
 	x.notes = append(x.notes, fmt.Sprintf("fallback %s failed: %s", x.rung.fb.Name, x.failureReason()))
-	x.body, x.res.Info = x.client.body, x.client.info
+	x.body, x.result.Info = x.client.body, x.client.info
 	x.rung = rung{index: -1, pool: &x.p.primary}
-	x.degraded, x.res.Degraded, x.res.Fallback, x.res.DegradeReason = "", "", "", ""
+	x.result.Degraded, x.result.Fallback, x.result.DegradeReason = "", "", ""
 	x.failure = nil
 	return true
 }

@@ -36,7 +36,7 @@ func (x *exchange) finish() {
 	defer func() {
 		if !released && x.admission != nil {
 			released = true
-			x.admission.Release(x.res)
+			x.admission.Release(&x.result)
 		}
 	}()
 	if rc := x.rc; rc != nil && rc.inflight > 0 {
@@ -45,7 +45,7 @@ func (x *exchange) finish() {
 		rc.cancelAll(x.won)
 		rc.abandon()
 	}
-	res := x.res
+	res := &x.result
 	res.Outcome = x.answer()
 	if x.discardAfter {
 		x.discardBody()
@@ -72,7 +72,7 @@ func (x *exchange) answer() Outcome {
 	switch {
 	case x.panicked != nil:
 		if x.won == nil {
-			x.res.Status = http.StatusInternalServerError // what Caddy answers a handler panic with
+			x.result.Status = http.StatusInternalServerError // what Caddy answers a handler panic with
 		}
 		return OutcomeInternalError
 	case x.readErr != nil:
@@ -117,7 +117,7 @@ func (x *exchange) answerRefusal() Outcome {
 	}
 	switch {
 	case x.clientGone():
-		x.res.Status = 499
+		x.result.Status = 499
 		return OutcomeClientGone
 	case errors.Is(context.Cause(x.ctx), errStreamTimeout):
 		x.writeError(&GatewayError{Status: http.StatusGatewayTimeout, Type: TypeTimeout, Code: "stream_timeout",
@@ -132,7 +132,7 @@ func (x *exchange) answerRefusal() Outcome {
 
 // answerFailure answers a request that no attempt committed.
 func (x *exchange) answerFailure(f *failure) Outcome {
-	res := x.res
+	res := &x.result
 	switch {
 	case f.ctxErr != nil && errors.Is(f.ctxErr, errStreamTimeout):
 		x.writeError(&GatewayError{Status: http.StatusGatewayTimeout, Type: TypeTimeout, Code: "stream_timeout",
@@ -382,7 +382,7 @@ func (a *attempt) end() {
 	rep := &a.report
 	*rep = AttemptReport{
 		Upstream:  a.up.Addr,
-		Model:     a.x.res.Info.Model,
+		Model:     a.x.result.Info.Model,
 		Outcome:   a.outcome,
 		TTFT:      a.ttft,
 		Committed: a.committed,
@@ -413,7 +413,7 @@ func (x *exchange) passThrough(a *attempt) {
 	if len(x.notes) > 0 {
 		code := a.resp.StatusCode
 		ge := &GatewayError{Status: code, Type: TypeServer, Code: "upstream_error",
-			Message: fmt.Sprintf("upstream %s answered %d after %d attempt(s)", a.up.Addr, code, x.res.Attempts)}
+			Message: fmt.Sprintf("upstream %s answered %d after %d attempt(s)", a.up.Addr, code, x.result.Attempts)}
 		switch {
 		case code == http.StatusTooManyRequests:
 			ge.Type, ge.Code = TypeRateLimit, "upstream_rate_limited"
@@ -428,7 +428,7 @@ func (x *exchange) passThrough(a *attempt) {
 	copyResponseHeader(h, a.resp.Header)
 	x.setAdmissionHeader(h)
 	h.Set("Content-Length", strconv.Itoa(len(a.errBody)))
-	x.res.Status = a.resp.StatusCode
+	x.result.Status = a.resp.StatusCode
 	x.w.WriteHeader(a.resp.StatusCode)
 	_, _ = x.w.Write(a.errBody)
 }
@@ -444,7 +444,7 @@ func (x *exchange) writeError(e *GatewayError) {
 		c.Message = x.withNotes(c.Message)
 		e = &c
 	}
-	x.res.Status = e.Status
+	x.result.Status = e.Status
 	x.setAdmissionHeader(x.w.Header())
 	e.WriteFor(x.w, x.api)
 }

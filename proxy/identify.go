@@ -48,13 +48,13 @@ func (nopIdentifier) Identify(*http.Request, RequestInfo) (Identity, error) { re
 // identify is step 2: who sent the request. It then prepares the outbound
 // header, which depends on whom the gateway trusts.
 func (x *exchange) identify() bool {
-	id, err := x.p.cfg.Identifier.Identify(x.r, x.res.Info)
+	id, err := x.p.cfg.Identifier.Identify(x.r, x.result.Info)
 	if err != nil {
 		x.redactKeys()
 		x.refusal = err
 		return false
 	}
-	x.res.Identity = id
+	x.result.Identity = id
 	x.prepareHeader()
 	x.redactKeys()
 	return true
@@ -85,7 +85,7 @@ func (x *exchange) redactKeys() {
 func (x *exchange) prepareHeader() {
 	h := x.r.Header.Clone()
 	removeHopHeaders(h)
-	id := &x.res.Identity
+	id := &x.result.Identity
 	delete(h, canonicalTenant)
 	delete(h, canonicalTier)
 	if id.StripHeader != "" {

@@ -22,7 +22,7 @@ func TestKeyHeadersAreRedactedForTheAccessLog(t *testing.T) {
 			}
 			r := post(`{"model":"m"}`)
 			r.Header.Set(h, key)
-			x := &exchange{p: p, w: httptest.NewRecorder(), r: r, res: &Result{}}
+			x := &exchange{p: p, w: httptest.NewRecorder(), r: r}
 			ok := x.identify()
 			if got := r.Header.Get(h); got != "REDACTED" {
 				t.Errorf("%s %s: the client's request still holds %q", h, key, got)

@@ -8,7 +8,7 @@ import "github.com/llmproxy/caddy-llm-proxy/api"
 // a backup, which only an upstream with a closed breaker may take.
 func (rc *race) pick(hedge bool) (Upstream, error) {
 	x := rc.x
-	return rc.pool.Balancer.Pick(x.w, x.r, PickRequest{Info: x.res.Info, Tried: rc.tried, Hedge: hedge, Prompt: x.prompt})
+	return rc.pool.Balancer.Pick(x.w, x.r, PickRequest{Info: x.result.Info, Tried: rc.tried, Hedge: hedge, Prompt: x.prompt})
 }
 
 // prompt yields the prompt text of the body the attempt sends, as its API

@@ -485,14 +485,13 @@ func New(cfg Config) (*Proxy, error) {
 // after the request is finished and reported.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) *Result {
 	x := &exchange{p: p, w: w, r: r, start: p.clock.Now(), rung: rung{index: -1, pool: &p.primary}}
-	x.res = &x.result
 	x.api = p.cfg.API
 	if x.api == nil {
 		x.api = api.ForPath(r.URL.Path)
 	}
-	x.res.API = x.api.Name()
+	x.result.API = x.api.Name()
 	x.run()
-	return x.res
+	return &x.result
 }
 
 // exchange is the state of one request through the lifecycle steps. The
@@ -502,9 +501,8 @@ type exchange struct {
 	w     http.ResponseWriter
 	r     *http.Request
 	start time.Time
-	res   *Result
-	// result is where res points: one allocation for the exchange and
-	// the Result it reports.
+	// result is what the request reports: in the exchange, one
+	// allocation for both.
 	result Result
 	body   []byte
 	// api is what the request's API means (read chooses it).
@@ -515,6 +513,8 @@ type exchange struct {
 	// discardAfter: the body was refused unread (the body budget), and is
 	// read to nowhere once the refusal is written.
 	discardAfter bool
+	// readGone: the client was gone when reading failed (readErr).
+	readGone bool
 	// held is the body read (and charged) by read, given back by finish;
 	// nil when the matcher read it.
 	held *Body
@@ -528,30 +528,27 @@ type exchange struct {
 	// budget, given back at commit or by finish.
 	fbCharged int64
 
-	// admission is what admit reserved, released by finish; admHeader is
-	// it as a HeaderAdmission, if it is one.
+	// admission is what admit reserved, released by finish.
 	admission Admission
-	admHeader HeaderAdmission
 	// out flushes the client's response once a stream is committed (a
 	// value, not the pointer NewResponseController returns: one
 	// allocation less per stream).
 	out http.ResponseController
 
 	// Facts for finish, each set by the step that saw it.
-	readErr  error    // read: the body could not be read
-	readGone bool     // read: the client was gone when reading failed
-	jsonErr  error    // read: the body is not a JSON object
-	refusal  error    // identify or admit said no
-	rc       *race    // attempt: the attempts, once one was started
-	failure  *failure // attempt: why no attempt reached its commit point
-	won      *attempt // commit: the attempt whose response reached the client
+	readErr error    // read: the body could not be read
+	jsonErr error    // read: the body is not a JSON object
+	refusal error    // identify or admit said no
+	rc      *race    // attempt: the attempts, once one was started
+	failure *failure // attempt: why no attempt reached its commit point
+	won     *attempt // commit: the attempt whose response reached the client
 
 	// rung is the pool the request is served from (the primary until the
-	// degradation ladder moves it); degraded is its X-LLM-Proxy-Degraded
-	// value, "" on the primary; notes say why fallbacks were passed over.
-	rung     rung
-	degraded string
-	notes    []string
+	// degradation ladder moves it; result.Degraded is then its
+	// X-LLM-Proxy-Degraded value); notes say why fallbacks were passed
+	// over.
+	rung  rung
+	notes []string
 	// client is the request as the client sent it (its body after read's
 	// usage edit, and its parse): each fallback's rewrite starts from it,
 	// never from another fallback's. tried marks the fallbacks used.
@@ -586,7 +583,7 @@ func (x *exchange) run() {
 	ok := x.identify() && x.admit()
 	// The admission decision's own cost: identify and admit, less any
 	// time spent waiting in the queue.
-	x.res.Decision = max(x.since(decided)-x.res.QueueWait, 0)
+	x.result.Decision = max(x.since(decided)-x.result.QueueWait, 0)
 	if !ok {
 		return
 	}

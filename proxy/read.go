@@ -61,7 +61,7 @@ func (x *exchange) read() bool {
 			x.jsonErr = err
 			return false
 		}
-		x.res.Info = info
+		x.result.Info = info
 		if x.p.cfg.RequestUsage && x.api.InjectsUsage() && info.Stream && !info.IncludeUsage {
 			if edited, ok := requestUsage(x.body); ok {
 				x.body, x.stripUsage = edited, true

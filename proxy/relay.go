@@ -30,7 +30,7 @@ func (x *exchange) relay(a *attempt) {
 	var gaps GapRecorder
 	var last time.Time // the first event's, then the last one's
 	if g, ok := x.p.obs.(GapObserver); ok {
-		gaps, last = g.StreamGaps(a.up.Addr, x.res.Info.Model), x.p.clock.Now()
+		gaps, last = g.StreamGaps(a.up.Addr, x.result.Info.Model), x.p.clock.Now()
 	}
 	for {
 		ev, err := a.sc.Next()
@@ -57,7 +57,7 @@ func (x *exchange) relay(a *attempt) {
 // write and one flush. It reports whether the stream goes on: false after
 // [DONE], an upstream error event, or a client that went away.
 func (x *exchange) relayEvents(a *attempt, ev sse.Event) bool {
-	res := x.res
+	res := &x.result
 	var (
 		out     []byte  // what goes to the client
 		batch   *[]byte // a pooled buffer, once a second event joins out
@@ -178,7 +178,7 @@ func (x *exchange) send(p []byte, events int) bool {
 		return false
 	}
 	for range events {
-		x.res.Events++
+		x.result.Events++
 		x.p.obs.EventRelayed()
 	}
 	return true
