@@ -60,8 +60,9 @@ func init() {
 //	GET  /llm_proxy/pools                      every pool of the running config: "key",
 //	                                           "handler" (Handler.Name), "max_ejection", "panic_threshold" (negative:
 //	                                           off), "ejected" and "max_ejected" (upstreams
-//	                                           held open on statistical evidence), "panic",
-//	                                           "panic_requests"
+//	                                           held open on statistical evidence), "probation"
+//	                                           (back from an ejection, still counted
+//	                                           against max_ejected), "panic", "panic_requests"
 //
 // Each breaker's "evidence" ("hard" or "statistical"), "probe_failures",
 // "peer_ratio", "pools" and "handlers" (the names of the handlers whose

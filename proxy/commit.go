@@ -11,13 +11,19 @@ import (
 // goes back to the body budget now. The transport has sent it (a's
 // response is here; its bodyReader lets go at its end) and calls a's
 // GetBody no more; a cancelled loser holds its own reference until it ends.
-func (x *exchange) releaseBody(a *attempt) {
+// With losers still running it leaves the client's request as it is: a
+// hedged loser may yet build its own from it (request).
+func (x *exchange) releaseBody(a *attempt, losers int) {
 	x.body, x.client, a.body = nil, nil, nil
 	if b, ok := x.r.Body.(*Body); ok {
 		b.drop()
-		// Nothing reads the request body after commit (the handler is the
-		// last; net/http drains its own), and the holder is garbage too.
-		x.r.Body, x.held = http.NoBody, nil
+		x.held = nil
+		if losers == 0 {
+			// Nothing reads the request body after commit (the handler is
+			// the last; net/http drains its own), and the holder is
+			// garbage too.
+			x.r.Body = http.NoBody
+		}
 	}
 	x.releaseFallbackBodies()
 }
@@ -44,7 +50,7 @@ func (x *exchange) commit(a *attempt) bool {
 	rc.cancelAll(a)
 	losers := rc.inflight
 	rc.abandon()
-	x.releaseBody(a)
+	x.releaseBody(a, losers)
 	if rc.hedges > 0 {
 		if a.hedge {
 			x.p.obs.Hedge(HedgeWon)
@@ -73,8 +79,12 @@ func (x *exchange) commit(a *attempt) bool {
 	copyResponseHeader(h, a.resp.Header)
 	// Nothing reads the outbound request or the upstream's response
 	// beyond its status and body after this: a held stream should not
-	// keep them (≈ 2 KB a stream).
-	x.outHeader, a.resp = nil, nil
+	// keep them (≈ 2 KB a stream). A hedged loser still running may yet
+	// build its request with the outbound header.
+	a.resp = nil
+	if losers == 0 {
+		x.outHeader = nil
+	}
 	x.setAdmissionHeader(h)
 	if !a.isSSE {
 		res.ResponseBytes = len(a.head)

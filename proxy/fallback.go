@@ -357,6 +357,8 @@ func (x *exchange) degrade(why string) bool {
 		}
 		// The rewritten copy is memory too: charged to the body budget
 		// until commit or the request's end, as the client's body is.
+		// Counted in fbCharged at once, so that finish gives it back
+		// whatever happens (a panic in movePool).
 		var charged int64
 		if b := x.p.cfg.BodyBudget; b != nil && f.rewrites(setMax) {
 			charged = int64(cap(body))
@@ -364,16 +366,17 @@ func (x *exchange) degrade(why string) bool {
 				x.refuseFallback(f, "no body memory for its rewritten request (max_buffered_bodies)")
 				continue
 			}
+			x.fbCharged += charged
 		}
 		// A fallback is taken only with room now: the request has waited
 		// for the pools above already.
 		if !x.movePool(f, info) {
 			if charged > 0 {
+				x.fbCharged -= charged
 				x.p.cfg.BodyBudget.release(charged)
 			}
 			continue
 		}
-		x.fbCharged += charged
 		if i < 64 {
 			x.tried |= 1 << i
 		}

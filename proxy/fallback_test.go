@@ -603,3 +603,43 @@ func TestFallbackRewriteIsReleasedAtCommit(t *testing.T) {
 		t.Errorf("budget in use after the request: %d bytes", n)
 	}
 }
+
+// panickyMove is an admission whose move to a fallback's pool panics.
+type panickyMove struct{}
+
+func (panickyMove) Release(*Result)                          {}
+func (panickyMove) Queue(context.Context, RequestInfo) error { return nil }
+func (panickyMove) MoveTo(context.Context, *admission.Gate, RequestInfo, bool) error {
+	panic("admission bug")
+}
+
+type panickyAdmitter struct{}
+
+func (panickyAdmitter) Admit(context.Context, Identity, RequestInfo) (Admission, error) {
+	return panickyMove{}, nil
+}
+
+// A fallback's rewritten body charged to the body budget goes back even
+// when moving the admission to the fallback's pool panics: a charge left
+// behind would shrink the process-wide budget for good.
+func TestFallbackRewriteChargeSurvivesAPanic(t *testing.T) {
+	primary := newUpstream(t, failing(503))
+	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	body := `{"model":"big","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", 1000) + `"}]}`
+	budget, err := NewBodyBudget(int64(len(body))*8, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _ := fallbackProxy(t, Config{BodyBudget: budget, Admitter: panickyAdmitter{}}, Fallback{Model: "small"}, []*upstream{primary}, small)
+	func() {
+		defer func() {
+			if v := recover(); v != "admission bug" {
+				t.Fatalf("recovered %v", v)
+			}
+		}()
+		p.ServeHTTP(httptest.NewRecorder(), post(body))
+	}()
+	if n := budget.InUse(); n != 0 {
+		t.Fatalf("%d bytes still charged after the request", n)
+	}
+}

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -387,4 +388,54 @@ func TestHedgeDelayDoesNotRunDuringBackoff(t *testing.T) {
 	if res := result(t, served); res.Outcome != OutcomeSuccess || res.Upstream != c.addr() {
 		t.Fatalf("result %+v", res)
 	}
+}
+
+// slowBackupBalancer marks upstreams closed and gives backups a Context
+// hook that takes its time (Caddy's adds dial information there) and
+// signals their pick.
+type slowBackupBalancer struct {
+	closedBalancer
+	hedgePicked chan struct{}
+}
+
+func (b slowBackupBalancer) Pick(w http.ResponseWriter, r *http.Request, req PickRequest) (Upstream, error) {
+	up, err := b.closedBalancer.Pick(w, r, req)
+	if req.Hedge && err == nil {
+		close(b.hedgePicked)
+		up.Context = func(ctx context.Context) context.Context {
+			time.Sleep(200 * time.Millisecond) // no synchronisation with the request's goroutine
+			return ctx
+		}
+	}
+	return up, err
+}
+
+// A backup may build its outbound request after the primary committed
+// (it reads the client's request, body and outbound header then): commit
+// must not let go of them under it. Under the race detector only.
+func TestHedgeLoserBuildsItsRequestAfterCommit(t *testing.T) {
+	answer := make(chan struct{})
+	primary := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		await(t, answer, "answer")
+		sseUpstream(chunkA, chunkEnd, done)(w, r)
+	})
+	backup := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	lb := &listBalancer{addrs: []string{primary.addr(), backup.addr()}}
+	b := slowBackupBalancer{closedBalancer{lb}, make(chan struct{})}
+	obs := &recordingObserver{}
+	clk := newFakeClock()
+	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: b, Observer: obs, Clock: clk,
+		MaxAttempts: 3, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := serve(p, httptest.NewRecorder(), post(`{"model":"m","stream":true}`))
+	clk.waitTimer(t, 20*time.Millisecond)
+	clk.Advance(20 * time.Millisecond)
+	await(t, b.hedgePicked, "backup picked")
+	close(answer)
+	if res := result(t, served); res.Outcome != OutcomeSuccess || res.Upstream != primary.addr() {
+		t.Fatalf("outcome %v upstream %s", res.Outcome, res.Upstream)
+	}
+	obs.waitFor(t, func() bool { return len(obs.attempts) == 2 }) // the backup has built its request and ended
 }

@@ -169,7 +169,9 @@ func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {
 	// connection can then be drained after the request is over.
 	ctx, cancel := context.WithCancelCause(context.WithoutCancel(x.ctx))
 	unlink := context.AfterFunc(x.ctx, func() { cancel(context.Cause(x.ctx)) })
-	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: x.since(x.start)}
+	// body is taken here, on the request's goroutine: a hedged attempt
+	// may build its request after another one committed (releaseBody).
+	a := &attempt{x: x, up: up, ctx: ctx, cancel: cancel, unlink: unlink, started: x.since(x.start), body: x.body}
 	a.fbTimer = x.p.clock.AfterFunc(x.p.cfg.FirstByteTimeout, func() { cancel(errFirstByteTimeout) })
 	if results == nil {
 		a.run(nil)
@@ -291,17 +293,17 @@ func (a *attempt) request(trace *httptrace.ClientTrace) *http.Request {
 	out.RequestURI = ""
 	// Shared by every attempt, not cloned: a RoundTripper must not modify
 	// the request (net/http keeps the headers it adds in a map of its
-	// own), and nothing writes outHeader once identify has prepared it. The
+	// own), and nothing writes outHeader once identify has prepared it
+	// (commit lets go of it only when no other attempt runs). The
 	// transport holds the request for the whole stream, so a clone cost
 	// every open stream its own copy.
 	out.Header = x.outHeader
 	out.Trailer = nil
 	out.Close = false
-	out.ContentLength = int64(len(x.body))
-	if len(x.body) == 0 {
+	out.ContentLength = int64(len(a.body))
+	if len(a.body) == 0 {
 		out.Body, out.GetBody = http.NoBody, nil
 	} else {
-		a.body = x.body
 		out.Body = newBodyReader(a.body)
 		out.GetBody = a.getBody
 	}

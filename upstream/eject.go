@@ -124,6 +124,9 @@ type PoolStatus struct {
 	// evidence now; MaxEjected the most allowed at once.
 	Ejected    int `json:"ejected"`
 	MaxEjected int `json:"max_ejected"`
+	// Probation is the number of upstreams back from an ejection that
+	// still count against MaxEjected (breaker.OnProbation).
+	Probation int `json:"probation"`
 	// Panic is true while the pool routes over upstreams held open on
 	// statistical evidence; PanicRequests counts the picks made so.
 	Panic         bool  `json:"panic"`
@@ -139,8 +142,13 @@ func (p *Pool) Status() PoolStatus {
 	n := 0
 	p.eachMember(func(m *member) {
 		n++
-		if b := m.e.lookupFor(p.claim, ""); b != nil && b.Evidence() == breaker.Statistical {
+		b := m.e.lookupFor(p.claim, "")
+		switch {
+		case b == nil:
+		case b.Evidence() == breaker.Statistical:
 			st.Ejected++
+		case b.OnProbation():
+			st.Probation++
 		}
 	})
 	st.MaxEjected = e.maxEjected(n)

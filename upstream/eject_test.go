@@ -3,6 +3,7 @@ package upstream
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
@@ -129,5 +130,25 @@ func TestPanicRoutesOverStatisticalNotHard(t *testing.T) {
 		if thr < 0 && (picked[addrs[1]] != 0 || st.Panic) {
 			t.Fatalf("panic off: the ejected upstream got %d picks, status %+v", picked[addrs[1]], st)
 		}
+	}
+}
+
+// An upstream back from an ejection keeps its place under the cap while on
+// probation (breaker.OnProbation): the pool's status shows it, or an
+// operator reads "ejected 0 of 1" while no outlier can be ejected.
+func TestStatusShowsProbation(t *testing.T) {
+	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
+	b := breakerOf(t, reg, addrs[0], "")
+	b.Eject("outlier", 0)
+	if st := p.Status(); st.Ejected != 1 || st.Probation != 0 {
+		t.Fatalf("ejected: status %+v", st)
+	}
+	clk.Advance(time.Hour)
+	serveOn(t, p, addrs, addrs[0], 5, never) // probes, then a few in its window
+	if !b.OnProbation() {
+		t.Fatalf("not on probation: %+v", b.Snapshot())
+	}
+	if st := p.Status(); st.Ejected != 0 || st.Probation != 1 || st.MaxEjected != 1 {
+		t.Fatalf("on probation: status %+v", st)
 	}
 }
