@@ -119,7 +119,9 @@ type Snapshot struct {
 	// flight when the breaker opened are not counted when they end.
 	FailuresInWindow int `json:"failures_in_window"`
 	// RequestsInWindow counts successes and failures within RatioWindow;
-	// it is kept only when a ratio rule (FailureRatio, SlowRatio) is on.
+	// it is reported only when a ratio rule (FailureRatio, SlowRatio) is
+	// on (the window itself is always kept: the pool's statistics and
+	// OnProbation read it through RatioCounts).
 	RequestsInWindow int `json:"requests_in_window,omitempty"`
 	// SlowInWindow counts slow calls within RatioWindow (ratio rules on).
 	SlowInWindow int `json:"slow_in_window,omitempty"`
