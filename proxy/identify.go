@@ -65,9 +65,11 @@ func (x *exchange) identify() bool {
 var keyHeaders = []string{"Api-Key", "X-Api-Key"}
 
 // redactKeys hides the key headers of the client's request once the
-// outbound copy is made: Caddy's access log records the request's headers
-// as they arrived after the handler ran, and redacts Authorization itself
-// but not these. Only when keys identify tenants (a real Identifier).
+// outbound copy is made, for whatever reads the request after the handler
+// (placeholders in log_append). Caddy's access log itself records a copy
+// of the headers taken before any handler ran: only a log filter keeps
+// these out of it (the README shows one); Caddy redacts Authorization
+// itself. Only when keys identify tenants (a real Identifier).
 func (x *exchange) redactKeys() {
 	if _, nop := x.p.cfg.Identifier.(nopIdentifier); nop {
 		return
