@@ -224,7 +224,9 @@ return {'closed', now, n, reason}
 // The ratio hash holds "<at ms> <requests> <failures> <slow>" per
 // instance; an instance with an empty window deletes its field, and a
 // field older than fresh ms (an instance gone, or in local mode) is
-// dropped. It returns {"open", now} when the key is open already,
+// dropped. Sums sent while the key is open are not written: they were
+// taken before the open, whose trip deleted the hash, and would count
+// again in the first window after the key closes. It returns {"open", now} when the key is open already,
 // {"summed", now, requests, failures, slow} or {"opened", now, ttl,
 // reason}.
 var ratioScript = redis.NewScript(`
@@ -233,18 +235,18 @@ local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local id = ARGV[1]
 local fresh = tonumber(ARGV[5])
-if tonumber(ARGV[2]) > 0 then
-  redis.call('HSET', KEYS[1], id, now .. ' ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], fresh)
-else
-  redis.call('HDEL', KEYS[1], id)
-end
 local raw = redis.call('GET', KEYS[2])
 if raw then
   local ok, r = pcall(cjson.decode, raw)
   if ok and type(r) == 'table' and r.s == 'open' and (r.u == 0 or r.u > now) then
     return {'open', now}
   end
+end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('HSET', KEYS[1], id, now .. ' ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], fresh)
+else
+  redis.call('HDEL', KEYS[1], id)
 end
 local req, fail, slow, frep, srep = 0, 0, 0, 0, 0
 local all = redis.call('HGETALL', KEYS[1])

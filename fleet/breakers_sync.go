@@ -162,7 +162,8 @@ func (bs *Breakers) sendRatio(key string, every time.Duration) {
 	}
 	bs.mu.Lock()
 	if k, ok := bs.keys[key]; ok {
-		k.ratioSent = rc.Requests > 0
+		// Sums sent while the key was open were not written.
+		k.ratioSent = rc.Requests > 0 && (len(res) == 0 || res[0] != "open")
 	}
 	bs.mu.Unlock()
 	if len(res) >= 4 && res[0] == "opened" {

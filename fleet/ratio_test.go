@@ -1,11 +1,13 @@
 package fleet
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/redis/go-redis/v9"
 )
 
 // ratioSettings: only the failure ratio rule (the consecutive rule off),
@@ -49,6 +51,48 @@ func TestBreakersFailureRatioOnTheFleetsSums(t *testing.T) {
 	}
 	if n, _ := s.Do("EXISTS", redisKey("up1", "ratio")); n != "0" {
 		t.Fatalf("ratio sums still in Redis after the open (EXISTS %s)", n)
+	}
+}
+
+// TestRatioSumsSentWhileOpenAreNotWritten: a gateway whose sums were
+// taken before the fleet opened the key, and reach Redis after the trip
+// deleted the hash, must not write them back: they would count again in the
+// first window after the key closes (seen as a flaky EXISTS 1 above).
+func TestRatioSumsSentWhileOpenAreNotWritten(t *testing.T) {
+	s, gws := fleetOf(t, 1, 1)
+	bs := gws[0].bs
+	// ratio runs the script as sendRatio does, with 6 requests, 3 failing
+	// (below min_requests 20: it never opens the key itself).
+	ratio := func() string {
+		t.Helper()
+		keys := bs.breakerKeys("up1")
+		res, err := bs.do("breaker_ratio", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
+			return runScript(ratioScript, ctx, c, []string{keys[5], keys[3], keys[0], keys[1], keys[2], keys[4]},
+				"gw1", 6, 3, 0, int64(30000), 20, "0.5", "0", 1, int64(3000), bs.channel, "up1", int64(1000), "10s")
+		})
+		if err != nil || len(res) == 0 {
+			t.Fatalf("ratio script: %v %v", res, err)
+		}
+		return res[0].(string)
+	}
+	if got := ratio(); got != "summed" {
+		t.Fatalf("with the key closed the script returned %q, want summed", got)
+	}
+	if n, _ := s.Do("HLEN", redisKey("up1", "ratio")); n != "1" {
+		t.Fatalf("sums sent with the key closed: HLEN %s, want 1", n)
+	}
+	// Another gateway's trip, as Redis holds it: the hash deleted, the key open.
+	if _, err := s.Do("DEL", redisKey("up1", "ratio")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Do("SET", redisKey("up1", "open"), `{"s":"open","u":0,"a":1,"by":"gw9","r":"test"}`); err != nil {
+		t.Fatal(err)
+	}
+	if got := ratio(); got != "open" {
+		t.Fatalf("with the key open the script returned %q, want open", got)
+	}
+	if n, _ := s.Do("EXISTS", redisKey("up1", "ratio")); n != "0" {
+		t.Fatalf("sums sent while the key was open were written (EXISTS %s)", n)
 	}
 }
 
