@@ -380,12 +380,14 @@ func (rc *race) abandon() {
 	if n == 0 {
 		return
 	}
-	results := rc.results
+	// The model as these attempts asked for it: the request's goroutine
+	// may go on to a fallback, which rewrites it.
+	results, model := rc.results, rc.x.result.Info.Model
 	go func() {
 		for range n {
 			a := <-results
 			a.cancel(errLostRace)
-			a.end()
+			a.endAs(model)
 		}
 	}()
 }

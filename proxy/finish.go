@@ -349,7 +349,11 @@ func inbandOutcome(ie *api.InbandError) AttemptOutcome {
 // Upstream's Done and the Observer. Every attempt ends exactly once, on
 // every path: a failed or losing one as soon as it reports (its permit goes
 // back at once), the committed one in finish.
-func (a *attempt) end() {
+func (a *attempt) end() { a.endAs(a.x.result.Info.Model) }
+
+// endAs is end with the model to report, for a goroutine other than the
+// request's, which may be rewriting the request's Info (a fallback).
+func (a *attempt) endAs(model string) {
 	if a.ended {
 		return
 	}
@@ -382,7 +386,7 @@ func (a *attempt) end() {
 	rep := &a.report
 	*rep = AttemptReport{
 		Upstream:  a.up.Addr,
-		Model:     a.x.result.Info.Model,
+		Model:     model,
 		Outcome:   a.outcome,
 		TTFT:      a.ttft,
 		Committed: a.committed,
