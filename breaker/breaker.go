@@ -371,6 +371,17 @@ func (b *Breaker) updateBusyLocked() {
 // The outcome of a permit issued before the breaker last changed state (a
 // call in flight when it opened, or before Reset) is ignored.
 func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
+	p.DoneCapped(o, ttft, reason, nil)
+}
+
+// DoneCapped is Done for a breaker whose statistical trips count against a
+// cap of its pool (max_ejection): when one of its own statistical rules
+// (Failures, FailureRatio, SlowRatio) fires, capReached is asked, and true
+// leaves the breaker closed with the failure counted, as the pool's own
+// Eject would be refused. Hard evidence is never capped. capReached runs
+// under the breaker's lock: it may read other breakers (Evidence,
+// OnProbation) but must not call into this one. nil is Done.
+func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capReached func() bool) {
 	b := p.b
 	if b == nil || p.done {
 		return
@@ -405,7 +416,7 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 			return
 		}
 	}
-	b.doneFailure(p.word, slow, o == Down, ttft, reason)
+	b.doneFailure(p.word, slow, o == Down, ttft, reason, capReached)
 }
 
 // failureReason composes the reason recorded for a failure.
@@ -434,12 +445,13 @@ func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) strin
 //     failures of any kind in a row with no success or first token within
 //     RatioWindow (a server that fails everything);
 //   - statistical: the Failures, FailureRatio and SlowRatio rules when
-//     configured. The pool adds its own (Eject).
+//     configured, within the pool's cap (DoneCapped). The pool adds its
+//     own (Eject).
 //
 // Failures amid successes never trip the ConsecutiveFailures rule: under
 // uniform partial failure every upstream has runs of failures, and opening
 // on them turns 50% success into 0%.
-func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, reason string) {
+func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, reason string, capReached func() bool) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -496,6 +508,12 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 	case s.SlowRatio > 0 && rc.requests >= s.MinRequests &&
 		float64(rc.slow) >= s.SlowRatio*float64(rc.requests):
 		why, ev = fmt.Sprintf("slow call ratio %d/%d ≥ %g within %s", rc.slow, rc.requests, s.SlowRatio, s.RatioWindow), Statistical
+	}
+	if why != "" && ev == Statistical && capReached != nil && capReached() {
+		// Enough of the pool is held on statistics: this one serves on,
+		// judged again at its next failure (and counted as available, so
+		// reports and alerts see what the pick sees).
+		why = ""
 	}
 	if why != "" {
 		why += "; last: " + reason

@@ -361,3 +361,51 @@ func TestProbeSuccessTurnsHardIntoStatistical(t *testing.T) {
 		}
 	}
 }
+
+// A pool's cap (DoneCapped) holds the breaker's own statistical rules,
+// failure ratio and slow call ratio alike, and never hard evidence; below
+// the cap the same failure trips.
+func TestDoneCappedHoldsStatisticalTripsOnly(t *testing.T) {
+	s := breaker.Settings{ConsecutiveFailures: 3, FailureRatio: 0.5, SlowTTFT: time.Second, SlowRatio: 0.5, MinRequests: 4}
+	f := newFixture(t, s)
+	reached := true
+	asked := 0
+	capped := func() bool { asked++; return reached }
+	done := func(o breaker.Outcome, ttft time.Duration) {
+		t.Helper()
+		p, ok := f.b.Allow()
+		if !ok {
+			t.Fatalf("Allow refused: %+v", f.b.Snapshot())
+		}
+		p.DoneCapped(o, ttft, o.String(), capped)
+	}
+	for range 4 {
+		done(breaker.Success, 0)
+		done(breaker.Failure, 0)
+	}
+	done(breaker.Success, 2*time.Second) // slow: a failure for the slow rule
+	f.wantState(breaker.Closed)
+	if asked == 0 {
+		t.Fatal("the cap was never asked though the ratio rules fired")
+	}
+	if snap := f.b.Snapshot(); snap.RequestsInWindow != 9 || snap.FailuresInWindow == 0 {
+		t.Fatalf("capped failures were not counted: %+v", snap)
+	}
+	reached = false
+	done(breaker.Failure, 0)
+	f.wantState(breaker.Open)
+	if ev := f.b.Evidence(); ev != breaker.Statistical {
+		t.Fatalf("evidence %v, want statistical", ev)
+	}
+
+	// Hard evidence at the cap: three refused connections in a row.
+	g := newFixture(t, s)
+	for range 3 {
+		p, _ := g.b.Allow()
+		p.DoneCapped(breaker.Down, 0, "connect refused", func() bool { return true })
+	}
+	g.wantState(breaker.Open)
+	if ev := g.b.Evidence(); ev != breaker.Hard {
+		t.Fatalf("evidence %v, want hard: the cap holds statistics only", ev)
+	}
+}

@@ -167,6 +167,26 @@ func (p *Pool) eachMember(f func(*member)) {
 	})
 }
 
+// capReached reports whether the pool's upstreams other than self hold
+// every place under the ejection cap for model key: open on statistical
+// evidence, or on probation. It reads only atomics of their breakers, so
+// a breaker may ask it under its own lock (breaker.Permit.DoneCapped).
+// Two upstreams failing at once may both pass it; the pick still routes
+// over any beyond the cap.
+func (p *Pool) capReached(key string, self *Entry) bool {
+	held, n := 0, 0
+	p.eachMember(func(m *member) {
+		n++
+		if m.e == self {
+			return
+		}
+		if pb := m.e.lookupFor(p.claim, key); pb != nil && (pb.Evidence() == breaker.Statistical || pb.OnProbation()) {
+			held++
+		}
+	})
+	return held >= p.ejection.maxEjected(n)
+}
+
 // judge applies the pool's statistical rules after b, the breaker of self
 // for model key, recorded a failure: it tells b the failure ratio of the
 // rest of the pool (for a fair recovery), and ejects b, within the cap,

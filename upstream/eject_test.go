@@ -152,3 +152,38 @@ func TestStatusShowsProbation(t *testing.T) {
 		t.Fatalf("on probation: status %+v", st)
 	}
 }
+
+// The breaker's own ratio rule (failure_ratio) trips within the pool's
+// cap, as the pool's ejections do. Every replica of two failing half its
+// requests: before, both breakers tripped on their own rule; the pick
+// routed over one, but the pool showed "ejected 2 of 1" and both breakers
+// open, which fired a pool-unavailable alert while the pool served.
+func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	addrs := []string{"10.19.8.1:8000", "10.19.8.2:8000"}
+	p := startPool(t, reg, Config{Key: "ratio-cap", Static: targets(addrs...),
+		Breaker: &breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}})
+	for i := range 40 {
+		for _, a := range addrs {
+			serveOn(t, p, addrs, a, 1, func(int) bool { return i%2 == 1 })
+		}
+	}
+	open := 0
+	for _, a := range addrs {
+		b := breakerOf(t, reg, a, "")
+		if b.State() == breaker.Open {
+			open++
+			if b.Evidence() != breaker.Statistical {
+				t.Fatalf("%s: %+v, want open on statistical evidence", a, b.Snapshot())
+			}
+		}
+	}
+	if open != 1 {
+		t.Fatalf("%d of 2 breakers open on their own failure ratio, want 1 (the cap, max(1, ⌊2 × 0.3⌋))", open)
+	}
+	if st := p.Status(); st.Ejected != 1 || st.MaxEjected != 1 {
+		t.Fatalf("status %+v, want ejected 1 of 1", st)
+	}
+}

@@ -210,13 +210,13 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 				br.Live() // a first token: the server is up
 			}
 			if permit != nil && permit.Probe() {
-				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
+				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft}, nil)
 			}
 		},
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
-			if permit != nil && record(br, permit, rep) {
+			if permit != nil && record(br, permit, rep, func() bool { return p.capReached(key, e) }) {
 				p.judge(key, e, br)
 			}
 		},

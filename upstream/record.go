@@ -31,15 +31,17 @@ import (
 // others is judged against its pool, not declared down.
 //
 // A 429 or 503 with Retry-After also keeps the breaker open that long.
-// It reports whether the outcome was a failure.
-func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) (failed bool) {
+// capReached, when not nil, is the pool's ejection cap (Pool.capReached):
+// the breaker's own statistical rules trip only below it. It reports
+// whether the outcome was a failure.
+func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, capReached func() bool) (failed bool) {
 	if rep == nil {
 		p.Done(breaker.Neutral, 0, "")
 		return false
 	}
 	switch o := rep.Outcome; {
 	case o == proxy.AttemptSuccess:
-		p.Done(breaker.Success, rep.TTFT, "")
+		p.DoneCapped(breaker.Success, rep.TTFT, "", capReached) // slow_ttft may count it
 	case o == proxy.AttemptHTTP4xx || o == proxy.AttemptInbandError4xx:
 		if p.Probe() {
 			p.Done(breaker.Success, 0, "")
@@ -47,10 +49,10 @@ func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) (fa
 			p.Done(breaker.Neutral, 0, "")
 		}
 	case o == proxy.AttemptConnectError || o == proxy.AttemptFirstByteTimeout:
-		p.Done(breaker.Down, rep.TTFT, o.String())
+		p.DoneCapped(breaker.Down, rep.TTFT, o.String(), capReached)
 		failed = true
 	case o.UpstreamFault():
-		p.Done(breaker.Failure, rep.TTFT, o.String())
+		p.DoneCapped(breaker.Failure, rep.TTFT, o.String(), capReached)
 		failed = true
 	default:
 		p.Done(breaker.Neutral, 0, "")
