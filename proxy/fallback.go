@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/tidwall/gjson"
 	"github.com/tidwall/sjson"
@@ -326,6 +327,9 @@ func (x *exchange) degrade(why string) bool {
 	if x.client == nil {
 		x.client = &clientRequest{body: x.body, info: x.result.Info}
 	}
+	if f := x.failure; f != nil && f.last == nil && f.pickErr != nil {
+		x.noteUnavailable(f.pickErr)
+	}
 	for i := x.rung.index + 1; i < len(fbs); i++ {
 		f := &fbs[i]
 		if f.when()&want == 0 || (i < 64 && x.tried&(1<<i) != 0) {
@@ -418,10 +422,30 @@ func (x *exchange) movePool(f *Fallback, info RequestInfo) bool {
 	return true
 }
 
-// clientRequest is the request as the client sent it.
+// clientRequest is the request as the client sent it, and what the ladder's
+// rungs said of it on the way down.
 type clientRequest struct {
 	body []byte
 	info RequestInfo
+	// openRetry is the earliest Retry-After of a rung passed because its
+	// breakers were open (0: none): the 503 at the ladder's foot says
+	// when the first pool may take requests again, not the last.
+	openRetry time.Duration
+}
+
+// noteUnavailable keeps what the current rung's pool said when none of its
+// upstreams could take the request: a note for the client's message, and
+// its Retry-After when its breakers were open.
+func (x *exchange) noteUnavailable(err error) {
+	name := "the primary pool"
+	if x.rung.fb != nil {
+		name = "fallback " + x.rung.fb.Name
+	}
+	x.notes = append(x.notes, name+": "+err.Error())
+	if ue, ok := errors.AsType[*UnavailableError](err); ok && ue.CircuitOpen && ue.RetryAfter > 0 &&
+		(x.client.openRetry == 0 || ue.RetryAfter < x.client.openRetry) {
+		x.client.openRetry = ue.RetryAfter
+	}
 }
 
 // backToPrimary is the ladder's last step for a request that a fallback

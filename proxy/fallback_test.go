@@ -643,3 +643,28 @@ func TestFallbackRewriteChargeSurvivesAPanic(t *testing.T) {
 		t.Fatalf("%d bytes still charged after the request", n)
 	}
 }
+
+// Every rung's breakers open: the 503 at the ladder's foot says when the
+// first pool opens again (the primary's 30 s, not the fallback's 120 s),
+// and its message names both pools. Before, it carried the fallback's
+// Retry-After and message alone, and clients waited four times too long.
+func TestLadderOf503sSaysTheEarliestRetry(t *testing.T) {
+	p, _, _ := newTestProxy(t, Config{Fallbacks: []Fallback{{Name: "small",
+		Pool: Pool{Balancer: balancerFunc(func(PickRequest) (Upstream, error) {
+			return Upstream{}, &UnavailableError{CircuitOpen: true, RetryAfter: 120 * time.Second, Reason: "all 1 upstream(s) have open breakers"}
+		})}}}})
+	p.cfg.Balancer = balancerFunc(func(PickRequest) (Upstream, error) {
+		return Upstream{}, &UnavailableError{CircuitOpen: true, RetryAfter: 30 * time.Second, Reason: "all 2 upstream(s) have open breakers"}
+	})
+	p.primary.Balancer = p.cfg.Balancer
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, post(`{"model":"m","messages":[{"role":"user","content":"hello"}]}`))
+	if w.Code != http.StatusServiceUnavailable || w.Header().Get("Retry-After") != "30" || w.Header().Get("X-Circuit-Breaker") != "open" {
+		t.Fatalf("status %d, headers %v; want 503 with Retry-After 30 (the primary's) and X-Circuit-Breaker open", w.Code, w.Header())
+	}
+	e := errorBodyOf(t, w)
+	if e.Code != "circuit_open" || !strings.Contains(e.Message, "all 1 upstream(s)") ||
+		!strings.Contains(e.Message, "the primary pool: no upstream available: all 2 upstream(s) have open breakers") {
+		t.Fatalf("error %+v, want circuit_open naming both pools", e)
+	}
+}

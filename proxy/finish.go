@@ -204,6 +204,10 @@ func (x *exchange) answerUnavailable(err error) Outcome {
 			ge.RetryAfter = max(1, int((ue.RetryAfter+time.Second-1)/time.Second))
 		}
 	}
+	if c := x.client; c != nil && c.openRetry > 0 {
+		// A pool higher on the ladder opens again sooner.
+		ge.RetryAfter = min(ge.RetryAfter, max(1, int((c.openRetry+time.Second-1)/time.Second)))
+	}
 	x.writeError(ge)
 	return outcome
 }
