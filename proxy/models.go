@@ -40,8 +40,9 @@ type ModelSource struct {
 // pool is asked through one of its upstreams (another if that one fails),
 // the lists are merged by model id in pool order, and each entry gains
 // "pools", the names of the pools that serve it. The merged list is cached
-// for TTL; when no pool answers, the last list is served, and without one
-// the client gets 502. Safe for concurrent use.
+// for TTL. A pool that cannot be asked (no upstream with a closed breaker,
+// or none answering) is listed with its last answer; when no pool ever
+// answered, the client gets 502. Safe for concurrent use.
 //
 // One refresh runs at a time, whoever asks: the callers that arrive while
 // it runs wait for its list (each may leave when its own request ends,
@@ -67,6 +68,9 @@ type Models struct {
 	mu     sync.Mutex // guards body and at
 	body   []byte
 	at     time.Time
+	// answers holds each source's last list, by index in Sources; only
+	// the running refresh reads or writes it.
+	answers [][]json.RawMessage
 }
 
 // IsModelsRequest reports whether r asks for the model list (GET …/v1/models).
@@ -166,9 +170,21 @@ func (m *Models) merge(r *http.Request) ([]byte, error) {
 	byID := map[string]*entry{}
 	var lastErr error
 	answered := 0
-	for _, src := range m.Sources {
+	if len(m.answers) != len(m.Sources) {
+		m.answers = make([][]json.RawMessage, len(m.Sources))
+	}
+	for i, src := range m.Sources {
 		data, err := m.ask(r, src)
-		if err != nil {
+		switch {
+		case err == nil:
+			m.answers[i] = data
+		case m.answers[i] != nil:
+			// A pool that cannot be asked now (its breakers open, its
+			// upstreams down) still serves its models through the
+			// ladder: its last list stands, or SDKs listing models see
+			// a route vanish and come back with its breakers.
+			data = m.answers[i]
+		default:
 			lastErr = fmt.Errorf("%s: %w", src.Name, err)
 			continue
 		}

@@ -107,3 +107,45 @@ func TestModelsAskForTheSameCredentials(t *testing.T) {
 		t.Fatalf("an identified client: status %d", w.Code)
 	}
 }
+
+// A pool that cannot be asked (every breaker open: the pick refuses) keeps
+// its models in the list with its last answer; before, the merged list
+// dropped them until its breakers closed, and SDKs saw the route vanish.
+func TestModelsKeepAPoolThatCannotBeAsked(t *testing.T) {
+	big := modelsUpstream(t, "llama-70b")
+	small := modelsUpstream(t, "llama-8b")
+	clk := newFakeClock()
+	open := false
+	smallPool := balancerFunc(func(req PickRequest) (Upstream, error) {
+		if open {
+			return Upstream{}, &UnavailableError{CircuitOpen: true, RetryAfter: 30 * time.Second, Reason: "open"}
+		}
+		return Upstream{Addr: small.addr()}, nil
+	})
+	m := &Models{
+		Sources: []ModelSource{
+			{Name: "primary", Balancer: &listBalancer{addrs: []string{big.addr()}}},
+			{Name: "small", Balancer: smallPool},
+		},
+		Transport: schemeTransport{http.DefaultTransport}, Clock: clk,
+	}
+	get := func() string {
+		w := httptest.NewRecorder()
+		m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil), nil)
+		if w.Code != 200 {
+			t.Fatalf("status %d", w.Code)
+		}
+		return w.Body.String()
+	}
+	want := `{"object":"list","data":[` +
+		`{"id":"llama-70b","object":"model","owned_by":"vllm","max_model_len":8192,"pools":["primary"]},` +
+		`{"id":"llama-8b","object":"model","owned_by":"vllm","max_model_len":8192,"pools":["small"]}]}` + "\n"
+	if got := get(); got != want {
+		t.Fatalf("body\n%s\nwant\n%s", got, want)
+	}
+	open = true
+	clk.Advance(DefaultModelsTTL)
+	if got := get(); got != want || big.calls.Load() != 2 {
+		t.Fatalf("with the small pool's breakers open (primary asked %d times): body\n%s\nwant\n%s", big.calls.Load(), got, want)
+	}
+}
