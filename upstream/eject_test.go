@@ -187,3 +187,43 @@ func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
 		t.Fatalf("status %+v, want ejected 1 of 1", st)
 	}
 }
+
+// Two upstreams whose own ratio rule fires at once take one place under
+// the cap, not both: the second asks while the first is opening (here,
+// from within the first's cooldown draw, after its cap check and before
+// its open), and must see that place taken. Before, both passed the
+// check and the pool showed "ejected 2 of 1" again.
+func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	var during func()
+	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(func() float64 {
+		if f := during; f != nil {
+			during = nil
+			f()
+		}
+		return 0
+	}))
+	addrs := []string{"10.19.9.1:8000", "10.19.9.2:8000"}
+	p := startPool(t, reg, Config{Key: "ratio-cap-race", Static: targets(addrs...),
+		Breaker: &breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}})
+	// Nine requests each, five succeeding: the tenth, a failure, fires the rule.
+	for _, a := range addrs {
+		serveOn(t, p, addrs, a, 9, func(i int) bool { return i%2 == 1 })
+	}
+	during = func() { serveOn(t, p, addrs, addrs[1], 1, func(int) bool { return true }) }
+	serveOn(t, p, addrs, addrs[0], 1, func(int) bool { return true })
+	if during != nil {
+		t.Fatal("the first trip drew no cooldown")
+	}
+	open := 0
+	for _, a := range addrs {
+		if breakerOf(t, reg, a, "").State() == breaker.Open {
+			open++
+		}
+	}
+	if st := p.Status(); open != 1 || st.Ejected != 1 {
+		t.Fatalf("%d of 2 breakers open, status %+v: want 1, within the cap of 1", open, st)
+	}
+}

@@ -216,7 +216,18 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
-			if permit != nil && record(br, permit, rep, func() bool { return p.capReached(key, e) }) {
+			if permit == nil {
+				return
+			}
+			reserved := false
+			failed := record(br, permit, rep, func() bool {
+				reserved = p.reserveTrip(key, e)
+				return !reserved
+			})
+			if reserved {
+				p.releaseTrip() // the breaker is open: its Evidence holds the place now
+			}
+			if failed {
 				p.judge(key, e, br)
 			}
 		},

@@ -116,6 +116,10 @@ type Pool struct {
 	// ejection is cfg.Ejection with defaults; panic its panic mode.
 	ejection Ejection
 	panic    panicState
+	// trips is the statistical trips under way: let through the cap by
+	// reserveTrip, not yet open (tripMu guards it).
+	tripMu sync.Mutex
+	trips  int
 }
 
 // member is one upstream of a pool with its shared entry.
