@@ -205,6 +205,41 @@ func (p *Pool) releaseTrip() {
 	p.tripMu.Unlock()
 }
 
+// reserveTrips is reserveTrip in p and in every other started pool that
+// shares p's breaker of self (handlers with one breaker policy): the
+// breaker opens for all of them, so it trips only within each one's cap.
+// It returns the pools whose places it took, for releaseTrips, or ok
+// false with none taken. It takes no lock but the pools' tripMu, one at a
+// time.
+func (p *Pool) reserveTrips(key string, self *Entry) (taken []*Pool, ok bool) {
+	if !p.reserveTrip(key, self) {
+		return nil, false
+	}
+	taken = append(taken, p)
+	pol := self.polOf(p.claim)
+	if cl := self.claimList.Load(); cl != nil {
+		for _, c := range *cl {
+			q := c.owner
+			if q == nil || q == p || c.settings == nil || !c.active.Load() || self.polOf(c) != pol {
+				continue
+			}
+			if !q.reserveTrip(key, self) {
+				releaseTrips(taken)
+				return nil, false
+			}
+			taken = append(taken, q)
+		}
+	}
+	return taken, true
+}
+
+// releaseTrips gives back the places reserveTrips took.
+func releaseTrips(taken []*Pool) {
+	for _, q := range taken {
+		q.releaseTrip()
+	}
+}
+
 // judge applies the pool's statistical rules after b, the breaker of self
 // for model key, recorded a failure: it tells b the failure ratio of the
 // rest of the pool (for a fair recovery), and ejects b, within the cap,
@@ -251,9 +286,10 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 	default:
 		return
 	}
-	if !p.reserveTrip(key, self) {
-		return // the cap: enough of the pool is out on statistics
+	taken, ok := p.reserveTrips(key, self)
+	if !ok {
+		return // the cap: enough of a pool is out on statistics
 	}
 	b.Eject(reason+fmt.Sprintf(" within %s", s.RatioWindow), peer)
-	p.releaseTrip()
+	releaseTrips(taken)
 }

@@ -227,3 +227,36 @@ func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
 		t.Fatalf("%d of 2 breakers open, status %+v: want 1, within the cap of 1", open, st)
 	}
 }
+
+// A breaker shared by two handlers' pools (one policy) trips on its own
+// ratio rule only within the cap of every pool that routes over it: X
+// failing half of handler b's requests, in b's pool of ten, must not take
+// the place that Y already holds in handler a's pool of two (a's cap is
+// one). Before, b's cap alone was asked, and a's pool showed "ejected 2 of
+// 1" with both its breakers open.
+func TestOwnRatioTripsWithinEveryPoolsCap(t *testing.T) {
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	s := breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}
+	x, y := "10.19.10.1:8000", "10.19.10.2:8000"
+	small := []string{x, y}
+	big := []string{x, y}
+	for i := range 8 {
+		big = append(big, fmt.Sprintf("10.19.10.%d:8000", 10+i))
+	}
+	a := startPool(t, reg, Config{Key: "a", Handler: "a", Static: targets(small...), Breaker: &s})
+	b := startPool(t, reg, Config{Key: "b", Handler: "b", Static: targets(big...), Breaker: &s})
+	half := func(i int) bool { return i%2 == 1 }
+	serveOn(t, a, small, y, 20, half)
+	if st := a.Status(); st.Ejected != 1 {
+		t.Fatalf("a: %+v, want y ejected", st)
+	}
+	serveOn(t, b, big, x, 20, half)
+	if st := breakerOf(t, reg, x, "").State(); st != breaker.Closed {
+		t.Fatalf("x is %s, want closed: pool a's only other place is y's", st)
+	}
+	if st := a.Status(); st.Ejected != 1 {
+		t.Fatalf("a: %+v, want ejected 1 of 1", st)
+	}
+}

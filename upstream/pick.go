@@ -219,14 +219,13 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			if permit == nil {
 				return
 			}
-			reserved := false
+			var taken []*Pool
 			failed := record(br, permit, rep, func() bool {
-				reserved = p.reserveTrip(key, e)
-				return !reserved
+				var ok bool
+				taken, ok = p.reserveTrips(key, e)
+				return !ok
 			})
-			if reserved {
-				p.releaseTrip() // the breaker is open: its Evidence holds the place now
-			}
+			releaseTrips(taken) // the breaker is open: its Evidence holds the places now
 			if failed {
 				p.judge(key, e, br)
 			}

@@ -144,7 +144,7 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if p.sel == nil {
 		p.sel = LeastConn{}
 	}
-	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, handler: cfg.Handler, settings: cfg.Breaker, prober: cfg.Prober}
+	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, owner: p, handler: cfg.Handler, settings: cfg.Breaker, prober: cfg.Prober}
 	if p.claim.handler == "" {
 		p.claim.handler = cfg.Key
 	}
