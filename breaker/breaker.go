@@ -378,9 +378,10 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 // cap of its pool (max_ejection): when one of its own statistical rules
 // (Failures, FailureRatio, SlowRatio) fires, capReached is asked, and true
 // leaves the breaker closed with the failure counted, as the pool's own
-// Eject would be refused. Hard evidence is never capped. capReached runs
-// under the breaker's lock: it may read other breakers (Evidence,
-// OnProbation) but must not call into this one. nil is Done.
+// Eject would be refused; false opens it. Hard evidence is never capped.
+// capReached runs under the breaker's lock: it may read other breakers
+// (Evidence, OnProbation) and take locks of its own, but must not call
+// into this one or take any breaker's lock. nil is Done.
 func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capReached func() bool) {
 	b := p.b
 	if b == nil || p.done {

@@ -167,13 +167,17 @@ func (p *Pool) eachMember(f func(*member)) {
 	})
 }
 
-// capReached reports whether the pool's upstreams other than self hold
-// every place under the ejection cap for model key: open on statistical
-// evidence, or on probation. It reads only atomics of their breakers, so
-// a breaker may ask it under its own lock (breaker.Permit.DoneCapped).
-// Two upstreams failing at once may both pass it; the pick still routes
-// over any beyond the cap.
-func (p *Pool) capReached(key string, self *Entry) bool {
+// reserveTrip reports whether self's breaker for model key may open on
+// statistical evidence: the pool's upstreams other than self held open on
+// it or on probation, with the trips under way, leave a place under the
+// ejection cap. true takes the place until releaseTrip, which the caller
+// calls once the breaker opened (its Evidence shows it): two upstreams
+// failing at once must not both take the last place. It reads only
+// atomics of the breakers and takes only the pool's tripMu, so a breaker
+// may ask it under its own lock (breaker.Permit.DoneCapped).
+func (p *Pool) reserveTrip(key string, self *Entry) bool {
+	p.tripMu.Lock()
+	defer p.tripMu.Unlock()
 	held, n := 0, 0
 	p.eachMember(func(m *member) {
 		n++
@@ -184,7 +188,56 @@ func (p *Pool) capReached(key string, self *Entry) bool {
 			held++
 		}
 	})
-	return held >= p.ejection.maxEjected(n)
+	// trips counts every model key's: a trip of another model holds a
+	// place for the moment it takes to open, which errs on the side of
+	// the cap.
+	if held+p.trips >= p.ejection.maxEjected(n) {
+		return false
+	}
+	p.trips++
+	return true
+}
+
+// releaseTrip gives back the place reserveTrip took.
+func (p *Pool) releaseTrip() {
+	p.tripMu.Lock()
+	p.trips--
+	p.tripMu.Unlock()
+}
+
+// reserveTrips is reserveTrip in p and in every other started pool that
+// shares p's breaker of self (handlers with one breaker policy): the
+// breaker opens for all of them, so it trips only within each one's cap.
+// It returns the pools whose places it took, for releaseTrips, or ok
+// false with none taken. It takes no lock but the pools' tripMu, one at a
+// time.
+func (p *Pool) reserveTrips(key string, self *Entry) (taken []*Pool, ok bool) {
+	if !p.reserveTrip(key, self) {
+		return nil, false
+	}
+	taken = append(taken, p)
+	pol := self.polOf(p.claim)
+	if cl := self.claimList.Load(); cl != nil {
+		for _, c := range *cl {
+			q := c.owner
+			if q == nil || q == p || c.settings == nil || !c.active.Load() || self.polOf(c) != pol {
+				continue
+			}
+			if !q.reserveTrip(key, self) {
+				releaseTrips(taken)
+				return nil, false
+			}
+			taken = append(taken, q)
+		}
+	}
+	return taken, true
+}
+
+// releaseTrips gives back the places reserveTrips took.
+func releaseTrips(taken []*Pool) {
+	for _, q := range taken {
+		q.releaseTrip()
+	}
 }
 
 // judge applies the pool's statistical rules after b, the breaker of self
@@ -197,28 +250,19 @@ func (p *Pool) capReached(key string, self *Entry) bool {
 func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 	s := b.Settings()
 	own := b.RatioCounts()
-	var peerReq, peerFail, held, n int
+	var peerReq, peerFail int
 	p.eachMember(func(m *member) {
-		n++
 		if m.e == self {
 			return
 		}
 		pb := m.e.lookupFor(p.claim, key)
-		if pb == nil {
+		// One back from an ejection and not judged again yet is no peer.
+		if pb == nil || pb.Evidence() != breaker.EvidenceNone || pb.OnProbation() {
 			return
 		}
-		switch pb.Evidence() {
-		case breaker.EvidenceNone:
-			if pb.OnProbation() {
-				held++ // back from an ejection and not judged again yet
-				return
-			}
-			rc := pb.RatioCounts()
-			peerReq += rc.Requests
-			peerFail += rc.Failures
-		case breaker.Statistical:
-			held++
-		}
+		rc := pb.RatioCounts()
+		peerReq += rc.Requests
+		peerFail += rc.Failures
 	})
 	if own.Requests == 0 {
 		return
@@ -242,8 +286,10 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 	default:
 		return
 	}
-	if held >= p.ejection.maxEjected(n) {
-		return // the cap: enough of the pool is out on statistics
+	taken, ok := p.reserveTrips(key, self)
+	if !ok {
+		return // the cap: enough of a pool is out on statistics
 	}
 	b.Eject(reason+fmt.Sprintf(" within %s", s.RatioWindow), peer)
+	releaseTrips(taken)
 }

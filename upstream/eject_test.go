@@ -187,3 +187,76 @@ func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
 		t.Fatalf("status %+v, want ejected 1 of 1", st)
 	}
 }
+
+// Two upstreams whose own ratio rule fires at once take one place under
+// the cap, not both: the second asks while the first is opening (here,
+// from within the first's cooldown draw, after its cap check and before
+// its open), and must see that place taken. Before, both passed the
+// check and the pool showed "ejected 2 of 1" again.
+func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	var during func()
+	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(func() float64 {
+		if f := during; f != nil {
+			during = nil
+			f()
+		}
+		return 0
+	}))
+	addrs := []string{"10.19.9.1:8000", "10.19.9.2:8000"}
+	p := startPool(t, reg, Config{Key: "ratio-cap-race", Static: targets(addrs...),
+		Breaker: &breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}})
+	// Nine requests each, five succeeding: the tenth, a failure, fires the rule.
+	for _, a := range addrs {
+		serveOn(t, p, addrs, a, 9, func(i int) bool { return i%2 == 1 })
+	}
+	during = func() { serveOn(t, p, addrs, addrs[1], 1, func(int) bool { return true }) }
+	serveOn(t, p, addrs, addrs[0], 1, func(int) bool { return true })
+	if during != nil {
+		t.Fatal("the first trip drew no cooldown")
+	}
+	open := 0
+	for _, a := range addrs {
+		if breakerOf(t, reg, a, "").State() == breaker.Open {
+			open++
+		}
+	}
+	if st := p.Status(); open != 1 || st.Ejected != 1 {
+		t.Fatalf("%d of 2 breakers open, status %+v: want 1, within the cap of 1", open, st)
+	}
+}
+
+// A breaker shared by two handlers' pools (one policy) trips on its own
+// ratio rule only within the cap of every pool that routes over it: X
+// failing half of handler b's requests, in b's pool of ten, must not take
+// the place that Y already holds in handler a's pool of two (a's cap is
+// one). Before, b's cap alone was asked, and a's pool showed "ejected 2 of
+// 1" with both its breakers open.
+func TestOwnRatioTripsWithinEveryPoolsCap(t *testing.T) {
+	clk := new(simClock)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	s := breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}
+	x, y := "10.19.10.1:8000", "10.19.10.2:8000"
+	small := []string{x, y}
+	big := []string{x, y}
+	for i := range 8 {
+		big = append(big, fmt.Sprintf("10.19.10.%d:8000", 10+i))
+	}
+	a := startPool(t, reg, Config{Key: "a", Handler: "a", Static: targets(small...), Breaker: &s})
+	b := startPool(t, reg, Config{Key: "b", Handler: "b", Static: targets(big...), Breaker: &s})
+	half := func(i int) bool { return i%2 == 1 }
+	serveOn(t, a, small, y, 20, half)
+	if st := a.Status(); st.Ejected != 1 {
+		t.Fatalf("a: %+v, want y ejected", st)
+	}
+	serveOn(t, b, big, x, 20, half)
+	if st := breakerOf(t, reg, x, "").State(); st != breaker.Closed {
+		t.Fatalf("x is %s, want closed: pool a's only other place is y's", st)
+	}
+	if st := a.Status(); st.Ejected != 1 {
+		t.Fatalf("a: %+v, want ejected 1 of 1", st)
+	}
+}

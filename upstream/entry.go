@@ -65,6 +65,10 @@ type Entry struct {
 	breakers atomic.Pointer[map[bkey]*breaker.Breaker]
 	// prim is the primary policy; written under mu.
 	prim atomic.Pointer[primary]
+	// claimList is claims, replaced under mu, for the request path,
+	// which must not take mu (Pool.reserveTrips runs under a breaker's
+	// lock).
+	claimList atomic.Pointer[[]*claim]
 
 	mu sync.Mutex // guards everything below
 	// claims are the configs holding the entry, oldest first.
@@ -127,6 +131,9 @@ type claim struct {
 	active atomic.Bool
 	// pool is the pool's key (Config.Key), for the admin API.
 	pool string
+	// owner is the pool itself, whose ejection cap a breaker of its
+	// policy trips within (Pool.reserveTrips).
+	owner *Pool
 	// handler names the handler the pool serves (Config.Handler, else
 	// the pool's key), for the admin API.
 	handler string
@@ -258,6 +265,8 @@ func (e *Entry) addClaim(c *claim) {
 		return
 	}
 	e.claims = append(e.claims, c)
+	cl := slices.Clone(e.claims)
+	e.claimList.Store(&cl)
 	e.mu.Unlock()
 	e.reconcile()
 }
@@ -265,6 +274,8 @@ func (e *Entry) addClaim(c *claim) {
 func (e *Entry) dropClaim(c *claim) {
 	e.mu.Lock()
 	e.claims = slices.DeleteFunc(e.claims, func(x *claim) bool { return x == c })
+	cl := slices.Clone(e.claims)
+	e.claimList.Store(&cl)
 	e.mu.Unlock()
 	e.reconcile()
 }

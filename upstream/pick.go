@@ -216,7 +216,17 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
-			if permit != nil && record(br, permit, rep, func() bool { return p.capReached(key, e) }) {
+			if permit == nil {
+				return
+			}
+			var taken []*Pool
+			failed := record(br, permit, rep, func() bool {
+				var ok bool
+				taken, ok = p.reserveTrips(key, e)
+				return !ok
+			})
+			releaseTrips(taken) // the breaker is open: its Evidence holds the places now
+			if failed {
 				p.judge(key, e, br)
 			}
 		},

@@ -116,6 +116,10 @@ type Pool struct {
 	// ejection is cfg.Ejection with defaults; panic its panic mode.
 	ejection Ejection
 	panic    panicState
+	// trips is the statistical trips under way: let through the cap by
+	// reserveTrip, not yet open (tripMu guards it).
+	tripMu sync.Mutex
+	trips  int
 }
 
 // member is one upstream of a pool with its shared entry.
@@ -140,7 +144,7 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if p.sel == nil {
 		p.sel = LeastConn{}
 	}
-	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, handler: cfg.Handler, settings: cfg.Breaker, prober: cfg.Prober}
+	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, owner: p, handler: cfg.Handler, settings: cfg.Breaker, prober: cfg.Prober}
 	if p.claim.handler == "" {
 		p.claim.handler = cfg.Key
 	}

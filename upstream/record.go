@@ -31,8 +31,8 @@ import (
 // others is judged against its pool, not declared down.
 //
 // A 429 or 503 with Retry-After also keeps the breaker open that long.
-// capReached, when not nil, is the pool's ejection cap (Pool.capReached):
-// the breaker's own statistical rules trip only below it. It reports
+// capReached, when not nil, is the pool's ejection cap (the negation of
+// Pool.reserveTrips): the breaker's own statistical rules trip only below it. It reports
 // whether the outcome was a failure.
 func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, capReached func() bool) (failed bool) {
 	if rep == nil {
