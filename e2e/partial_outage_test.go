@@ -119,6 +119,71 @@ func TestUniformHalfFailureThenRecovery(t *testing.T) {
 	}
 }
 
+// An operator's failure_ratio under uniform partial failure: two replicas
+// each failing half the requests, the breakers' own ratio rule set low
+// (0.3 over 10). The rule fires on both, but the pool's cap (max_ejection:
+// one of two) holds the second: /llm_proxy/pools never shows more ejected
+// than allowed, at most one replica's caddy_llm_proxy_breaker_state reads
+// open (2) — so LLMProxyPoolUnavailable (min by pool ≥ 1) stays quiet —
+// and users are served about as a direct connection would serve them.
+// Before, both breakers tripped within 50 ms: "ejected 2 of 1", both at 2.
+func TestOperatorRatioRuleUnderUniformFailureStaysWithinTheCap(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2})
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tbreaker {\n\t\t\tfailure_ratio 0.3 min_requests 10\n\t\t}\n\t}")
+	c := newClient(t)
+	ctx := testContext(t, 60*time.Second)
+	var worst atomic.Int64 // the most ejected seen in /llm_proxy/pools
+	var pools sync.WaitGroup
+	stop := make(chan struct{})
+	pools.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			status, body := gw.admin(http.MethodGet, "/llm_proxy/pools")
+			var ps []struct {
+				Ejected int `json:"ejected"`
+			}
+			if status != http.StatusOK || json.Unmarshal(body, &ps) != nil {
+				continue
+			}
+			for _, p := range ps {
+				if int64(p.Ejected) > worst.Load() {
+					worst.Store(int64(p.Ejected))
+				}
+			}
+		}
+	})
+	rs := openLoop(ctx, c, gw.URL+"/v1/chat/completions", 40, 5*time.Second, func(time.Duration) string { return "status=503,fraction=0.5" })
+	close(stop)
+	pools.Wait()
+	share, n := served(rs, 0, time.Hour)
+	samples := gw.scrapeMetrics()
+	open := 0
+	for _, a := range fleet.Addrs() {
+		v, found := metricValue(samples, "caddy_llm_proxy_breaker_state", map[string]string{"upstream": a})
+		if !found {
+			t.Fatalf("no caddy_llm_proxy_breaker_state series for %s", a)
+		}
+		if v == 2 {
+			open++
+		}
+	}
+	t.Logf("served %.1f%% of %d; most ejected seen %d; breakers %v", 100*share, n, worst.Load(), evidenceOf(t, gw))
+	if worst.Load() > 1 {
+		t.Errorf("/llm_proxy/pools showed %d ejected, over max_ejected 1", worst.Load())
+	}
+	if open > 1 {
+		t.Errorf("%d of 2 breakers read open in caddy_llm_proxy_breaker_state: the pool looks unavailable while it serves", open)
+	}
+	if share < 0.40 {
+		t.Errorf("served %.1f%% at 50%% uniform failure, want ≥ 40%% (a direct connection serves 50%%)", 100*share)
+	}
+}
+
 // One replica of three refuses connections: users see everything served,
 // its breaker opens on hard evidence, and it gets no user request after.
 func TestOneDeadReplicaOfThree(t *testing.T) {
