@@ -133,6 +133,9 @@ type Breaker struct {
 	brokenRun atomic.Int64
 	// peer is the pool's failure ratio (SetPeerRatio), as float64 bits.
 	peer atomic.Uint64
+	// heldRatio is the failure ratio, as float64 bits, on which the last
+	// hold on statistical evidence rests (HeldRatio).
+	heldRatio atomic.Uint64
 	// probation (Closed) is until when a breaker that recovered from a
 	// hold on statistical evidence stays on probation (OnProbation), in
 	// nanoseconds since base; 0 when not.
@@ -378,8 +381,11 @@ func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
 // cap of its pool (max_ejection): when one of its own statistical rules
 // (Failures, FailureRatio, SlowRatio) fires, capReached is asked, and true
 // leaves the breaker closed with the failure counted, as the pool's own
-// Eject would be refused; false opens it. Hard evidence is never capped.
-// capReached runs under the breaker's lock: it may read other breakers
+// Eject would be refused; false opens it. A half-open breaker that
+// answered a probe and then failed more probes than its pool's ratio
+// explains re-opens as an outlier (statistical) only when capReached says
+// false; otherwise on the evidence that held it before. Hard evidence is
+// never capped. capReached runs under the breaker's lock: it may read other breakers
 // (Evidence, OnProbation) and take locks of its own, but must not call
 // into this one or take any breaker's lock. nil is Done.
 func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capReached func() bool) {
@@ -389,7 +395,7 @@ func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capRea
 	}
 	p.done = true
 	if p.probe != 0 {
-		b.doneProbe(p.word, p.probe, p.synthetic, o, ttft, reason)
+		b.doneProbe(p.word, p.probe, p.synthetic, o, ttft, reason, capReached)
 		return
 	}
 	if o == Neutral || b.word.Load() != p.word {
@@ -520,6 +526,9 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 		why += "; last: " + reason
 		b.openLocked(now, now.Add(b.cooldownLocked()), true, false, why)
 		b.evidence.Store(uint32(ev))
+		if ev == Statistical {
+			b.holdRatioLocked(rc.failures, rc.requests)
+		}
 		if b.fleet != nil {
 			// The fleet decides from the fleet's counts (Fleet.Failure);
 			// this verdict protects this gateway alone.
@@ -546,7 +555,8 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 // RecoverySuccesses successes (allowedProbeFailures of PeerRatio), so that
 // under uniform failure a half-open upstream closes instead of flapping.
 // In a healthy pool (PeerRatio 0) the first failure re-opens, as before.
-func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.Duration, reason string) {
+// capReached is DoneCapped's.
+func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.Duration, reason string, capReached func() bool) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -583,9 +593,13 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 					b.probeFails, allowed, b.PeerRatio(), reason)
 			}
 			ev := b.evidence.Load()
-			if b.successes > 0 {
+			if b.successes > 0 && (ev == uint32(Statistical) || capReached == nil || !capReached()) {
 				// It answered a probe: not down, nor failing everything,
-				// but failing more than its pool: an outlier.
+				// but failing more than its pool: an outlier, within the
+				// pool's cap (held on hard evidence it counted for none).
+				if ev != uint32(Statistical) {
+					b.holdRatioLocked(b.probeFails, b.probeFails+b.successes)
+				}
 				ev = uint32(Statistical)
 			}
 			b.probeFailedLocked(now, reason)

@@ -168,6 +168,8 @@ func (b *Breaker) Eject(reason string, peer float64) bool {
 		return false
 	}
 	b.SetPeerRatio(peer)
+	rc := b.RatioCounts()
+	b.holdRatioLocked(rc.Failures, rc.Requests)
 	reason = "ejected: " + reason
 	b.lastFailure, b.lastFailureAt = reason, now
 	b.openLocked(now, now.Add(b.cooldownLocked()), true, false, reason)
@@ -177,6 +179,55 @@ func (b *Breaker) Eject(reason string, peer float64) bool {
 		return true
 	}
 	b.publishOpenLocked(reason)
+	return true
+}
+
+// holdRatioLocked records failures/requests as the ratio a hold on
+// statistical evidence rests on (1 with no requests: nothing but
+// failures were seen).
+func (b *Breaker) holdRatioLocked(failures, requests int) {
+	r := 1.0
+	if requests > 0 {
+		r = float64(failures) / float64(requests)
+	}
+	b.heldRatio.Store(math.Float64bits(r))
+}
+
+// HeldRatio returns the failure ratio (0 to 1) on which the breaker's last
+// hold on statistical evidence rests: its ratio window's when its pool
+// ejected it or its own ratio rules tripped, its probes' when it re-opened
+// as an outlier from a hold on hard evidence; 0 before any. Its pool
+// compares it with a worse outlier's when the ejection cap is full
+// (Pardon). Lock-free.
+func (b *Breaker) HeldRatio() float64 { return math.Float64frombits(b.heldRatio.Load()) }
+
+// Pardon ends a hold on statistical evidence before its time, because its
+// pool found a worse outlier and its ejection cap has no place for both:
+// an open or half-open breaker held on statistics closes (as on recovery,
+// with empty windows; reason is the transition's), and a closed one on
+// probation leaves probation. It reports whether it freed a place. Hard
+// evidence, an operator's forced open and a fleet's verdict are never
+// pardoned. Without this the cap's place went to whichever outlier
+// tripped first: of 10%, 30% and 60% failing replicas under a cap of one,
+// a 30% one ejected while the 60% one was held on hard evidence kept the
+// place, and the 60% one served beside it.
+func (b *Breaker) Pardon(reason string) bool {
+	now := b.clock.Now()
+	b.mu.Lock()
+	defer b.unlock()
+	switch st := stateOf(b.word.Load()); {
+	case st == Closed:
+		if !b.OnProbation() {
+			return false
+		}
+		b.probation.Store(0)
+		return true
+	case Evidence(b.evidence.Load()) != Statistical || b.forced || b.forever:
+		return false
+	case b.fleet != nil && !b.local:
+		return false // the fleet's verdict, not this pool's
+	}
+	b.closeLocked(now, "pardoned: "+reason, false, !b.local)
 	return true
 }
 

@@ -409,3 +409,65 @@ func TestDoneCappedHoldsStatisticalTripsOnly(t *testing.T) {
 		t.Fatalf("evidence %v, want hard: the cap holds statistics only", ev)
 	}
 }
+
+// Pardon frees a place under the ejection cap: an ejection (open or half
+// open) closes and a probation ends; hard evidence and an operator's open
+// are left alone. HeldRatio is the ratio the ejection rested on.
+func TestPardon(t *testing.T) {
+	t.Run("ejected", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.succeed(6)
+		f.fail(4)
+		f.b.Eject("outlier", 0.1)
+		if r := f.b.HeldRatio(); r != 0.4 {
+			t.Fatalf("held ratio %v, want 4/10", r)
+		}
+		if !f.b.Pardon("worse outlier") {
+			t.Fatal("an ejection not pardoned")
+		}
+		if s := f.b.Snapshot(); s.State != breaker.Closed || s.Evidence != breaker.EvidenceNone || f.b.OnProbation() {
+			t.Fatalf("after Pardon: %+v", s)
+		}
+		ts := f.rec.all()
+		if last := ts[len(ts)-1]; last.To != breaker.Closed || last.Reason != "pardoned: worse outlier" {
+			t.Fatalf("last transition %+v", last)
+		}
+		if f.b.Pardon("again") {
+			t.Fatal("a closed breaker pardoned")
+		}
+	})
+	t.Run("half open", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.1)
+		f.clk.Advance(f.openFor())
+		f.probe()
+		if !f.b.Pardon("worse") || f.b.State() != breaker.Closed {
+			t.Fatalf("half-open ejection: %+v", f.b.Snapshot())
+		}
+	})
+	t.Run("probation", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.b.Eject("outlier", 0.1)
+		f.clk.Advance(f.openFor())
+		for f.b.State() != breaker.Closed {
+			p := f.probe()
+			p.Done(ok, 0, "")
+		}
+		if !f.b.OnProbation() || !f.b.Pardon("worse") || f.b.OnProbation() {
+			t.Fatalf("probation not ended: %+v", f.b.Snapshot())
+		}
+	})
+	t.Run("hard and forced", func(t *testing.T) {
+		f := newFixture(t, breaker.Settings{})
+		f.down(3)
+		if f.b.Evidence() != breaker.Hard || f.b.Pardon("worse") || f.b.State() != breaker.Open {
+			t.Fatalf("hard evidence pardoned: %+v", f.b.Snapshot())
+		}
+		g := newFixture(t, breaker.Settings{})
+		g.b.Eject("outlier", 0.1)
+		g.b.ForceOpen(time.Minute, "operator")
+		if g.b.Pardon("worse") || g.b.State() != breaker.Open {
+			t.Fatalf("an operator's open pardoned: %+v", g.b.Snapshot())
+		}
+	})
+}

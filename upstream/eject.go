@@ -250,7 +250,14 @@ func releaseTrips(taken []*Pool) {
 func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 	s := b.Settings()
 	own := b.RatioCounts()
-	var peerReq, peerFail int
+	// The rest of the pool's ratio is the mean of its upstreams' ratios,
+	// each weighing its requests up to MinRequests: a peer with a full
+	// window counts as one upstream, however busy. Pooling the requests
+	// let the busiest peer stand for the pool: of 10%, 30% and 60%
+	// failing replicas the least-loaded pick sends most to the 10% one,
+	// and the 30% one, judged against it almost alone, was ejected as an
+	// outlier and held the cap's place while the 60% one served.
+	var peerWeight, peerFail float64
 	p.eachMember(func(m *member) {
 		if m.e == self {
 			return
@@ -261,17 +268,21 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 			return
 		}
 		rc := pb.RatioCounts()
-		peerReq += rc.Requests
-		peerFail += rc.Failures
+		if rc.Requests == 0 {
+			return
+		}
+		w := float64(min(rc.Requests, s.MinRequests))
+		peerWeight += w
+		peerFail += w * float64(rc.Failures) / float64(rc.Requests)
 	})
 	if own.Requests == 0 {
 		return
 	}
 	fi := float64(own.Failures) / float64(own.Requests)
 	peer := fi // no peers to compare with: the upstream is its own pool
-	havePeers := peerReq >= s.MinRequests
+	havePeers := peerWeight >= float64(s.MinRequests)-1e-9
 	if havePeers {
-		peer = float64(peerFail) / float64(peerReq)
+		peer = peerFail / peerWeight
 	}
 	b.SetPeerRatio(peer)
 	if b.State() != breaker.Closed || own.Requests < s.MinRequests {
@@ -288,8 +299,43 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 	}
 	taken, ok := p.reserveTrips(key, self)
 	if !ok {
-		return // the cap: enough of a pool is out on statistics
+		// The cap: enough of the pool is out on statistics. The place
+		// goes to the worse outlier, by as much as an outlier is worse
+		// than its pool.
+		if !p.displace(key, self, fi) {
+			return
+		}
+		if taken, ok = p.reserveTrips(key, self); !ok {
+			return
+		}
 	}
 	b.Eject(reason+fmt.Sprintf(" within %s", s.RatioWindow), peer)
 	releaseTrips(taken)
+}
+
+// displace frees a place under the ejection cap for self's breaker of
+// model key, failing at ratio fi: the upstream held on statistics (or on
+// probation) whose hold rests on the lowest failure ratio, when fi is at
+// least OutlierMargin above it, is pardoned (breaker.Pardon) and serves
+// again, judged at its next failure like any other. It reports whether a
+// place was freed. Holds never pass back and forth: the pardoned one is
+// the less failing by the margin, so it cannot displace its displacer.
+func (p *Pool) displace(key string, self *Entry, fi float64) bool {
+	var mild *breaker.Breaker
+	p.eachMember(func(m *member) {
+		if m.e == self {
+			return
+		}
+		pb := m.e.lookupFor(p.claim, key)
+		if pb == nil || (pb.Evidence() != breaker.Statistical && !pb.OnProbation()) {
+			return
+		}
+		if mild == nil || pb.HeldRatio() < mild.HeldRatio() {
+			mild = pb
+		}
+	})
+	if mild == nil || fi-mild.HeldRatio() < OutlierMargin {
+		return false
+	}
+	return mild.Pardon(fmt.Sprintf("a worse outlier (failure ratio %.2f against its %.2f) takes its place under max_ejection", fi, mild.HeldRatio()))
 }

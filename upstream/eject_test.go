@@ -260,3 +260,98 @@ func TestOwnRatioTripsWithinEveryPoolsCap(t *testing.T) {
 		t.Fatalf("a: %+v, want ejected 1 of 1", st)
 	}
 }
+
+// fails says whether attempt i fails: i%n is one of idx.
+func fails(n int, idx ...int) func(int) bool {
+	return func(i int) bool {
+		for _, k := range idx {
+			if i%n == k {
+				return true
+			}
+		}
+		return false
+	}
+}
+
+// The rest of the pool's ratio counts each peer once, however busy: a
+// replica failing 30% between a busy one failing none and a quiet one
+// failing 60% is no outlier (pooling the requests judged it against the
+// busy one alone: 12 failures in 220 requests).
+func TestPeersCountOnceHoweverBusy(t *testing.T) {
+	reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+	serveOn(t, p, addrs, addrs[0], 200, never)
+	serveOn(t, p, addrs, addrs[2], 20, fails(5, 1, 2, 3)) // 12 of 20, the last a success
+	serveOn(t, p, addrs, addrs[1], 40, fails(10, 1, 4, 7))
+	if rc := breakerOf(t, reg, addrs[2], "").RatioCounts(); rc.Requests != 20 || rc.Failures != 12 {
+		t.Fatalf("the 60%% replica's window: %+v, want 12 failures in 20", rc)
+	}
+	if b := breakerOf(t, reg, addrs[1], ""); b.State() != breaker.Closed {
+		t.Fatalf("the 30%% replica between peers at 0%% and 60%%: %+v, want closed", b.Snapshot())
+	}
+	if r := breakerOf(t, reg, addrs[1], "").PeerRatio(); r < 0.29 || r > 0.31 {
+		t.Errorf("the 30%% replica's peer ratio %.3f, want the peers' mean 0.30", r)
+	}
+}
+
+// Under a full ejection cap a worse outlier takes the place of a milder
+// one, which serves again; one only a little worse does not.
+func TestWorseOutlierTakesTheCapsPlace(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		fail     func(int) bool
+		displace bool
+	}{
+		{"80% against a held 40%", fails(5, 1, 2, 3, 4), true},
+		{"50% against a held 40%", fails(2, 1), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+			serveOn(t, p, addrs, addrs[0], 100, never)
+			serveOn(t, p, addrs, addrs[1], 40, fails(5, 1, 3))
+			mild, worse := breakerOf(t, reg, addrs[1], ""), breakerOf(t, reg, addrs[2], "")
+			if mild.Evidence() != breaker.Statistical {
+				t.Fatalf("the 40%% replica: %+v, want ejected", mild.Snapshot())
+			}
+			if r := mild.HeldRatio(); r < 0.39 || r > 0.41 {
+				t.Errorf("held ratio %.3f, want 0.40", r)
+			}
+			serveOn(t, p, addrs, addrs[2], 40, tc.fail)
+			if got := worse.Evidence() == breaker.Statistical; got != tc.displace {
+				t.Fatalf("the worse replica ejected %v, want %v: %+v", got, tc.displace, worse.Snapshot())
+			}
+			if tc.displace {
+				if s := mild.Snapshot(); s.State != breaker.Closed || s.Evidence != breaker.EvidenceNone || mild.OnProbation() {
+					t.Errorf("the pardoned replica: %+v, want closed, off probation", s)
+				}
+			} else if mild.Evidence() != breaker.Statistical {
+				t.Errorf("the held replica: %+v, want still ejected", mild.Snapshot())
+			}
+			if st := p.Status(); st.Ejected != 1 {
+				t.Errorf("status %+v, want 1 ejected", st)
+			}
+		})
+	}
+}
+
+// A half-open upstream held on hard evidence that answers a probe and then
+// fails more than its pool explains re-opens as an outlier only within the
+// cap: with the place taken it stays held on hard evidence, and the pool
+// shows one ejected of one, not two.
+func TestProbeOutlierReopensWithinTheCap(t *testing.T) {
+	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
+	serveOn(t, p, addrs, addrs[0], 100, never)
+	serveOn(t, p, addrs, addrs[1], 40, fails(5, 1, 3))
+	serveOn(t, p, addrs, addrs[2], 3, func(int) bool { return true })
+	held, down := breakerOf(t, reg, addrs[1], ""), breakerOf(t, reg, addrs[2], "")
+	if held.Evidence() != breaker.Statistical || down.Evidence() != breaker.Hard {
+		t.Fatalf("before: %+v / %+v, want one ejected, one down", held.Snapshot(), down.Snapshot())
+	}
+	clk.Advance(down.Snapshot().OpenUntil.Sub(clk.Now()))
+	serveOn(t, p, addrs, addrs[2], 2, func(i int) bool { return i == 1 }) // a probe answered, then one failed
+	if s := down.Snapshot(); s.State != breaker.Open || s.Evidence != breaker.Hard || s.Reopens != 1 {
+		t.Fatalf("after its probes: %+v, want open again on hard evidence", s)
+	}
+	if st := p.Status(); st.Ejected != 1 || st.MaxEjected != 1 {
+		t.Errorf("status %+v, want 1 of 1 ejected", st)
+	}
+}

@@ -191,7 +191,10 @@ func TestReviewUnequalRates(t *testing.T) {
 	if s.statSeen[0] || s.hardAfterOK[0] > 0 || s.hardAfterOK[1] > 0 {
 		t.Errorf("10%%/30%% replicas: statistical %v, held on hard evidence %v times after serving; want the 10%% one never open and neither hard", s.statSeen[:2], s.hardAfterOK[:2])
 	}
-	if share[2] > 0.2 {
+	// The cap's place goes to the worst (each peer counted once, a worse
+	// outlier displacing a milder one): 0–6% in 500 runs; before, 20%
+	// when the 30% replica took the place first.
+	if share[2] > 0.1 {
 		t.Errorf("the 60%% replica still takes %.0f%% of attempts after 30s", 100*share[2])
 	}
 }
