@@ -21,6 +21,7 @@ import (
 func (x *exchange) attempt() *attempt {
 	pool := x.rung.pool
 	rc := &race{x: x, pool: pool}
+	rc.tried, rc.running = rc.firstTried[:0:1], rc.firstRunning[:0:1]
 	if x.rc != nil {
 		rc.counted = x.rc.counted // the ladder's earlier pools
 	}
@@ -139,6 +140,11 @@ type race struct {
 	// counted lists the retry budgets and hedge caps that have counted
 	// this request (Request), carried from race to race of one exchange.
 	counted counted
+	// firstTried and firstRunning hold the first attempt's entries of
+	// tried and running: most requests make one attempt, and then neither
+	// list allocates.
+	firstTried   [1]string
+	firstRunning [1]*attempt
 }
 
 // counted is a short list of the Retries and Hedging values a request was
