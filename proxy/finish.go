@@ -16,14 +16,24 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
-// finish is step 8. run defers it, so it runs on every path, client gone
-// and panics included: it ends every attempt still running, classifies the
-// request's outcome (the only place that does), writes the gateway's own
-// last word (an error response, or a stream's terminal error event), ends
-// the committed attempt (its Done reports to the breaker), settles the
-// admission and reports the Result. A panic is re-raised afterwards.
-func (x *exchange) finish() {
-	x.panicked = recover()
+// finish is step 8. run (or stream) defers it, so it runs on every path,
+// client gone and panics included: it ends every attempt still running,
+// classifies the request's outcome (the only place that does), writes the
+// gateway's own last word (an error response, or a stream's terminal error
+// event), ends the committed attempt (its Done reports to the breaker),
+// settles the admission and reports the Result. panicked is the value of a
+// panic in a step (nil: none); ServeHTTP re-raises it once finish is done.
+func (x *exchange) finish(panicked any) {
+	defer func() {
+		// finish runs on the lifecycle's goroutine, where a panic would
+		// end the process: one of its own is kept for ServeHTTP to
+		// re-raise, on the handler's goroutine, as one in a step is.
+		if v := recover(); v != nil && x.panicked == nil {
+			x.panicked = v
+		}
+		x.done.Done()
+	}()
+	x.panicked = panicked
 	// Whatever happens below, the admission is settled (its slot and
 	// reservation given back) and no key header is left for the access
 	// log, on every path: a read that failed never reached identify.
@@ -61,9 +71,6 @@ func (x *exchange) finish() {
 		x.admission.Release(res)
 	}
 	x.p.obs.RequestDone(res)
-	if x.panicked != nil {
-		panic(x.panicked)
-	}
 }
 
 // answer classifies the request from the facts the steps recorded and
