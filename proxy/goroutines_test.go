@@ -45,6 +45,10 @@ func goroutineStacks() []string {
 // measures it). The handler's goroutine only waits.
 func TestHeldStreamRelaysOffTheHandlersGoroutine(t *testing.T) {
 	release := make(chan struct{})
+	var releaseOnce sync.Once
+	// Released on every path: a failed check must not leave the upstream
+	// (and httptest's Close) waiting for a minute.
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
 	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		_, _ = w.Write([]byte(chunkA))
@@ -68,8 +72,25 @@ func TestHeldStreamRelaysOffTheHandlersGoroutine(t *testing.T) {
 		t.Fatal("no event reached the client")
 	}
 
+	// The first write happens in commit, on the step worker, before it
+	// starts the relay's goroutine and leaves run: wait until both have
+	// happened rather than look at once (that raced, failing ~1 run in 8).
+	var stacks []string
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		stacks = goroutineStacks()
+		relaying, inRun := false, false
+		for _, g := range stacks {
+			relaying = relaying || strings.Contains(g, "proxy.(*exchange).relay(")
+			inRun = inRun || strings.Contains(g, "proxy.(*exchange).run(")
+		}
+		if (relaying && !inRun) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
 	var handler, relay []string
-	for _, g := range goroutineStacks() {
+	for _, g := range stacks {
 		switch {
 		case strings.Contains(g, "proxy.(*exchange).relay("):
 			relay = append(relay, g)
@@ -90,7 +111,7 @@ func TestHeldStreamRelaysOffTheHandlersGoroutine(t *testing.T) {
 		t.Errorf("the handler's goroutine is not waiting for the lifecycle:\n%s", handler[0])
 	}
 
-	close(release)
+	releaseOnce.Do(func() { close(release) })
 	res := <-served
 	if res.Outcome != OutcomeSuccess || !bytes.Contains(w.Body.Bytes(), []byte(done)) {
 		t.Fatalf("outcome %v, body %q", res.Outcome, w.Body.String())
