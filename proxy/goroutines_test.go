@@ -49,16 +49,7 @@ func TestHeldStreamRelaysOffTheHandlersGoroutine(t *testing.T) {
 	// Released on every path: a failed check must not leave the upstream
 	// (and httptest's Close) waiting for a minute.
 	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
-	up := newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		_, _ = w.Write([]byte(chunkA))
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-		_, _ = w.Write([]byte(chunkEnd + done))
-	})
+	up := newUpstream(t, heldStream(release))
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: addrBalancer{up.addr()}})
 	if err != nil {
 		t.Fatal(err)

@@ -52,17 +52,7 @@ func TestMemoryPerHeldStream(t *testing.T) {
 		runtime.MemProfileRate = 1
 	}
 	release := make(chan struct{})
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		w.WriteHeader(200)
-		_, _ = w.Write([]byte(chunkA))
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-		_, _ = w.Write([]byte(chunkEnd + done))
-	}))
+	up := httptest.NewServer(http.HandlerFunc(heldStream(release)))
 	defer up.Close()
 	defer close(release)
 	upURL, _ := url.Parse(up.URL)
@@ -198,5 +188,21 @@ func TestHeldStreamStructsStayInTheirSizeClass(t *testing.T) {
 		if c.size > c.sizeClass {
 			t.Errorf("%s is %d bytes, over the %d-byte size class a held stream pays for it", c.name, c.size, c.sizeClass)
 		}
+	}
+}
+
+// heldStream is an upstream that sends one chunk, then holds the stream
+// until release is closed (or the client goes), then ends it.
+func heldStream(release <-chan struct{}) func(http.ResponseWriter, *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		_, _ = w.Write([]byte(chunkA))
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+		_, _ = w.Write([]byte(chunkEnd + done))
 	}
 }
