@@ -110,9 +110,14 @@ func TestCapacityQueuesFIFOWithFlatTokenInterval(t *testing.T) {
 				prev = now
 			}
 		}()
-		// Let each request arrive before the next, so that the FIFO order
-		// is known.
-		waitFor(t, time.Second, "the request to arrive", func() bool { return r.Stats().InFlight == i+1 })
+		// Let each request take its place in the queue before the next
+		// is sent, so that the FIFO order is known. (InFlight counts a
+		// request before it is queued: waiting on it let the check below
+		// see the third request in flight but not yet waiting.)
+		waitFor(t, time.Second, "the request to be queued", func() bool {
+			s := r.Stats()
+			return s.Running+s.Waiting == i+1
+		})
 	}
 	if s := r.Stats(); s.Running != 1 || s.Waiting != 2 {
 		t.Errorf("while queued: running %d, waiting %d", s.Running, s.Waiting)
@@ -135,9 +140,18 @@ func TestCapacityQueuesFIFOWithFlatTokenInterval(t *testing.T) {
 			t.Errorf("request %d: %d gaps", i, len(res.gaps))
 			continue
 		}
-		mean := (res.gaps[0] + res.gaps[1]) / 2
-		if mean < interval*8/10 || mean > interval+50*time.Millisecond {
-			t.Errorf("request %d: token gaps %v, want about %s", i, res.gaps, interval)
+		// The last token cannot leave the mock before its slot's start +
+		// ttft + (tokens-1) intervals, however late the client reads the
+		// first: a bound on the sum of the gaps that a slow reader cannot
+		// shrink (the gaps alone can: a first token read late makes the
+		// next gap short).
+		last := res.first
+		for _, g := range res.gaps {
+			last = last.Add(g)
+		}
+		wantLast := want + (tokens-1)*interval
+		if got := last.Sub(start); got < wantLast-5*time.Millisecond || got > wantLast+250*time.Millisecond {
+			t.Errorf("request %d: last token after %s (gaps %v), want about %s", i, got, res.gaps, wantLast)
 		}
 	}
 	if got := results[2].first.Sub(start); got < 3*ttft {
