@@ -861,7 +861,16 @@ func (g *gateway) admin(method, path string) (int, []byte) {
 	if err != nil {
 		g.t.Fatal(err)
 	}
-	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+	client := &http.Client{Timeout: 10 * time.Second}
+	resp, err := client.Do(req)
+	for try := 1; err != nil && method == http.MethodGet && adminHandOffLost(err) && try <= 3; try++ {
+		// Each config load replaces Caddy's admin server: a connection
+		// the kernel queued on the old listener as it closed is reset
+		// before any handler saw it (caddy.replaceLocalAdminServer). A
+		// GET that never reached the API is sent again, as a client would.
+		time.Sleep(time.Duration(try) * 20 * time.Millisecond)
+		resp, err = client.Do(req)
+	}
 	if err != nil {
 		g.t.Fatalf("admin %s %s: %v", method, path, err)
 	}
@@ -871,6 +880,13 @@ func (g *gateway) admin(method, path string) (int, []byte) {
 		g.t.Fatalf("admin %s %s: reading body: %v", method, path, err)
 	}
 	return resp.StatusCode, body
+}
+
+// adminHandOffLost reports whether err is how a request lost in the admin
+// server's replacement fails: EOF before any response, or a reset or
+// refusal.
+func adminHandOffLost(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // breakers lists the breakers (GET /llm_proxy/breakers) by key.
