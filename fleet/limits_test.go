@@ -37,6 +37,14 @@ func limitsFleet(t *testing.T, addr string, n int, cfg admission.Config, fc Conf
 	if lc.LeaseTTL == 0 {
 		lc.LeaseTTL, lc.RenewEvery = testLeaseTTL, testRenew
 	}
+	if fc.OpTimeout == 0 && fc.Refresh == 0 {
+		// These tests count admissions against Redis's windows: an op that
+		// times out fails open (a local share), and 40 ms (testOpTimeout)
+		// was crossed under a loaded make test (CI: "65 admitted, limit
+		// 60", "admitted 15, want 3", an i/o timeout). Tests of what a
+		// timeout does set their own.
+		fc.OpTimeout, fc.Refresh = 200*time.Millisecond, 500*time.Millisecond
+	}
 	gws := make([]*limitsGateway, n)
 	for i := range gws {
 		c := fc
@@ -414,7 +422,7 @@ func TestLimitsRedisAwayFallsBackToLocalShares(t *testing.T) {
 				{Name: "open", RPM: 30, MaxConcurrent: 6},
 				{Name: "strict", RPM: 30, FailClosed: true},
 			}, DefaultTier: "open"}
-			g := limitsFleet(t, p.Addr(), 1, cfg, Config{ExpectedInstances: 3}, LimitsConfig{})[0]
+			g := limitsFleet(t, p.Addr(), 1, cfg, Config{ExpectedInstances: 3, OpTimeout: testOpTimeout, Refresh: testRefresh}, LimitsConfig{})[0]
 			limAdmit(t, g.ctl, "warm").Settle(admission.Usage{}, 0) // a pooled connection
 			before := g.l.fallback.Load()
 
@@ -513,7 +521,7 @@ func TestLimitsAnAmbiguousReserveIsTakenBackNotReplayed(t *testing.T) {
 func TestLimitsASettlementThatFailsIsSentAgain(t *testing.T) {
 	s := redistest.Start(t, redistest.Options{})
 	p := redistest.NewProxy(t, s.Addr())
-	g := limitsFleet(t, p.Addr(), 1, limTier(admission.Tier{TPM: 100000}), Config{}, LimitsConfig{})[0]
+	g := limitsFleet(t, p.Addr(), 1, limTier(admission.Tier{TPM: 100000}), Config{OpTimeout: testOpTimeout, Refresh: testRefresh}, LimitsConfig{})[0]
 	r := limDirect(t, s.Addr())
 	tk, rf := g.ctl.Reserve(admission.Request{Tenant: "acme", PromptTokens: 100, MaxTokens: 900})
 	if rf != nil {
