@@ -863,7 +863,7 @@ func (g *gateway) admin(method, path string) (int, []byte) {
 	}
 	client := &http.Client{Timeout: 10 * time.Second}
 	resp, err := client.Do(req)
-	for try := 1; err != nil && method == http.MethodGet && adminHandOffLost(err) && try <= 3; try++ {
+	for try := 1; err != nil && method == http.MethodGet && handOffLost(err) && try <= 3; try++ {
 		// Each config load replaces Caddy's admin server: a connection
 		// the kernel queued on the old listener as it closed is reset
 		// before any handler saw it (caddy.replaceLocalAdminServer). A
@@ -882,10 +882,10 @@ func (g *gateway) admin(method, path string) (int, []byte) {
 	return resp.StatusCode, body
 }
 
-// adminHandOffLost reports whether err is how a request lost in the admin
-// server's replacement fails: EOF before any response, or a reset or
-// refusal.
-func adminHandOffLost(err error) bool {
+// handOffLost reports whether err is how a request lost in a reload's
+// listener hand-off (the admin server's replacement, or a site's) fails:
+// EOF before any response, or a reset or refusal.
+func handOffLost(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED)
 }
 

@@ -77,6 +77,13 @@ func runTurns(ctx context.Context, c *http.Client, url string, convs []*conversa
 				for turn := from; turn < to; turn++ {
 					r := turnResult{conv: cv.id, turn: turn}
 					s, err := doStream(ctx, c, url, cv.ask(turn), "X-Mock-Tokens: 4", "X-Mock-Token-Interval: 1ms")
+					for try := 1; err != nil && handOffLost(err) && try <= 3; try++ {
+						// A reload's listener hand-off resets a connection
+						// queued on the old listener before any handler saw
+						// it; the SDKs send such a request again, as here.
+						time.Sleep(time.Duration(try) * 20 * time.Millisecond)
+						s, err = doStream(ctx, c, url, cv.ask(turn), "X-Mock-Tokens: 4", "X-Mock-Token-Interval: 1ms")
+					}
 					switch {
 					case err != nil:
 						r.problem = err.Error()
