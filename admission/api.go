@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // Defaults of Tier.
@@ -156,21 +157,6 @@ func (d *Directory) Len() int {
 	return len(d.ents)
 }
 
-// Clock is admission's source of time.
-type Clock interface {
-	Now() time.Time
-	// AfterFunc calls f once d has passed; Stop cancels it.
-	AfterFunc(d time.Duration, f func()) interface{ Stop() bool }
-}
-
-// SystemClock is the real clock.
-type SystemClock struct{}
-
-func (SystemClock) Now() time.Time { return time.Now() }
-func (SystemClock) AfterFunc(d time.Duration, f func()) interface{ Stop() bool } {
-	return time.AfterFunc(d, f)
-}
-
 // Observer receives admission's measurements (metrics). Labels: tier, and
 // tenant only when the operator enables it (the glue decides).
 type Observer interface {
@@ -279,8 +265,8 @@ type Usage struct {
 type Controller struct{ controllerState }
 
 // NewController returns a controller for cfg (validated).
-func NewController(cfg Config, clock Clock, obs Observer) (*Controller, error) {
-	return newController(cfg, clock, obs)
+func NewController(cfg Config, clk clock.Clock, obs Observer) (*Controller, error) {
+	return newController(cfg, clk, obs)
 }
 
 // SetConfig applies a new config; tenants' windows and breakers are kept.
@@ -390,7 +376,7 @@ type Gate struct{ gateState }
 // Inflight on every change, with the gate's lock held so that each gauge's
 // values arrive in order (they must not call the gate). Each admitted
 // Acquire allocates its release func; queued ones their waiter.
-func NewGate(cfg GateConfig, clock Clock, obs Observer) *Gate { return newGate(cfg, clock, obs) }
+func NewGate(cfg GateConfig, clk clock.Clock, obs Observer) *Gate { return newGate(cfg, clk, obs) }
 
 // Acquire takes a slot for a request of tier, waiting in the queue while
 // the pool is saturated. It returns the time waited and a release func to

@@ -5,6 +5,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // hotPathConfig is a tier with every tenant limit on, high enough that
@@ -55,7 +57,7 @@ func BenchmarkAdmitHotPath(b *testing.B) {
 		into    bool
 	}{{"tenants", 64, true}, {"one_tenant", 1, true}, {"tenants/Reserve", 64, false}} {
 		b.Run(bc.name, func(b *testing.B) {
-			c, err := NewController(hotPathConfig(), SystemClock{}, nil)
+			c, err := NewController(hotPathConfig(), clock.Real, nil)
 			if err != nil {
 				b.Fatal(err)
 			}

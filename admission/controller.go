@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // controllerState is the Controller's fields (the type is declared in
@@ -17,7 +18,7 @@ import (
 type controllerState struct {
 	snap    atomic.Pointer[snapshot]
 	setMu   sync.Mutex // serializes SetConfig
-	clock   Clock
+	clock   clock.Clock
 	obs     Observer
 	rand    func() float64 // breaker cooldown jitter; tests fix it
 	base    time.Time      // epoch 0 of every tenant's window
@@ -27,19 +28,17 @@ type controllerState struct {
 	brkStore atomic.Pointer[brkStoreBox]
 }
 
-func newController(cfg Config, clock Clock, obs Observer) (*Controller, error) {
+func newController(cfg Config, clk clock.Clock, obs Observer) (*Controller, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if clock == nil {
-		clock = SystemClock{}
-	}
+	clk = clock.Or(clk)
 	if obs == nil {
 		obs = nopObserver{}
 	}
 	c := &Controller{}
-	c.clock, c.obs, c.rand = clock, obs, rand.Float64
-	c.base = clock.Now()
+	c.clock, c.obs, c.rand = clk, obs, rand.Float64
+	c.base = clk.Now()
 	c.tenants.init()
 	c.snap.Store(newSnapshot(cfg))
 	return c, nil

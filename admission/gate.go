@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // refusalRetry is the Retry-After of the gate's refusals: the pool's
@@ -19,7 +21,7 @@ type gateState struct {
 	poolSaturated func() bool
 	bound         int // the pool queue's bound
 	ctl           *Controller
-	clock         Clock
+	clock         clock.Clock
 	obs           Observer
 	// settings are a pool gate's (NewPoolGate), nil for others.
 	settings *poolGate
@@ -34,10 +36,8 @@ type gateState struct {
 // tierCount is one tier's requests in a gate.
 type tierCount struct{ queued, inflight int }
 
-func newGate(cfg GateConfig, clock Clock, obs Observer) *Gate {
-	if clock == nil {
-		clock = SystemClock{}
-	}
+func newGate(cfg GateConfig, clk clock.Clock, obs Observer) *Gate {
+	clk = clock.Or(clk)
 	if obs == nil {
 		obs = nopObserver{}
 	}
@@ -46,7 +46,7 @@ func newGate(cfg GateConfig, clock Clock, obs Observer) *Gate {
 	if g.bound <= 0 {
 		g.bound = DefaultQueue
 	}
-	g.clock, g.obs = clock, obs
+	g.clock, g.obs = clk, obs
 	g.tiers = make(map[string]*tierCount)
 	return g
 }

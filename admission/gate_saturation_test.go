@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // poolSignal is a settable pool signal for GateConfig.Saturated.
@@ -14,7 +16,7 @@ type poolSignal struct{ on atomic.Bool }
 
 func (s *poolSignal) saturated() bool { return s.on.Load() }
 
-func saturatedGate(capacity func() int) (*Gate, *poolSignal, *fakeClock, *recObserver) {
+func saturatedGate(capacity func() int) (*Gate, *poolSignal, *clocktest.Fake, *recObserver) {
 	sig := new(poolSignal)
 	sig.on.Store(true)
 	clock, obs := newFakeClock(), newRec()

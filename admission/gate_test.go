@@ -7,6 +7,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 type acquired struct {
@@ -231,13 +234,9 @@ func TestQueueTimeout(t *testing.T) {
 
 // lateClock is a clock whose timers never fire: an expired request must
 // still never be admitted.
-type lateClock struct{ *fakeClock }
+type lateClock struct{ *clocktest.Fake }
 
-type noTimer struct{}
-
-func (noTimer) Stop() bool { return true }
-
-func (lateClock) AfterFunc(time.Duration, func()) interface{ Stop() bool } { return noTimer{} }
+func (lateClock) AfterFunc(time.Duration, func()) clock.Timer { return clock.Stopped }
 
 func TestExpiredQueuedRequestIsNeverAdmitted(t *testing.T) {
 	clk := lateClock{newFakeClock()}
@@ -280,8 +279,8 @@ func TestClientLeavingTheQueueIsRemovedAtOnce(t *testing.T) {
 	if v := view(c, "a"); v.Queued != 0 {
 		t.Fatalf("controller view %+v", v)
 	}
-	if clk.pending() != 1 {
-		t.Fatalf("%d timers left, want b's only", clk.pending())
+	if _, funcs := clk.Armed(); funcs != 1 {
+		t.Fatalf("%d timers left, want b's only", funcs)
 	}
 	rel()
 	if a := <-next; a.err != nil || a.name != "b" {

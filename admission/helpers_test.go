@@ -2,100 +2,19 @@ package admission
 
 import (
 	"fmt"
-	"sort"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // t0 is the fake clock's start.
 var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 
-// fakeClock is moved by hand (Advance); AfterFunc timers fire inside
-// Advance, in time order, on the caller's goroutine. Nothing sleeps.
-type fakeClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers []*fakeTimer
-}
-
-type fakeTimer struct {
-	c       *fakeClock
-	at      time.Time
-	f       func()
-	stopped bool
-}
-
-func newFakeClock() *fakeClock { return &fakeClock{now: t0} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) AfterFunc(d time.Duration, f func()) interface{ Stop() bool } {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := &fakeTimer{c: c, at: c.now.Add(d), f: f}
-	c.timers = append(c.timers, t)
-	return t
-}
-
-func (t *fakeTimer) Stop() bool {
-	t.c.mu.Lock()
-	defer t.c.mu.Unlock()
-	was := !t.stopped
-	t.stopped = true
-	return was
-}
-
-// Advance moves the clock by d, firing due timers in order.
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	end := c.now.Add(d)
-	for {
-		sort.SliceStable(c.timers, func(i, j int) bool { return c.timers[i].at.Before(c.timers[j].at) })
-		var due *fakeTimer
-		for i, t := range c.timers {
-			if t.stopped {
-				continue
-			}
-			if !t.at.After(end) {
-				due = t
-				c.timers = append(c.timers[:i], c.timers[i+1:]...)
-			}
-			break
-		}
-		if due == nil {
-			c.now = end
-			c.mu.Unlock()
-			return
-		}
-		due.stopped = true
-		if due.at.After(c.now) {
-			c.now = due.at
-		}
-		c.mu.Unlock()
-		due.f()
-		c.mu.Lock()
-	}
-}
-
-// pending returns the number of live timers.
-func (c *fakeClock) pending() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	n := 0
-	for _, t := range c.timers {
-		if !t.stopped {
-			n++
-		}
-	}
-	return n
-}
+// newFakeClock returns a fake clock at t0.
+func newFakeClock() *clocktest.Fake { return clocktest.New(t0) }
 
 // recObserver records what admission reports.
 type recObserver struct {
@@ -153,7 +72,7 @@ func (o *recObserver) lastDecision() string {
 }
 
 // newCtl builds a controller on a fake clock with no cooldown jitter.
-func newCtl(t testing.TB, cfg Config) (*Controller, *fakeClock, *recObserver) {
+func newCtl(t testing.TB, cfg Config) (*Controller, *clocktest.Fake, *recObserver) {
 	t.Helper()
 	clk, obs := newFakeClock(), newRec()
 	c, err := NewController(cfg, clk, obs)

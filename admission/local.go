@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // LocalLimits is a LimitStore in this process's memory: the same rolling
@@ -13,7 +15,7 @@ import (
 // shared store is away (with the fleet's limits divided among the expected
 // instances, from zero). Safe for concurrent use.
 type LocalLimits struct {
-	clock     Clock
+	clock     clock.Clock
 	base      time.Time // epoch 0 of every window
 	seed      maphash.Seed
 	shards    [shardCount]localShard
@@ -38,12 +40,10 @@ type localEntry struct {
 	counts
 }
 
-// NewLocalLimits returns an empty store on clock (nil: SystemClock).
-func NewLocalLimits(clock Clock) *LocalLimits {
-	if clock == nil {
-		clock = SystemClock{}
-	}
-	l := &LocalLimits{clock: clock, base: clock.Now(), seed: maphash.MakeSeed()}
+// NewLocalLimits returns an empty store on clk (nil: clock.Real).
+func NewLocalLimits(clk clock.Clock) *LocalLimits {
+	clk = clock.Or(clk)
+	l := &LocalLimits{clock: clk, base: clk.Now(), seed: maphash.MakeSeed()}
 	for i := range l.shards {
 		l.shards[i].m = make(map[string]*localEntry)
 	}

@@ -1,6 +1,10 @@
 package admission
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+)
 
 // PoolView is what a pool gate reads of its upstream pool
 // (upstream.Pool implements it). Both methods must be cheap, safe for
@@ -59,10 +63,10 @@ func (p *poolGate) saturated() bool {
 // the pool's closed upstreams, re-read on every decision; the pool's
 // Saturated as the pool signal. ctl, when set, is told of each tenant's
 // queued requests (GateConfig.Controller). Observer calls are NewGate's.
-func NewPoolGate(s GateSettings, ctl *Controller, clock Clock, obs Observer) *Gate {
+func NewPoolGate(s GateSettings, ctl *Controller, clk clock.Clock, obs Observer) *Gate {
 	p := new(poolGate)
 	p.s.Store(&s)
-	g := newGate(GateConfig{Capacity: p.capacity, Saturated: p.saturated, Queue: s.Queue, Controller: ctl}, clock, obs)
+	g := newGate(GateConfig{Capacity: p.capacity, Saturated: p.saturated, Queue: s.Queue, Controller: ctl}, clk, obs)
 	g.settings = p
 	return g
 }

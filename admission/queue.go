@@ -3,6 +3,8 @@ package admission
 import (
 	"sort"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // waiter is a request waiting in a Gate's queue. Its fields after done are
@@ -16,7 +18,7 @@ type waiter struct {
 	enq      time.Time
 	deadline time.Time
 	timeout  time.Duration
-	timer    interface{ Stop() bool }
+	timer    clock.Timer
 
 	decided bool     // admitted, refused or gone: out of the queue
 	refusal *Refusal // nil when admitted

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // The hot paths, from b.RunParallel goroutines sharing one budget, with the
@@ -12,19 +14,13 @@ import (
 //
 //	go test -run '^$' -bench . -benchmem -cpu 1,2 ./budget/
 
-// frozenClock always returns the same time: it shows the budgets' own cost
-// without time.Now's.
-type frozenClock struct{}
-
-func (frozenClock) Now() time.Time { return t0 }
-
 // BenchmarkRatioRequestTryRetry is the 100%-failure path: every request is
 // recorded and asks for a retry (most are refused once the budget is spent).
 func BenchmarkRatioRequestTryRetry(b *testing.B) {
 	for _, bc := range []struct {
 		name  string
-		clock budget.Clock
-	}{{"system_clock", budget.SystemClock{}}, {"frozen_clock", frozenClock{}}} {
+		clock clock.Reader
+	}{{"system_clock", clock.Real}, {"frozen_clock", clocktest.Frozen(t0)}} {
 		b.Run(bc.name, func(b *testing.B) {
 			r, err := budget.NewRatio(budget.RatioConfig{}, bc.clock)
 			if err != nil {
@@ -43,7 +39,7 @@ func BenchmarkRatioRequestTryRetry(b *testing.B) {
 
 // BenchmarkRatioRequest is the healthy path: a request is recorded, no retry.
 func BenchmarkRatioRequest(b *testing.B) {
-	r, err := budget.NewRatio(budget.RatioConfig{}, budget.SystemClock{})
+	r, err := budget.NewRatio(budget.RatioConfig{}, clock.Real)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -57,7 +53,7 @@ func BenchmarkRatioRequest(b *testing.B) {
 
 // BenchmarkBucketRequestTryRetry is the token bucket's 100%-failure path.
 func BenchmarkBucketRequestTryRetry(b *testing.B) {
-	k, err := budget.NewBucket(10, 0.5, budget.SystemClock{})
+	k, err := budget.NewBucket(10, 0.5, clock.Real)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -83,10 +79,10 @@ func BenchmarkBackoffDelay(b *testing.B) {
 	})
 }
 
-// BenchmarkSystemClockNow is one SystemClock.Now, the floor under every
+// BenchmarkSystemClockNow is one clock.Real.Now, the floor under every
 // budget call (two per Request+TryRetry).
 func BenchmarkSystemClockNow(b *testing.B) {
-	var c budget.Clock = budget.SystemClock{}
+	var c clock.Reader = clock.Real
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
 		var t time.Time

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/rolling"
 )
 
@@ -35,7 +36,7 @@ import (
 // operator reads the bound straight off the configuration. Use Ratio when the
 // allowance should follow traffic.
 type Bucket struct {
-	clock Clock
+	clock clock.Reader
 	base  time.Time
 	per   int64 // nanoseconds to earn one token: ⌈1e9 / refillPerSec⌉
 	burst int64 // nanoseconds of credit when full: maxTokens × per
@@ -57,8 +58,8 @@ type Bucket struct {
 // (at least 1) and gaining refillPerSec tokens per second (more than 0, at
 // most 1e9). Tokens need not be whole: with maxTokens 2.5 the bucket grants
 // 2 retries at once and keeps the half token toward the next one.
-func NewBucket(maxTokens, refillPerSec float64, clock Clock) (*Bucket, error) {
-	if clock == nil {
+func NewBucket(maxTokens, refillPerSec float64, clk clock.Reader) (*Bucket, error) {
+	if clk == nil {
 		return nil, errors.New("retry bucket: nil clock")
 	}
 	if !(refillPerSec > 0 && refillPerSec <= 1e9) { // also refuses NaN
@@ -69,15 +70,15 @@ func NewBucket(maxTokens, refillPerSec float64, clock Clock) (*Bucket, error) {
 		return nil, fmt.Errorf("retry bucket: max_tokens %v: must be at least 1 and take less than 146 years to refill", maxTokens)
 	}
 	b := &Bucket{
-		clock: clock,
-		base:  clock.Now(),
+		clock: clk,
+		base:  clk.Now(),
 		per:   per,
 		burst: int64(maxTokens * float64(per)),
 		max:   maxTokens,
 		rate:  refillPerSec,
 	}
 	b.empty.Store(-b.burst)
-	b.stats.ep = newClockEpochs(clock, DefaultWindow)
+	b.stats.ep = newClockEpochs(clk, DefaultWindow)
 	return b, nil
 }
 

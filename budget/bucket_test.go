@@ -10,11 +10,12 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
-func newBucket(t testing.TB, maxTokens, perSec float64) (*budget.Bucket, *fakeClock) {
+func newBucket(t testing.TB, maxTokens, perSec float64) (*budget.Bucket, *clocktest.Fake) {
 	t.Helper()
-	clk := new(fakeClock)
+	clk := clocktest.New(t0)
 	b, err := budget.NewBucket(maxTokens, perSec, clk)
 	if err != nil {
 		t.Fatal(err)
@@ -38,7 +39,7 @@ func TestNewBucketRefusesInvalidConfig(t *testing.T) {
 		{10, 2e9, "refill_per_sec 2e+09"},
 	}
 	for _, tc := range cases {
-		_, err := budget.NewBucket(tc.max, tc.rate, new(fakeClock))
+		_, err := budget.NewBucket(tc.max, tc.rate, clocktest.New(t0))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("NewBucket(%v, %v) error = %v, want one containing %q", tc.max, tc.rate, err, tc.want)
 		}

@@ -5,12 +5,14 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // The attempt loop's use of a budget and a backoff: record the request,
 // and after a retryable failure ask the budget, then wait.
 func Example() {
-	retries, _ := budget.NewRatio(budget.RatioConfig{}, budget.SystemClock{})
+	retries, _ := budget.NewRatio(budget.RatioConfig{}, clock.Real)
 	backoff := budget.Backoff{Rand: func() float64 { return 0.5 }} // deterministic here
 
 	retries.Request() // one original request
@@ -36,7 +38,7 @@ func Example() {
 
 // A token bucket of 10 retries refilled at 0.5/s.
 func ExampleNewBucket() {
-	clk := new(fakeClock)
+	clk := clocktest.New(t0)
 	b, _ := budget.NewBucket(10, 0.5, clk)
 	granted := 0
 	for b.TryRetry() {

@@ -2,28 +2,20 @@ package budget_test
 
 import (
 	"math"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // t0 is the fake clock's start.
 var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
-// fakeClock is a Clock moved by hand; safe for concurrent use.
-type fakeClock struct{ ns atomic.Int64 }
-
-func (c *fakeClock) Now() time.Time          { return t0.Add(time.Duration(c.ns.Load())) }
-func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
-func (c *fakeClock) Set(d time.Duration)     { c.ns.Store(int64(d)) }
-func (c *fakeClock) Elapsed() time.Duration  { return time.Duration(c.ns.Load()) }
-
 // newRatio builds a Ratio on a fresh fake clock.
-func newRatio(t testing.TB, c budget.RatioConfig) (*budget.Ratio, *fakeClock) {
+func newRatio(t testing.TB, c budget.RatioConfig) (*budget.Ratio, *clocktest.Fake) {
 	t.Helper()
-	clk := new(fakeClock)
+	clk := clocktest.New(t0)
 	r, err := budget.NewRatio(c, clk)
 	if err != nil {
 		t.Fatal(err)

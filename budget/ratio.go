@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/rolling"
 )
 
@@ -136,19 +137,19 @@ type Ratio struct {
 
 // NewRatio returns a Ratio budget. Zero fields of c take their defaults
 // (DefaultRatio, DefaultWindow, DefaultMinPerSec); an invalid field is an
-// error that names it. The window starts at clock.Now().
-func NewRatio(c RatioConfig, clock Clock) (*Ratio, error) {
-	if clock == nil {
+// error that names it. The window starts at clk.Now().
+func NewRatio(c RatioConfig, clk clock.Reader) (*Ratio, error) {
+	if clk == nil {
 		return nil, errors.New("retry budget: nil clock")
 	}
 	c, err := c.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	r := &Ratio{cfg: c, ep: newClockEpochs(clock, c.Window)}
+	r := &Ratio{cfg: c, ep: newClockEpochs(clk, c.Window)}
 	r.cfg.Window = r.ep.Width() * rolling.Buckets
 	if c.MinPerSec > 0 {
-		if r.floor, err = NewBucket(max(1, c.MinPerSec), c.MinPerSec, clock); err != nil {
+		if r.floor, err = NewBucket(max(1, c.MinPerSec), c.MinPerSec, clk); err != nil {
 			return nil, fmt.Errorf("retry budget: floor: %w", err)
 		}
 	}

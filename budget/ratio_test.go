@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 func TestNewRatioAppliesDefaults(t *testing.T) {
@@ -41,7 +42,7 @@ func TestNewRatioRefusesInvalidConfig(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := budget.NewRatio(tc.c, new(fakeClock))
+			_, err := budget.NewRatio(tc.c, clocktest.New(t0))
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("NewRatio(%+v) error = %v, want one containing %q", tc.c, err, tc.want)
 			}
@@ -50,7 +51,7 @@ func TestNewRatioRefusesInvalidConfig(t *testing.T) {
 	if _, err := budget.NewRatio(budget.RatioConfig{}, nil); err == nil {
 		t.Fatal("NewRatio with a nil clock: no error")
 	}
-	if _, err := budget.NewRatio(budget.RatioConfig{Ratio: 1}, new(fakeClock)); err != nil {
+	if _, err := budget.NewRatio(budget.RatioConfig{Ratio: 1}, clocktest.New(t0)); err != nil {
 		t.Fatalf("ratio 1: %v", err)
 	}
 }

@@ -3,6 +3,7 @@ package budget
 import (
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/rolling"
 )
 
@@ -15,12 +16,12 @@ const MinWindow = 100 * time.Millisecond
 // window of rolling.Buckets (10) buckets: a 10s window is kept as 10 buckets
 // of 1s, so it forgets old events 1s at a time.
 type clockEpochs struct {
-	clock Clock
+	clock clock.Reader
 	rolling.Epochs
 }
 
-func newClockEpochs(clock Clock, window time.Duration) clockEpochs {
-	return clockEpochs{clock: clock, Epochs: rolling.NewEpochs(clock.Now(), window)}
+func newClockEpochs(clk clock.Reader, window time.Duration) clockEpochs {
+	return clockEpochs{clock: clk, Epochs: rolling.NewEpochs(clk.Now(), window)}
 }
 
 // now returns the epoch of the clock's current time (see rolling.Epochs).

@@ -6,6 +6,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -65,7 +66,7 @@ func (ac *AdmissionConfig) gate(app *App, claims *registry.Claims, poolKey strin
 	}
 	g, err := shared.gates.Acquire(claims, app.gateKey(poolKey), func() (*admission.Gate, error) {
 		// A new gate is not live yet: its settings apply now.
-		return admission.NewPoolGate(*want, ctl, admission.SystemClock{}, newGateObserver()), nil
+		return admission.NewPoolGate(*want, ctl, clock.Real, newGateObserver()), nil
 	}, nil)
 	return g, want, err
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -329,7 +330,7 @@ func TestPoolSignalKeepsTheGateAllocationFree(t *testing.T) {
 	startedApp(t, caddy.Context{Context: context.Background()}, nil, pool)
 	waitFor(t, "the pool signal", pool.Saturated)
 
-	g := admission.NewPoolGate(admission.GateSettings{Pool: pool}, nil, admission.SystemClock{}, nil)
+	g := admission.NewPoolGate(admission.GateSettings{Pool: pool}, nil, clock.Real, nil)
 	if !g.Saturated() {
 		t.Fatal("the gate does not see the pool signal")
 	}

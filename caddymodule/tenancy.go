@@ -6,6 +6,7 @@ import (
 	"net/netip"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // tenancy is one config's tenants and tiers, built in Provision: its key
@@ -46,7 +47,7 @@ func newTenancy(a *App) (*tenancy, error) {
 		return nil, err
 	}
 	// Every key must lead to a tier, or its requests would all be 401s.
-	check, err := admission.NewController(cfg, admission.SystemClock{}, nil)
+	check, err := admission.NewController(cfg, clock.Real, nil)
 	if err != nil {
 		return nil, fmt.Errorf("llm_proxy: %w", err)
 	}
@@ -69,7 +70,7 @@ func newTenancy(a *App) (*tenancy, error) {
 	// The one controller, shared by the configs with tenants; the first
 	// builds it with its limits (nothing is live yet).
 	ctl, err := shared.tenants.Acquire(a.claims, "", func() (*admission.Controller, error) {
-		return admission.NewController(cfg, admission.SystemClock{}, admissionObserver{})
+		return admission.NewController(cfg, clock.Real, admissionObserver{})
 	}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("llm_proxy: %w", err)

@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // Defaults of LimitsConfig.
@@ -37,7 +38,7 @@ type LimitsConfig struct {
 	// Default 3s.
 	RenewEvery time.Duration
 	// Clock is the local fallback's; nil is the system clock.
-	Clock admission.Clock
+	Clock clock.Clock
 
 	// window is the rolling window of rpm and tpm (60 slots): a minute,
 	// shorter in tests.

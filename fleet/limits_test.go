@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/redistest"
 )
 
@@ -56,7 +57,7 @@ func limitsFleet(t *testing.T, addr string, n int, cfg admission.Config, fc Conf
 			t.Fatal(err)
 		}
 		t.Cleanup(l.Close)
-		ctl, err := admission.NewController(cfg, admission.SystemClock{}, nil)
+		ctl, err := admission.NewController(cfg, clock.Real, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -281,7 +282,7 @@ func TestLimitsRefusalsMatchTheLocalOnes(t *testing.T) {
 	s := redistest.Start(t, redistest.Options{})
 	cfg := limTier(admission.Tier{MaxConcurrent: 4, RPM: 5, TPM: 1000})
 	g := limitsFleet(t, s.Addr(), 1, cfg, Config{}, LimitsConfig{})[0]
-	own, _ := admission.NewController(cfg, admission.SystemClock{}, nil)
+	own, _ := admission.NewController(cfg, clock.Real, nil)
 	reqs := []admission.Request{
 		{PromptTokens: 100, MaxTokens: 200},
 		{PromptTokens: 100, MaxTokens: 700},  // tpm: 601 left... reserves 800? no: 700 left
@@ -597,7 +598,7 @@ func BenchmarkLimitsReserveSettle(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer l.Close()
-	ctl, _ := admission.NewController(limTier(admission.Tier{MaxConcurrent: 1 << 20, RPM: 1 << 30, TPM: 1 << 40}), admission.SystemClock{}, nil)
+	ctl, _ := admission.NewController(limTier(admission.Tier{MaxConcurrent: 1 << 20, RPM: 1 << 30, TPM: 1 << 40}), clock.Real, nil)
 	ctl.SetLimitStore(l)
 	u := admission.Usage{PromptTokens: 100, CompletionTokens: 200}
 	b.ReportAllocs()

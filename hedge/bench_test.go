@@ -5,29 +5,26 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // Run with:
 //
 //	go test -run '^$' -bench . -benchmem -cpu 1,2 ./hedge/
 //
-// The "system" cases read the real clock (SystemClock) on every call, as the
+// The "system" cases read the real clock (clock.Real) on every call, as the
 // gateway does; the "frozen" cases use a clock that returns a fixed time, to
 // show the cost of the structure alone.
 
-// frozenClock returns the same time forever: no time read, no decay.
-type frozenClock struct{ t time.Time }
-
-func (c frozenClock) Now() time.Time { return c.t }
-
 func clocks() []struct {
 	name  string
-	clock hedge.Clock
+	clock clock.Reader
 } {
 	return []struct {
 		name  string
-		clock hedge.Clock
-	}{{"system", hedge.SystemClock{}}, {"frozen", frozenClock{t0}}}
+		clock clock.Reader
+	}{{"system", clock.Real}, {"frozen", clocktest.Frozen(t0)}}
 }
 
 // ttfts is a spread of TTFTs over 40 histogram buckets, so that parallel
@@ -82,7 +79,7 @@ func BenchmarkQuantile(b *testing.B) {
 // a Delay (p95 clamped) at its start and an Observe at its commit, in
 // parallel.
 func BenchmarkObserveAndDelay(b *testing.B) {
-	tr := hedge.NewLatencyTracker(time.Minute, hedge.SystemClock{})
+	tr := hedge.NewLatencyTracker(time.Minute, clock.Real)
 	for i := range 10000 {
 		tr.Observe(ttfts[i&63])
 	}
@@ -103,7 +100,7 @@ func BenchmarkObserveAndDelay(b *testing.B) {
 // BenchmarkRateCapRequest: Request, called for every request, in parallel
 // on one cap with the real clock.
 func BenchmarkRateCapRequest(b *testing.B) {
-	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, Window: 10 * time.Second}, hedge.SystemClock{})
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, Window: 10 * time.Second}, clock.Real)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -119,7 +116,7 @@ func BenchmarkRateCapRequest(b *testing.B) {
 // worst case: every request crosses its hedge delay), in parallel on one cap
 // with the real clock; about one call in ten is granted.
 func BenchmarkRateCapTryHedge(b *testing.B) {
-	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, Window: 10 * time.Second}, hedge.SystemClock{})
+	c, err := hedge.NewRateCap(hedge.RateCapConfig{MaxRatio: 0.1, Window: 10 * time.Second}, clock.Real)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/rolling"
 )
 
@@ -132,7 +133,7 @@ type RateCap struct {
 	cfg     RateCapConfig // defaults applied, Off as 0
 	ratio   uint64        // round(MaxRatio · ratioScale)
 	reserve uint64        // MinPerSec × Window, in hedges · ratioScale
-	clock   Clock
+	clock   clock.Reader
 	ep      rolling.Epochs
 
 	// requests are written by every Request, apart from the rest.
@@ -150,18 +151,18 @@ type hedgeBucket struct{ epoch, n uint64 }
 // NewRateCap returns a cap allowing, over a rolling window, hedges up to
 // MaxRatio × requests + MinPerSec × Window (see RateCap). Zero fields of c
 // take their defaults (DefaultMaxRatio, DefaultMinPerSec, DefaultWindow); an
-// invalid field is an error that names it. Time is read from clock
-// (SystemClock if nil); the window starts at clock.Now().
-func NewRateCap(c RateCapConfig, clock Clock) (*RateCap, error) {
+// invalid field is an error that names it. Time is read from clk
+// (clock.Real if nil); the window starts at clk.Now().
+func NewRateCap(c RateCapConfig, clk clock.Reader) (*RateCap, error) {
 	c, err := c.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	if clock == nil {
-		clock = SystemClock{}
+	if clk == nil {
+		clk = clock.Real
 	}
-	rc := &RateCap{ratio: uint64(math.Round(c.MaxRatio * ratioScale)), clock: clock}
-	rc.ep = rolling.NewEpochs(clock.Now(), c.Window)
+	rc := &RateCap{ratio: uint64(math.Round(c.MaxRatio * ratioScale)), clock: clk}
+	rc.ep = rolling.NewEpochs(clk.Now(), c.Window)
 	c.Window = rc.ep.Width() * rolling.Buckets
 	rc.cfg, rc.reserve = c, reserve(c.MinPerSec, c.Window)
 	return rc, nil

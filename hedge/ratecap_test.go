@@ -10,17 +10,18 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // newCap returns a cap without the floor (MinPerSec Off), so that the ratio
 // alone decides, on a fake clock.
-func newCap(t *testing.T, ratio float64, window time.Duration) (*hedge.RateCap, *fakeClock) {
+func newCap(t *testing.T, ratio float64, window time.Duration) (*hedge.RateCap, *clocktest.Fake) {
 	t.Helper()
 	return newCapConfig(t, hedge.RateCapConfig{MaxRatio: ratio, MinPerSec: hedge.Off, Window: window})
 }
 
 // newCapConfig returns a cap configured by c on a fake clock.
-func newCapConfig(t *testing.T, c hedge.RateCapConfig) (*hedge.RateCap, *fakeClock) {
+func newCapConfig(t *testing.T, c hedge.RateCapConfig) (*hedge.RateCap, *clocktest.Fake) {
 	t.Helper()
 	clk := newClock()
 	rc, err := hedge.NewRateCap(c, clk)

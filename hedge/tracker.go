@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // DefaultHalfLife is the LatencyTracker half-life used when none is given:
@@ -98,7 +100,7 @@ const rescaleAfter = 512
 // lock and allocates nothing (it adds to one bucket with a compare-and-swap).
 // The zero value is not usable: use NewLatencyTracker.
 type LatencyTracker struct {
-	clock    Clock
+	clock    clock.Reader
 	base     time.Time // landmarks are offsets from base
 	invHalf  float64   // 1 / half-life in nanoseconds
 	halfLife time.Duration
@@ -117,15 +119,15 @@ type slab struct {
 
 // NewLatencyTracker returns an empty tracker whose observations lose half
 // their weight every halfLife (DefaultHalfLife if halfLife ≤ 0), reading time
-// from clock (SystemClock if nil).
-func NewLatencyTracker(halfLife time.Duration, clock Clock) *LatencyTracker {
+// from clk (clock.Real if nil).
+func NewLatencyTracker(halfLife time.Duration, clk clock.Reader) *LatencyTracker {
 	if halfLife <= 0 {
 		halfLife = DefaultHalfLife
 	}
-	if clock == nil {
-		clock = SystemClock{}
+	if clk == nil {
+		clk = clock.Real
 	}
-	t := &LatencyTracker{clock: clock, base: clock.Now(), halfLife: halfLife, invHalf: 1 / float64(halfLife)}
+	t := &LatencyTracker{clock: clk, base: clk.Now(), halfLife: halfLife, invHalf: 1 / float64(halfLife)}
 	t.cur.Store(new(slab))
 	return t
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/hedge"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // tolerance is the bucket error bound, plus rounding to whole nanoseconds.
@@ -177,7 +178,7 @@ func TestDefaultsOfNewLatencyTracker(t *testing.T) {
 
 // regime feeds tr 10 TTFTs per second, lognormal (σ 0.1) around median,
 // for d, and calls check after every second.
-func regime(clk *fakeClock, tr *hedge.LatencyTracker, r *rand.Rand, median, d time.Duration, check func(elapsed time.Duration) bool) {
+func regime(clk *clocktest.Fake, tr *hedge.LatencyTracker, r *rand.Rand, median, d time.Duration, check func(elapsed time.Duration) bool) {
 	for el := time.Duration(0); el < d; el += time.Second {
 		for range 10 {
 			tr.Observe(time.Duration(float64(median) * math.Exp(0.1*r.NormFloat64())))

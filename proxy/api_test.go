@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // transcript reads one of package api's stream transcripts, written from
@@ -355,12 +356,12 @@ func TestResponsesHedgeWinsOnlyWithAGeneratedEvent(t *testing.T) {
 		close(backupCreated)
 		<-r.Context().Done() // generates nothing until cancelled
 	})
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	h := &fakeHedging{delay: 50 * time.Millisecond, allow: true}
 	p, obs := hedgedProxy(t, Config{Clock: clk, Hedging: h, Retries: &fakeRetries{allow: true}}, primary, backup)
 	w := httptest.NewRecorder()
 	served := serve(p, w, apiPost("/v1/responses", responsesBody))
-	clk.waitTimer(t, h.delay)
+	clk.WaitTimer(t, h.delay)
 	clk.Advance(h.delay) // the primary sent only lifecycle events: hedge
 	await(t, backupCreated, "backup sent response.created")
 	obs.waitFor(t, func() bool { return obs.hedges[HedgeFired] == 1 })

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // attempt is step 5: it runs attempts until one reaches its commit point
@@ -131,7 +133,7 @@ type race struct {
 	hedging  bool
 	// hedgeTimer runs the hedge delay of the current primary: armed when
 	// a primary starts, stopped while none runs (a backoff).
-	hedgeTimer Timer
+	hedgeTimer clock.Timer
 	hedgeDelay time.Duration
 	hedgeArmed bool
 	// primaryClosed is whether the latest non-hedge attempt's upstream had

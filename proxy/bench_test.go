@@ -13,6 +13,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // memTransport answers every request with an SSE body of n events from
@@ -131,7 +132,7 @@ func BenchmarkRelayWithTenants(b *testing.B) {
 	c, err := admission.NewController(admission.Config{
 		Tiers:   []admission.Tier{{Name: "gold", RPM: 1 << 30, TPM: 1 << 40, MaxConcurrent: 100}},
 		Tenants: []admission.TenantConfig{{ID: "acme", Tier: "gold"}},
-	}, admission.SystemClock{}, nopAdmissionObserver{})
+	}, clock.Real, nopAdmissionObserver{})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -193,13 +194,13 @@ func BenchmarkTenantHotPath(b *testing.B) {
 			c, err := admission.NewController(admission.Config{
 				Tiers:   []admission.Tier{{Name: "gold", RPM: 1 << 30, TPM: 1 << 40, MaxConcurrent: 1 << 20}},
 				Tenants: []admission.TenantConfig{{ID: "acme", Tier: "gold"}},
-			}, admission.SystemClock{}, nopAdmissionObserver{})
+			}, clock.Real, nopAdmissionObserver{})
 			if err != nil {
 				b.Fatal(err)
 			}
 			var g *admission.Gate
 			if gated {
-				g = admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 << 20 }}, admission.SystemClock{}, nopAdmissionObserver{})
+				g = admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 << 20 }}, clock.Real, nopAdmissionObserver{})
 			}
 			dir, err := admission.NewDirectory([]admission.Key{{Hash: admission.HashKey("sk-acme-0123456789"), Tenant: "acme"}})
 			if err != nil {
@@ -264,7 +265,7 @@ func requestBenches(tb testing.TB) []requestBench {
 	c, err := admission.NewController(admission.Config{
 		Tiers:   []admission.Tier{{Name: "gold", RPM: 1 << 30, TPM: 1 << 40, MaxConcurrent: 1 << 20}},
 		Tenants: []admission.TenantConfig{{ID: "acme", Tier: "gold"}},
-	}, admission.SystemClock{}, nopAdmissionObserver{})
+	}, clock.Real, nopAdmissionObserver{})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -273,7 +274,7 @@ func requestBenches(tb testing.TB) []requestBench {
 		tb.Fatal(err)
 	}
 	gate := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 << 20 }, Saturated: func() bool { return false }},
-		admission.SystemClock{}, nopAdmissionObserver{})
+		clock.Real, nopAdmissionObserver{})
 	usage := "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":10}}\n\n"
 	withUsage := benchStream(events)
 	withUsage = append(withUsage[:len(withUsage)-len(done)], usage+done...)

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // DefaultMaxBufferedBodies is the body budget's size when none is
@@ -59,11 +60,11 @@ func (b *BodyBudget) Size() int64 { return b.size }
 // InUse is the number of bytes charged now.
 func (b *BodyBudget) InUse() int64 { return b.inUse.Load() }
 
-// acquire charges n bytes, waiting up to the budget's wait on clock or
+// acquire charges n bytes, waiting up to the budget's wait on clk or
 // until ctx ends. It returns an error wrapping ErrBodyBudget when there was
 // no room in time, or ctx's cause when ctx ended first. n larger than the
 // whole budget is refused with ErrBodyTooLarge: it can never fit.
-func (b *BodyBudget) acquire(ctx context.Context, clock Clock, n int64) error {
+func (b *BodyBudget) acquire(ctx context.Context, clk clock.Clock, n int64) error {
 	if n <= 0 {
 		return nil
 	}
@@ -79,7 +80,7 @@ func (b *BodyBudget) acquire(ctx context.Context, clock Clock, n int64) error {
 	}
 	wctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	t := clock.AfterFunc(b.wait, func() { cancel(ErrBodyBudget) })
+	t := clk.AfterFunc(b.wait, func() { cancel(ErrBodyBudget) })
 	defer t.Stop()
 	if err := b.sem.Acquire(wctx, n); err != nil {
 		if ctx.Err() != nil {
@@ -188,7 +189,7 @@ type BodyLimits struct {
 	// Budget, when set, is charged for the body's buffer before it is read.
 	Budget *BodyBudget
 	// Clock times the budget's wait; nil is the real clock.
-	Clock Clock
+	Clock clock.Clock
 }
 
 // BufferBody reads r's body into one Body bounded by lim, charged to
@@ -244,15 +245,12 @@ func readBody(ctx context.Context, r *http.Request, lim BodyLimits) (*Body, erro
 	if r.ContentLength > limit {
 		return nil, fmt.Errorf("%w: declared %d bytes, limit %d", ErrBodyTooLarge, r.ContentLength, limit)
 	}
-	clock := lim.Clock
-	if clock == nil {
-		clock = realClock{}
-	}
+	clk := clock.Or(lim.Clock)
 	charge := func(n int64) error {
 		if lim.Budget == nil || n <= 0 {
 			return nil
 		}
-		if err := lim.Budget.acquire(ctx, clock, n); err != nil {
+		if err := lim.Budget.acquire(ctx, clk, n); err != nil {
 			return err
 		}
 		b.charged += n

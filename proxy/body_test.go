@@ -17,6 +17,7 @@ import (
 	"github.com/tidwall/sjson"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // budgetSettles waits until b has nothing charged: a body's charge is given
@@ -55,7 +56,7 @@ func newBudget(t *testing.T, size int64) *BodyBudget {
 // read and with no upstream call.
 func TestBodyBudgetFullRefuses503BeforeReading(t *testing.T) {
 	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clock := newFakeClock()
+	clock := clocktest.New(time.Time{})
 	budget := newBudget(t, 1000)
 	if err := budget.acquire(context.Background(), clock, 900); err != nil {
 		t.Fatal(err)
@@ -68,7 +69,7 @@ func TestBodyBudgetFullRefuses503BeforeReading(t *testing.T) {
 	w := httptest.NewRecorder()
 	done := make(chan *Result)
 	go func() { done <- p.ServeHTTP(w, r) }()
-	clock.waitTimer(t, DefaultBodyBudgetWait)
+	clock.WaitTimer(t, DefaultBodyBudgetWait)
 	clock.Advance(DefaultBodyBudgetWait)
 	res := <-done
 	if w.Code != http.StatusServiceUnavailable || w.Header().Get("Retry-After") != "1" {
@@ -87,7 +88,7 @@ func TestBodyBudgetFullRefuses503BeforeReading(t *testing.T) {
 // A body that waits is admitted as soon as room frees within the wait.
 func TestBodyBudgetWaitAdmitsWhenRoomFrees(t *testing.T) {
 	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clock := newFakeClock()
+	clock := clocktest.New(time.Time{})
 	budget := newBudget(t, 1000)
 	if err := budget.acquire(context.Background(), clock, 900); err != nil {
 		t.Fatal(err)
@@ -97,7 +98,7 @@ func TestBodyBudgetWaitAdmitsWhenRoomFrees(t *testing.T) {
 	w := httptest.NewRecorder()
 	done := make(chan *Result)
 	go func() { done <- p.ServeHTTP(w, post(body)) }()
-	clock.waitTimer(t, DefaultBodyBudgetWait)
+	clock.WaitTimer(t, DefaultBodyBudgetWait)
 	budget.release(900)
 	res := <-done
 	if w.Code != 200 || res.Outcome != OutcomeSuccess || !bytes.Equal(up.bodies[0], []byte(body)) {
@@ -110,7 +111,7 @@ func TestBodyBudgetWaitAdmitsWhenRoomFrees(t *testing.T) {
 func TestBodyLargerThanBudgetIs413(t *testing.T) {
 	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
 	budget := newBudget(t, 100)
-	p, _, _ := newTestProxy(t, Config{BodyBudget: budget, Clock: newFakeClock()}, up)
+	p, _, _ := newTestProxy(t, Config{BodyBudget: budget, Clock: clocktest.New(time.Time{})}, up)
 	w := httptest.NewRecorder()
 	p.ServeHTTP(w, post(`{"prompt":"`+strings.Repeat("z", 200)+`"}`))
 	if w.Code != http.StatusRequestEntityTooLarge || up.calls.Load() != 0 {
@@ -334,7 +335,7 @@ func TestBodyBudgetWaitEndsWithTheRequest(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			up := newUpstream(t, sseUpstream(done))
-			clock := newFakeClock()
+			clock := clocktest.New(time.Time{})
 			budget := newBudget(t, 1000)
 			if err := budget.acquire(context.Background(), clock, 1000); err != nil {
 				t.Fatal(err)
@@ -349,7 +350,7 @@ func TestBodyBudgetWaitEndsWithTheRequest(t *testing.T) {
 			w := httptest.NewRecorder()
 			done := make(chan *Result)
 			go func() { done <- p.ServeHTTP(w, r) }()
-			clock.waitTimer(t, DefaultBodyBudgetWait)
+			clock.WaitTimer(t, DefaultBodyBudgetWait)
 			if tc.timeout {
 				clock.Advance(500 * time.Millisecond)
 			} else {

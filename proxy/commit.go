@@ -3,6 +3,8 @@ package proxy
 import (
 	"net/http"
 	"strconv"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // releaseBody lets go of the request body once a is committed: nothing can
@@ -105,7 +107,7 @@ func (x *exchange) commit(a *attempt) bool {
 	sent := x.send(a.head, a.headEvents)
 	// The head is the client's now; the stopped first-byte timer is
 	// nothing's: a held stream keeps neither.
-	a.head, a.fbTimer = nil, stoppedTimer{}
+	a.head, a.fbTimer = nil, clock.Stopped
 	if !sent {
 		a.clientLeft()
 		return false

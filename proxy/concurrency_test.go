@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // concurrentStreamsEnv names the environment variable that turns on
@@ -82,7 +83,7 @@ func TestConcurrentStreams(t *testing.T) {
 	c, err := admission.NewController(admission.Config{
 		Tiers:   []admission.Tier{{Name: "gold", RPM: 1 << 30, TPM: 1 << 40, MaxConcurrent: 1 << 20}},
 		Tenants: []admission.TenantConfig{{ID: "acme", Tier: "gold"}},
-	}, admission.SystemClock{}, nopAdmissionObserver{})
+	}, clock.Real, nopAdmissionObserver{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,7 +92,7 @@ func TestConcurrentStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	gate := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 << 20 }, Saturated: func() bool { return false }},
-		admission.SystemClock{}, nopAdmissionObserver{})
+		clock.Real, nopAdmissionObserver{})
 	rp := httputil.NewSingleHostReverseProxy(upURL)
 	rp.FlushInterval = -1
 	rp.Transport = &http.Transport{MaxIdleConnsPerHost: 2 * n}

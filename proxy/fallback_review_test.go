@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // reviewTenancy has three tiers that all fit big requests: gold (queues),
@@ -109,7 +110,7 @@ func TestReviewRefusedMoveKeepsThePrimarysReservation(t *testing.T) {
 	tn := reviewTenancy(t)
 	primary, releaseP := holdingUpstream(t)
 	small, releaseF := holdingUpstream(t)
-	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, tn.clk, tn.obs)
 	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", MaxOutputTokens: 300, When: WhenSaturated,
 		Tiers: []string{"silver"}, Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
 	p, _ := tn.proxy(t, cfg, primary)
@@ -197,7 +198,7 @@ func TestReviewSaturatedEverywhereShedsWithTheNoteAndLeaksNothing(t *testing.T) 
 	tn := reviewTenancy(t)
 	primary, releaseP := holdingUpstream(t)
 	small, releaseF := holdingUpstream(t)
-	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, tn.clk, tn.obs)
 	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", When: WhenSaturated | WhenUnavailable,
 		Tiers: []string{"free"}, Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
 	p, _ := tn.proxy(t, cfg, primary)
@@ -284,7 +285,7 @@ func TestReviewUnavailableFallbackFullIsPassedOverAtOnce(t *testing.T) {
 	tn := reviewTenancy(t)
 	primary := newUpstream(t, failing(503))
 	small, releaseF := holdingUpstream(t)
-	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 1 }, Controller: tn.c}, tn.clk, tn.obs)
 	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small",
 		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
 	p, _ := tn.proxy(t, cfg, primary)
@@ -318,12 +319,12 @@ func TestReviewUnavailableFallbackFullIsPassedOverAtOnce(t *testing.T) {
 // per pool tried: a tenant with rpm 2 gets both of its requests served by
 // the fallback.
 func TestReviewFallbackChargesRPMOnce(t *testing.T) {
-	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
+	tn := &tenancy{clk: clocktest.New(time.Time{}), obs: newAdmObserver()}
 	var err error
 	if tn.c, err = admission.NewController(admission.Config{
 		Tiers:   []admission.Tier{{Name: "free", RPM: 2}},
 		Tenants: []admission.TenantConfig{{ID: "c", Tier: "free"}},
-	}, admClock{tn.clk}, tn.obs); err != nil {
+	}, tn.clk, tn.obs); err != nil {
 		t.Fatal(err)
 	}
 	dir, err := admission.NewDirectory([]admission.Key{{Hash: admission.HashKey("sk-c"), Tenant: "c"}})
@@ -337,7 +338,7 @@ func TestReviewFallbackChargesRPMOnce(t *testing.T) {
 	tn.adm = NewTenantAdmitter(tn.c, nil)
 	primary := newUpstream(t, failing(503))
 	small := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 4 }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+	fg := admission.NewGate(admission.GateConfig{Capacity: func() int { return 4 }, Controller: tn.c}, tn.clk, tn.obs)
 	cfg := Config{MaxAttempts: 1, Fallbacks: []Fallback{{Name: "small", MaxOutputTokens: 50,
 		Pool: Pool{Balancer: &listBalancer{addrs: []string{small.addr()}}, Gate: fg}}}}
 	p, _ := tn.proxy(t, cfg, primary)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 func TestFallbackClamp(t *testing.T) {
@@ -337,13 +338,13 @@ func ladderTenancy(t *testing.T) *tenancy {
 // given capacity (0: none) and the key "sk-<id>" for each configured tenant.
 func tenancyOf(t *testing.T, cfg admission.Config, capacity int) *tenancy {
 	t.Helper()
-	tn := &tenancy{clk: newFakeClock(), obs: newAdmObserver()}
+	tn := &tenancy{clk: clocktest.New(time.Time{}), obs: newAdmObserver()}
 	var err error
-	if tn.c, err = admission.NewController(cfg, admClock{tn.clk}, tn.obs); err != nil {
+	if tn.c, err = admission.NewController(cfg, tn.clk, tn.obs); err != nil {
 		t.Fatal(err)
 	}
 	if capacity > 0 {
-		tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return capacity }, Controller: tn.c}, admClock{tn.clk}, tn.obs)
+		tn.g = admission.NewGate(admission.GateConfig{Capacity: func() int { return capacity }, Controller: tn.c}, tn.clk, tn.obs)
 	}
 	var keys []admission.Key
 	for _, tc := range cfg.Tenants {

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // firstWriteRecorder signals once the first bytes reach the client.
@@ -167,7 +169,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // the idle ones go at once without refusing later requests.
 func TestStepWorkersAreReusedAndLetGo(t *testing.T) {
 	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: addrBalancer{up.addr()}, Clock: clk})
 	if err != nil {
 		t.Fatal(err)

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // fakeRetries is a budget with a switch and a fixed backoff.
@@ -127,13 +129,13 @@ func TestHedgeFirstEventWinsAndLoserIsCancelled(t *testing.T) {
 		}
 		sseUpstream(chunkEnd, done)(w, r)
 	})
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	h := &fakeHedging{delay: 50 * time.Millisecond, allow: true}
 	p, obs := hedgedProxy(t, Config{Clock: clk, Hedging: h, Retries: &fakeRetries{allow: true}}, slow, fast)
 	w := httptest.NewRecorder()
 	served := serve(p, w, post(`{"stream":true}`))
 	await(t, primaryStarted, "primary started")
-	clk.waitTimer(t, h.delay)
+	clk.WaitTimer(t, h.delay)
 	clk.Advance(h.delay)
 	res := result(t, served)
 	if w.Body.String() != chunkA+chunkEnd+done || res.Upstream != fast.addr() || !res.Hedged {
@@ -158,10 +160,10 @@ func TestHedgeCapRefusalLeavesPrimaryToFinish(t *testing.T) {
 		sseUpstream(chunkA, done)(w, r)
 	})
 	other := newUpstream(t, sseUpstream(chunkB, done))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	p, obs := hedgedProxy(t, Config{Clock: clk, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: false}}, slow, other)
 	served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
-	clk.waitTimer(t, 20*time.Millisecond)
+	clk.WaitTimer(t, 20*time.Millisecond)
 	clk.Advance(20 * time.Millisecond)
 	obs.waitFor(t, func() bool { return obs.hedges[HedgeSuppressed] == 1 })
 	close(release)
@@ -175,7 +177,7 @@ func TestPrimaryFailingFastStartsBackupAtOnce(t *testing.T) {
 	bad := newUpstream(t, func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down", 503) })
 	good := newUpstream(t, sseUpstream(chunkA, done))
 	p, _ := hedgedProxy(t, Config{
-		Clock:   newFakeClock(), // never advanced: a backoff or a hedge delay would wait forever
+		Clock:   clocktest.New(time.Time{}), // never advanced: a backoff or a hedge delay would wait forever
 		Hedging: &fakeHedging{delay: 10 * time.Second, allow: true},
 		Retries: &fakeRetries{allow: true, backoff: time.Second},
 	}, bad, good)
@@ -189,7 +191,7 @@ func TestRetryBackoffAndBudget(t *testing.T) {
 	h := func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down", 503) }
 	t.Run("budget refuses: one call, failure at once", func(t *testing.T) {
 		a, b := newUpstream(t, h), newUpstream(t, h)
-		p, obs := hedgedProxy(t, Config{Clock: newFakeClock(), Retries: &fakeRetries{allow: false}}, a, b)
+		p, obs := hedgedProxy(t, Config{Clock: clocktest.New(time.Time{}), Retries: &fakeRetries{allow: false}}, a, b)
 		w := httptest.NewRecorder()
 		res := p.ServeHTTP(w, post(`{}`))
 		if w.Code != 503 || res.Attempts != 1 || a.calls.Load()+b.calls.Load() != 1 || obs.exhausted != 1 {
@@ -198,11 +200,11 @@ func TestRetryBackoffAndBudget(t *testing.T) {
 	})
 	t.Run("budget grants: backoff, then another upstream", func(t *testing.T) {
 		a, b := newUpstream(t, h), newUpstream(t, sseUpstream(chunkA, done))
-		clk := newFakeClock()
+		clk := clocktest.New(time.Time{})
 		r := &fakeRetries{allow: true, backoff: 150 * time.Millisecond}
 		p, obs := hedgedProxy(t, Config{Clock: clk, Retries: r}, a, b)
 		served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
-		clk.waitTimer(t, r.backoff)
+		clk.WaitTimer(t, r.backoff)
 		if b.calls.Load() != 0 {
 			t.Fatal("retried before the backoff passed")
 		}
@@ -230,11 +232,11 @@ func TestClientErrorDuringHedgeIsAnsweredAtOnce(t *testing.T) {
 			http.Error(w, `{"error":{"message":"context too long"}}`, 400)
 		}
 	})
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	p, _ := hedgedProxy(t, Config{Clock: clk, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}}, primary, backup)
 	w := httptest.NewRecorder()
 	served := serve(p, w, post(`{"stream":true}`))
-	clk.waitTimer(t, 20*time.Millisecond)
+	clk.WaitTimer(t, 20*time.Millisecond)
 	clk.Advance(20 * time.Millisecond)
 	await(t, backupStarted, "backup started")
 	close(answer)
@@ -251,7 +253,7 @@ func TestClientErrorDuringHedgeIsAnsweredAtOnce(t *testing.T) {
 // (untried ones first when it lists several), backups to backup; it
 // records the clock at each pick and signals backup picks.
 type pickLog struct {
-	clk      *fakeClock
+	clk      *clocktest.Fake
 	primary  []string
 	backup   string
 	mu       sync.Mutex
@@ -313,7 +315,7 @@ func TestReplacementPrimaryGetsItsOwnHedgeDelay(t *testing.T) {
 	bStarted := make(chan struct{}, 1)
 	b := newUpstream(t, hangUntilCancelled(bStarted))
 	c := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	bal := &pickLog{clk: clk, primary: []string{a.addr(), b.addr()}, backup: c.addr(), hedgeAt: make(chan time.Time, 1)}
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: bal, Clock: clk, MaxAttempts: 3,
 		Hedging: &fakeHedging{delay: delay, allow: true}, Retries: &fakeRetries{allow: true}})
@@ -321,7 +323,7 @@ func TestReplacementPrimaryGetsItsOwnHedgeDelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
-	clk.waitTimer(t, delay)
+	clk.WaitTimer(t, delay)
 	clk.Advance(80 * time.Millisecond)
 	close(failA) // A fails at 80ms and is replaced at once by B
 	select {
@@ -360,7 +362,7 @@ func TestHedgeDelayDoesNotRunDuringBackoff(t *testing.T) {
 		hangUntilCancelled(aStarted)(w, r)
 	})
 	c := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	bal := &pickLog{clk: clk, primary: []string{a.addr()}, backup: c.addr(), hedgeAt: make(chan time.Time, 1)}
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: bal, Clock: clk, MaxAttempts: 3,
 		Hedging: &fakeHedging{delay: delay, allow: true}, Retries: &fakeRetries{allow: true}})
@@ -368,7 +370,7 @@ func TestHedgeDelayDoesNotRunDuringBackoff(t *testing.T) {
 		t.Fatal(err)
 	}
 	served := serve(p, httptest.NewRecorder(), post(`{"stream":true}`))
-	clk.waitTimer(t, time.Second) // backing off for A's Retry-After
+	clk.WaitTimer(t, time.Second) // backing off for A's Retry-After
 	fired := clk.Advance(time.Second)
 	select {
 	case <-aStarted:
@@ -423,14 +425,14 @@ func TestHedgeLoserBuildsItsRequestAfterCommit(t *testing.T) {
 	lb := &listBalancer{addrs: []string{primary.addr(), backup.addr()}}
 	b := slowBackupBalancer{closedBalancer{lb}, make(chan struct{})}
 	obs := &recordingObserver{}
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: b, Observer: obs, Clock: clk,
 		MaxAttempts: 3, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	served := serve(p, httptest.NewRecorder(), post(`{"model":"m","stream":true}`))
-	clk.waitTimer(t, 20*time.Millisecond)
+	clk.WaitTimer(t, 20*time.Millisecond)
 	clk.Advance(20 * time.Millisecond)
 	await(t, b.hedgePicked, "backup picked")
 	close(answer)

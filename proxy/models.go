@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/tidwall/gjson"
 	"github.com/tidwall/sjson"
 	"golang.org/x/sync/singleflight"
@@ -61,7 +62,7 @@ type Models struct {
 	// Timeout bounds each upstream's answer; default DefaultModelsTimeout.
 	Timeout time.Duration
 	// Clock is the source of time; nil is the real clock.
-	Clock Clock
+	Clock clock.Clock
 
 	// flight runs one refresh at a time.
 	flight singleflight.Group
@@ -110,12 +111,7 @@ func (m *Models) ServeHTTP(w http.ResponseWriter, r *http.Request, id Identifier
 	_, _ = w.Write(body)
 }
 
-func (m *Models) clock() Clock {
-	if m.Clock == nil {
-		return realClock{}
-	}
-	return m.Clock
-}
+func (m *Models) clock() clock.Clock { return clock.Or(m.Clock) }
 
 // list returns the cached list, or a fresh one when it is older than TTL;
 // it returns r's context error if r ends while the refresh runs.

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // pickRecorder is a listBalancer that keeps every PickRequest it gets.
@@ -45,7 +47,7 @@ func TestModelsWithoutAConvoy(t *testing.T) {
 	})
 	bal := &pickRecorder{listBalancer: listBalancer{addrs: []string{slow.addr()}}}
 	m := &Models{Sources: []ModelSource{{Name: "primary", Balancer: bal}},
-		Transport: schemeTransport{http.DefaultTransport}, Clock: newFakeClock()}
+		Transport: schemeTransport{http.DefaultTransport}, Clock: clocktest.New(time.Time{})}
 
 	type answer struct {
 		code int

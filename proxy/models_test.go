@@ -5,6 +5,8 @@ import (
 	"net/http/httptest"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 func modelsUpstream(t *testing.T, ids ...string) *upstream {
@@ -29,7 +31,7 @@ func TestModelsListsTheUnionOfThePools(t *testing.T) {
 	big := modelsUpstream(t, "llama-70b", "shared")
 	small := modelsUpstream(t, "llama-8b", "shared")
 	down := newUpstream(t, failing(503))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	m := &Models{
 		Sources: []ModelSource{
 			{Name: "primary", Balancer: &listBalancer{addrs: []string{down.addr(), big.addr()}}},
@@ -114,7 +116,7 @@ func TestModelsAskForTheSameCredentials(t *testing.T) {
 func TestModelsKeepAPoolThatCannotBeAsked(t *testing.T) {
 	big := modelsUpstream(t, "llama-70b")
 	small := modelsUpstream(t, "llama-8b")
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	open := false
 	smallPool := balancerFunc(func(req PickRequest) (Upstream, error) {
 		if open {

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // Upstream is the target of one attempt, as chosen by a Balancer.
@@ -326,7 +327,7 @@ type Config struct {
 	FreshTransport http.RoundTripper
 	// Clock is the source of time and timers for every timeout, the hedge
 	// delay and backoff sleeps; nil is the real clock.
-	Clock Clock
+	Clock clock.Clock
 	// Identifier finds out who sent a request (step 2), e.g. a
 	// *KeyIdentifier; nil identifies everyone as the zero Identity.
 	Identifier Identifier
@@ -407,7 +408,7 @@ type Proxy struct {
 	primary Pool // Config's Balancer, Retries and Hedging
 	// saturatedRungs: some fallback takes the primary's saturated overflow.
 	saturatedRungs bool
-	clock          Clock
+	clock          clock.Clock
 	obs            Observer
 	log            *zap.Logger
 	// steps runs requests' steps up to commit; Close lets its workers go.
@@ -453,7 +454,7 @@ func New(cfg Config) (*Proxy, error) {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
 	if cfg.Clock == nil {
-		cfg.Clock = realClock{}
+		cfg.Clock = clock.Real
 	}
 	if cfg.Identifier == nil {
 		cfg.Identifier = nopIdentifier{}

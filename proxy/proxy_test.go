@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // schemeTransport sets the URL scheme as Caddy's http transport does.
@@ -411,7 +413,7 @@ func TestFirstByteTimeoutFailsOverThen504(t *testing.T) {
 	started := make(chan struct{}, 2)
 	hang := func(w http.ResponseWriter, r *http.Request) { started <- struct{}{}; <-r.Context().Done() }
 	a, b := newUpstream(t, hang), newUpstream(t, hang)
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	const fbt = 50 * time.Millisecond
 	p, rel, obs := newTestProxy(t, Config{Clock: clk, FirstByteTimeout: fbt, MaxAttempts: 2}, a, b)
 	w := httptest.NewRecorder()
@@ -422,7 +424,7 @@ func TestFirstByteTimeoutFailsOverThen504(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("attempt never reached its upstream")
 		}
-		clk.waitTimer(t, fbt)
+		clk.WaitTimer(t, fbt)
 		clk.Advance(fbt)
 	}
 	res := result(t, served)
@@ -445,12 +447,12 @@ func TestIdleTimeoutAfterCommit(t *testing.T) {
 		sseUpstream(chunkA)(w, r)
 		<-r.Context().Done()
 	})
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	const idle = 50 * time.Millisecond
 	p, _, _ := newTestProxy(t, Config{Clock: clk, StreamIdleTimeout: idle}, up)
 	w := httptest.NewRecorder()
 	served := serve(p, w, post(`{"stream":true}`))
-	clk.waitTimer(t, idle)
+	clk.WaitTimer(t, idle)
 	clk.Advance(idle)
 	res := result(t, served)
 	if res.Outcome != OutcomeIdleTimeout || !strings.Contains(w.Body.String(), `"code":"stream_idle_timeout"`) {

@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // slowClient blocks its second write until released, as a client that
@@ -43,7 +45,7 @@ func TestSlowClientIsNotAnUpstreamIdleTimeout(t *testing.T) {
 		_, _ = io.WriteString(w, chunkEnd+done)
 		w.(http.Flusher).Flush()
 	})
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	p, _, obs := newTestProxy(t, Config{Clock: clk, StreamIdleTimeout: 200 * time.Millisecond}, up)
 	w := &slowClient{ResponseRecorder: httptest.NewRecorder(), blocked: make(chan struct{}), release: make(chan struct{})}
 	served := serve(p, w, post(`{"model":"m","stream":true}`))
@@ -89,7 +91,7 @@ func TestPanicBeforeCommitReleasesRunningAttempts(t *testing.T) {
 		}
 	})
 	b := &panicBalancer{addr: up.addr(), done: make(chan struct{})}
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	obs := &recordingObserver{}
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: b, MaxAttempts: 3, Clock: clk,
 		Observer: obs, Hedging: &fakeHedging{delay: 20 * time.Millisecond, allow: true}})
@@ -102,7 +104,7 @@ func TestPanicBeforeCommitReleasesRunningAttempts(t *testing.T) {
 		p.ServeHTTP(httptest.NewRecorder(), post(`{"model":"m","stream":true}`))
 	}()
 	await(t, started, "attempt started")
-	clk.waitTimer(t, 20*time.Millisecond)
+	clk.WaitTimer(t, 20*time.Millisecond)
 	clk.Advance(20 * time.Millisecond)
 	if v := <-panicked; v == nil {
 		t.Fatal("the balancer's panic was swallowed")
@@ -125,7 +127,7 @@ func TestRetryBackoffWithoutDoneCallback(t *testing.T) {
 	good := newUpstream(t, sseUpstream(chunkEnd, done))
 	addrs := []string{bad.addr(), good.addr()}
 	bal := balancerFunc(func(req PickRequest) (Upstream, error) { return Upstream{Addr: addrs[min(len(req.Tried), 1)]}, nil })
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	const backoff = 10 * time.Millisecond
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: bal, Clock: clk,
 		Retries: &fakeRetries{allow: true, backoff: backoff}})
@@ -138,7 +140,7 @@ func TestRetryBackoffWithoutDoneCallback(t *testing.T) {
 		defer func() { served <- recover() }()
 		res = p.ServeHTTP(httptest.NewRecorder(), post(`{"model":"m","stream":true}`))
 	}()
-	clk.waitTimer(t, backoff) // with the bug, the panic comes before the backoff is armed
+	clk.WaitTimer(t, backoff) // with the bug, the panic comes before the backoff is armed
 	clk.Advance(backoff)
 	if v := <-served; v != nil {
 		t.Fatalf("panic: %v", v)

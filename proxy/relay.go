@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -197,7 +198,7 @@ func (x *exchange) send(p []byte, events int) bool {
 type idleWatch struct {
 	idle time.Duration
 	a    *attempt // its exchange's clock and start time the watch
-	t    Timer
+	t    clock.Timer
 	// since is when the relay started waiting on the upstream, as the
 	// time since the exchange's start; idleBusy while it handles events,
 	// idleDone once the relay has ended.

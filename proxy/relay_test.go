@@ -10,6 +10,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // readsTransport answers with an SSE body that returns reads[i] from its
@@ -214,7 +217,7 @@ func TestRelayAllocatesNothingPerEvent(t *testing.T) {
 }
 
 // watched returns an attempt whose idle watch runs on clk, and its context.
-func watched(clk Clock, idle time.Duration) (*attempt, context.Context) {
+func watched(clk clock.Clock, idle time.Duration) (*attempt, context.Context) {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	x := &exchange{p: &Proxy{clock: clk}, start: clk.Now()}
 	a := &attempt{x: x, ctx: ctx, cancel: cancel}
@@ -227,7 +230,7 @@ func watched(clk Clock, idle time.Duration) (*attempt, context.Context) {
 func TestIdleWatchCountsFromTheLastWait(t *testing.T) {
 	const idle = 50 * time.Millisecond
 	t.Run("a quiet upstream", func(t *testing.T) {
-		clk := newFakeClock()
+		clk := clocktest.New(time.Time{})
 		a, ctx := watched(clk, idle)
 		defer a.idle.stop()
 		clk.Advance(idle - time.Millisecond)
@@ -240,7 +243,7 @@ func TestIdleWatchCountsFromTheLastWait(t *testing.T) {
 		}
 	})
 	t.Run("an event re-arms it for the rest", func(t *testing.T) {
-		clk := newFakeClock()
+		clk := clocktest.New(time.Time{})
 		a, ctx := watched(clk, idle)
 		defer a.idle.stop()
 		clk.Advance(30 * time.Millisecond)
@@ -257,7 +260,7 @@ func TestIdleWatchCountsFromTheLastWait(t *testing.T) {
 		}
 	})
 	t.Run("a slow write", func(t *testing.T) {
-		clk := newFakeClock()
+		clk := clocktest.New(time.Time{})
 		a, ctx := watched(clk, idle)
 		defer a.idle.stop()
 		a.idle.busy()
@@ -273,7 +276,7 @@ func TestIdleWatchCountsFromTheLastWait(t *testing.T) {
 		}
 	})
 	t.Run("stopped", func(t *testing.T) {
-		clk := newFakeClock()
+		clk := clocktest.New(time.Time{})
 		a, ctx := watched(clk, idle)
 		a.idle.stop()
 		clk.Advance(time.Hour)

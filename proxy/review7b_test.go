@@ -3,16 +3,17 @@ package proxy
 import (
 	"net/http"
 	"net/http/httptest"
-	"slices"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // stream_timeout's timer is stopped once ServeHTTP returns, on every kind of
 // request.
 func TestReview7StreamTimeoutTimerStoppedAtReturn(t *testing.T) {
 	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	const st = 7 * time.Minute
 	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: addrBalancer{up.addr()}, Clock: clk, StreamTimeout: st})
 	if err != nil {
@@ -21,10 +22,7 @@ func TestReview7StreamTimeoutTimerStoppedAtReturn(t *testing.T) {
 	defer p.Close()
 	for _, body := range []string{`{"model":"m","stream":true}`, `{"model":"m"}`, `not json`} {
 		p.ServeHTTP(httptest.NewRecorder(), post(body))
-		clk.mu.Lock()
-		armed := slices.ContainsFunc(clk.timers, func(ft *fakeTimer) bool { return ft.active && ft.d == st })
-		clk.mu.Unlock()
-		if armed {
+		if clk.ArmedFor(st) {
 			t.Fatalf("%s: the stream_timeout timer is still armed after ServeHTTP returned", body)
 		}
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/tidwall/gjson"
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // TestMessagesCutBeforeMessageDeltaSettlesAnEstimate: a Messages stream
@@ -457,7 +458,7 @@ func TestEndBeforeAnythingGeneratedEndsTheResponse(t *testing.T) {
 		}
 	})
 	t.Cleanup(func() { close(release) }) // before the upstream closes
-	p, _, obs := newTestProxy(t, Config{Clock: newFakeClock()}, up)
+	p, _, obs := newTestProxy(t, Config{Clock: clocktest.New(time.Time{})}, up)
 	w := httptest.NewRecorder()
 	done := make(chan *Result, 1)
 	go func() { done <- p.ServeHTTP(w, apiPost("/v1/responses", responsesBody)) }()

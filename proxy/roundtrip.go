@@ -16,6 +16,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/budget"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -52,7 +53,7 @@ type attempt struct {
 	cancel  context.CancelCauseFunc
 	unlink  func() bool   // stops the request's cancellation reaching ctx
 	started time.Duration // since the exchange's start
-	fbTimer Timer
+	fbTimer clock.Timer
 
 	// resp is the upstream's response until commit, which keeps only its
 	// status and body (a held stream need not hold the rest).

@@ -4,6 +4,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // stepWorkerIdle is how long a step worker waits for the next request
@@ -22,7 +24,7 @@ const stepWorkerIdle = 5 * time.Second
 // stepWorkerIdle exits, and Close lets every idle one go. The workers hold
 // nothing of a request once run returns.
 type stepPool struct {
-	clock Clock
+	clock clock.Clock
 	// jobs is unbuffered: a send succeeds only into a waiting worker.
 	jobs chan *exchange
 	stop chan struct{}
@@ -31,8 +33,8 @@ type stepPool struct {
 	live atomic.Int32
 }
 
-func newStepPool(clock Clock) *stepPool {
-	return &stepPool{clock: clock, jobs: make(chan *exchange), stop: make(chan struct{})}
+func newStepPool(clk clock.Clock) *stepPool {
+	return &stepPool{clock: clk, jobs: make(chan *exchange), stop: make(chan struct{})}
 }
 
 // run runs x.run on a waiting worker, or on a new one when none waits.

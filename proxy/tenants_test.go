@@ -14,15 +14,8 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
-
-// admClock adapts the lifecycle's fake clock to admission's Clock, so
-// that both move together.
-type admClock struct{ *fakeClock }
-
-func (c admClock) AfterFunc(d time.Duration, f func()) interface{ Stop() bool } {
-	return c.fakeClock.AfterFunc(d, f)
-}
 
 // admObserver records what admission reports: settled tokens, and queue
 // depth changes (queued is signalled when a request starts to wait).
@@ -79,7 +72,7 @@ var tenantConfig = admission.Config{
 // tenancy is a controller, an optional gate and the identifier and
 // admitter over them, on one fake clock.
 type tenancy struct {
-	clk   *fakeClock
+	clk   *clocktest.Fake
 	obs   *admObserver
 	c     *admission.Controller
 	g     *admission.Gate
@@ -388,8 +381,8 @@ func TestAdmissionSettledOnceOnEveryPath(t *testing.T) {
 	cases := []struct {
 		name    string
 		handler func(w http.ResponseWriter, r *http.Request)
-		cfg     func(*Config, *fakeClock)
-		drive   func(*testing.T, *fakeClock)
+		cfg     func(*Config, *clocktest.Fake)
+		drive   func(*testing.T, *clocktest.Fake)
 		client  func(*http.Request) (http.ResponseWriter, *http.Request)
 		outcome Outcome
 		settled string
@@ -410,17 +403,17 @@ func TestAdmissionSettledOnceOnEveryPath(t *testing.T) {
 		{name: "upstream error after commit", handler: sseUpstream(chunkA, chunkB),
 			outcome: OutcomeTruncated, settled: "a prompt estimate 2, a completion estimate 2"},
 		{name: "first-byte timeout", handler: func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() },
-			cfg: func(c *Config, _ *fakeClock) { c.FirstByteTimeout = time.Second },
-			drive: func(t *testing.T, clk *fakeClock) {
-				clk.waitTimer(t, time.Second)
+			cfg: func(c *Config, _ *clocktest.Fake) { c.FirstByteTimeout = time.Second },
+			drive: func(t *testing.T, clk *clocktest.Fake) {
+				clk.WaitTimer(t, time.Second)
 				clk.Advance(time.Second)
 			}, outcome: OutcomeTimeout, settled: ""},
 		{name: "panic after commit", handler: sseUpstream(chunkA, chunkB, chunkEnd, done),
-			cfg: func(c *Config, _ *fakeClock) { c.Observer = panicObserver{} },
+			cfg: func(c *Config, _ *clocktest.Fake) { c.Observer = panicObserver{} },
 			// The observer panics as the first event goes out, before it is counted.
 			outcome: OutcomeInternalError, settled: "a prompt estimate 2"},
 		{name: "panic before commit", handler: sseUpstream(chunkA, done),
-			cfg: func(c *Config, _ *fakeClock) {
+			cfg: func(c *Config, _ *clocktest.Fake) {
 				c.Balancer = balancerFunc(func(PickRequest) (Upstream, error) { panic("balancer bug") })
 			}, outcome: OutcomeInternalError, settled: ""},
 	}
@@ -542,7 +535,7 @@ func TestTenantFault(t *testing.T) {
 // upstream takes d to answer.
 type advancingTransport struct {
 	rt  http.RoundTripper
-	clk *fakeClock
+	clk *clocktest.Fake
 	d   time.Duration
 }
 
@@ -556,7 +549,7 @@ func (a advancingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 func TestAttemptTTFTIsFromTheCommittedAttemptsStart(t *testing.T) {
 	bad := newUpstream(t, func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down", 503) })
 	good := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	p, err := New(Config{Clock: clk, MaxAttempts: 2,
 		Transport: advancingTransport{rt: schemeTransport{http.DefaultTransport}, clk: clk, d: 300 * time.Millisecond},
 		Balancer:  &listBalancer{addrs: []string{bad.addr(), good.addr()}}})

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // scrapeAccept asks for the Prometheus text format: every inference server
@@ -20,30 +21,6 @@ const scrapeAccept = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 // maxScrapeBody bounds a /metrics response read (a vLLM server with many
 // LoRA adapters exposes a few hundred KB): 8 MiB.
 const maxScrapeBody = 8 << 20
-
-// Clock is a Scraper's time: the times scrapes are stamped with, the
-// interval between two scrapes (NewTimer) and each scrape's timeout
-// (AfterFunc). Tests and simulations inject a fake one; proxy.Clock has
-// these methods.
-type Clock interface {
-	// Now returns the current time.
-	Now() time.Time
-	// NewTimer returns a timer that sends the time on its C channel once
-	// d has passed, as time.NewTimer.
-	NewTimer(d time.Duration) Timer
-	// AfterFunc returns a timer that calls f in its own goroutine once d
-	// has passed, as time.AfterFunc; its C is nil.
-	AfterFunc(d time.Duration, f func()) Timer
-}
-
-// Timer is a timer made by a Clock.
-type Timer interface {
-	// C is the channel on which a NewTimer timer delivers; nil for an
-	// AfterFunc timer.
-	C() <-chan time.Time
-	// Stop prevents the timer from firing; it reports whether it did.
-	Stop() bool
-}
 
 // Observer receives a Scraper's reports for metrics and logs. Calls come
 // from the scrape loops, one at a time per upstream, under the scraper's
@@ -98,18 +75,18 @@ type TripGroup struct {
 // Scrapers are the scrapers of one registry: the clock and observer they
 // share, and the count of scrape loops running.
 type Scrapers struct {
-	clock Clock
+	clock clock.Clock
 	obs   Observer
 	loops atomic.Int64
 }
 
 // NewScrapers returns a group of scrapers on clock (required) reporting to
 // obs (nil: nothing is reported).
-func NewScrapers(clock Clock, obs Observer) *Scrapers {
+func NewScrapers(clk clock.Clock, obs Observer) *Scrapers {
 	if obs == nil {
 		obs = nopObserver{}
 	}
-	return &Scrapers{clock: clock, obs: obs}
+	return &Scrapers{clock: clk, obs: obs}
 }
 
 // Loops returns the number of scrape loops running.

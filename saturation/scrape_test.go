@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // eventLog is an Observer that keeps its reports in order.
@@ -85,14 +86,14 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.5
 
 // newTestScraper returns a scraper of 10.0.0.1:8000 on a fake clock, with
 // settings on tr (defaults applied; Interval and Timeout as given).
-func newTestScraper(t *testing.T, tr http.RoundTripper, interval, timeout time.Duration) (*Scraper, *Scrapers, *fakeClock, *eventLog, *Saturation) {
+func newTestScraper(t *testing.T, tr http.RoundTripper, interval, timeout time.Duration) (*Scraper, *Scrapers, *clocktest.Fake, *eventLog, *Saturation) {
 	t.Helper()
-	clk, obs := newFakeClock(), &eventLog{}
+	clk, obs := clocktest.New(time.Time{}), &eventLog{}
 	g := NewScrapers(clk, obs)
 	s := g.New("10.0.0.1:8000", &fakeHost{})
 	t.Cleanup(func() {
 		s.Stop()
-		settle(t, "the loop ends after Stop", func() bool { return g.Loops() == 0 })
+		clocktest.Settle(t, "the loop ends after Stop", func() bool { return g.Loops() == 0 })
 	})
 	cfg := Saturation{Transport: tr, Interval: interval, Timeout: timeout}.Defaults()
 	return s, g, clk, obs, &cfg
@@ -107,8 +108,8 @@ func TestScrapeTimesOutOnTheScrapersClock(t *testing.T) {
 	tr.hang.Store(true)
 	s, _, clk, obs, cfg := newTestScraper(t, tr, 2*time.Hour, time.Hour)
 	s.Configure(cfg)
-	settle(t, "the scrape hangs with its timeout armed", func() bool {
-		_, timeouts := clk.armed()
+	clocktest.Settle(t, "the scrape hangs with its timeout armed", func() bool {
+		_, timeouts := clk.Armed()
 		return tr.inflight.Load() == 1 && timeouts == 1
 	})
 	clk.Advance(time.Hour - time.Millisecond)
@@ -116,8 +117,8 @@ func TestScrapeTimesOutOnTheScrapersClock(t *testing.T) {
 		t.Fatalf("1ms before the timeout: reports %q, snapshot %v, %d in flight; want none, none, 1", got, pub, tr.inflight.Load())
 	}
 	clk.Advance(time.Millisecond)
-	settle(t, "the scrape fails and the loop waits for its next tick", func() bool {
-		tickers, _ := clk.armed()
+	clocktest.Settle(t, "the scrape fails and the loop waits for its next tick", func() bool {
+		tickers, _ := clk.Armed()
 		return tickers == 1 && tr.inflight.Load() == 0
 	})
 	want := "scraped 10.0.0.1:8000: GET /metrics: no response within 1h0m0s: context deadline exceeded"
@@ -130,9 +131,9 @@ func TestScrapeTimesOutOnTheScrapersClock(t *testing.T) {
 	}
 	// The next tick scrapes again, and times out again.
 	clk.Advance(2 * time.Hour)
-	settle(t, "the second scrape hangs", func() bool { return tr.inflight.Load() == 1 })
+	clocktest.Settle(t, "the second scrape hangs", func() bool { return tr.inflight.Load() == 1 })
 	clk.Advance(time.Hour)
-	settle(t, "the second scrape fails", func() bool { return len(obs.all()) == 2 })
+	clocktest.Settle(t, "the second scrape fails", func() bool { return len(obs.all()) == 2 })
 	if n := tr.scrapes.Load(); n != 2 {
 		t.Fatalf("%d scrapes in two intervals, want 2", n)
 	}
@@ -153,7 +154,7 @@ func TestScrapeLoopEndsWhenNoConfigReadsIt(t *testing.T) {
 		t.Fatalf("an unconfigured scraper runs %d loops, scraped %d times", g.Loops(), tr.scrapes.Load())
 	}
 	s.Configure(cfg)
-	settle(t, "the first scrape is done", func() bool { tickers, _ := clk.armed(); return tickers == 1 })
+	clocktest.Settle(t, "the first scrape is done", func() bool { tickers, _ := clk.Armed(); return tickers == 1 })
 	if pub, ok := s.Scraped(); !pub || !ok {
 		t.Fatalf("after the first scrape: snapshot %v, ok %v", pub, ok)
 	}
@@ -166,7 +167,7 @@ func TestScrapeLoopEndsWhenNoConfigReadsIt(t *testing.T) {
 	}
 	s.Configure(nil)
 	clk.Advance(time.Second) // the loop wakes and sees no config
-	settle(t, "the loop ends", func() bool { return g.Loops() == 0 })
+	clocktest.Settle(t, "the loop ends", func() bool { return g.Loops() == 0 })
 	if pub := scraped(s); pub || tr.scrapes.Load() != 1 {
 		t.Fatalf("after the loop ended: snapshot %v, %d scrapes; want none, 1", pub, tr.scrapes.Load())
 	}
@@ -174,7 +175,7 @@ func TestScrapeLoopEndsWhenNoConfigReadsIt(t *testing.T) {
 		t.Fatalf("reports %q", got)
 	}
 	s.Configure(cfg)
-	settle(t, "a new loop scrapes", func() bool { tickers, _ := clk.armed(); return tickers == 1 && scraped(s) })
+	clocktest.Settle(t, "a new loop scrapes", func() bool { tickers, _ := clk.Armed(); return tickers == 1 && scraped(s) })
 	if n, loops := tr.scrapes.Load(), g.Loops(); n != 2 || loops != 1 {
 		t.Fatalf("%d scrapes, %d loops after configuring again; want 2, 1", n, loops)
 	}
@@ -185,17 +186,17 @@ func TestScrapeLoopEndsWhenNoConfigReadsIt(t *testing.T) {
 // cancelled scrape is reported after.
 func TestStopEndsAScrapeInFlightAndReportsNothingAfter(t *testing.T) {
 	tr := &metricsTransport{body: busyBody}
-	clk, obs := newFakeClock(), &eventLog{}
+	clk, obs := clocktest.New(time.Time{}), &eventLog{}
 	g := NewScrapers(clk, obs)
 	s := g.New("10.0.0.1:8000", &fakeHost{})
 	cfg := Saturation{Transport: tr}.Defaults()
 	s.Configure(&cfg)
-	settle(t, "the first scrape is done", func() bool { tickers, _ := clk.armed(); return tickers == 1 })
+	clocktest.Settle(t, "the first scrape is done", func() bool { tickers, _ := clk.Armed(); return tickers == 1 })
 	tr.hang.Store(true)
 	clk.Advance(cfg.Interval)
-	settle(t, "the second scrape hangs", func() bool { return tr.inflight.Load() == 1 })
+	clocktest.Settle(t, "the second scrape hangs", func() bool { return tr.inflight.Load() == 1 })
 	s.Stop()
-	settle(t, "the loop ends", func() bool { return g.Loops() == 0 && tr.inflight.Load() == 0 })
+	clocktest.Settle(t, "the loop ends", func() bool { return g.Loops() == 0 && tr.inflight.Load() == 0 })
 	s.Configure(&cfg) // a stopped scraper never starts again
 	if got := strings.Join(obs.all(), "; "); got != "scraped 10.0.0.1:8000; gone 10.0.0.1:8000" || g.Loops() != 0 {
 		t.Fatalf("reports %q, %d loops; want one scrape, gone, no loop", got, g.Loops())
@@ -210,7 +211,7 @@ func TestStopEndsAScrapeInFlightAndReportsNothingAfter(t *testing.T) {
 // breakers the host names (the pools that configured saturation), no
 // other; with none named they trip nothing.
 func TestSaturationTripReachesOnlyTheHostsBreakers(t *testing.T) {
-	clk := newFakeClock()
+	clk := clocktest.New(time.Time{})
 	g := NewScrapers(clk, nil)
 	reads, other := breaker.New("reads", breaker.Settings{}, breaker.WithClock(clk)), breaker.New("other", breaker.Settings{}, breaker.WithClock(clk))
 	s := g.New("10.0.0.1:8000", &fakeHost{breakers: []*breaker.Breaker{reads}})
@@ -238,7 +239,7 @@ func TestSaturationTripReachesOnlyTheHostsBreakers(t *testing.T) {
 // while successful scrapes reset the epoch never drive the count below
 // zero (it would read as about 4 billion), and it is 0 when all ended.
 func TestSinceScrapeConcurrentNeverNegative(t *testing.T) {
-	s := NewScrapers(newFakeClock(), nil).New("10.0.0.1:8000", &fakeHost{})
+	s := NewScrapers(clocktest.New(time.Time{}), nil).New("10.0.0.1:8000", &fakeHost{})
 	var wg, resetter sync.WaitGroup
 	var stop atomic.Bool
 	var resets atomic.Int64

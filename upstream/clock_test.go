@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // loopClock is a fake clock with timers (a proxy.Clock) for the probe and
@@ -41,13 +41,13 @@ func (c *loopClock) Now() time.Time {
 	return c.now
 }
 
-func (c *loopClock) NewTimer(d time.Duration) proxy.Timer {
+func (c *loopClock) NewTimer(d time.Duration) clock.Timer {
 	t := &loopTimer{c: c, ch: make(chan time.Time, 1)}
 	t.Reset(d)
 	return t
 }
 
-func (c *loopClock) AfterFunc(d time.Duration, f func()) proxy.Timer {
+func (c *loopClock) AfterFunc(d time.Duration, f func()) clock.Timer {
 	t := &loopTimer{c: c, f: f}
 	t.Reset(d)
 	return t

@@ -177,7 +177,7 @@ func (p *Pool) newHedger() (*hedger, error) {
 	}
 	capKey := fmt.Sprintf("cap|%s|%g|%g|%v", p.cfg.Key, hc.Cap.MaxRatio, hc.Cap.MinPerSec, hc.Cap.Window)
 	c, err := p.reg.state.Acquire(&p.claims, capKey, func() (*poolState, error) {
-		c, err := hedge.NewRateCap(hc.Cap, hedge.SystemClock{})
+		c, err := hedge.NewRateCap(hc.Cap, nil)
 		if err != nil {
 			return nil, fmt.Errorf("hedge: %w", err)
 		}
@@ -207,7 +207,7 @@ func (g *hedger) tracker(info proxy.RequestInfo) *hedge.LatencyTracker {
 	if v, ok := g.trackers.trackers.Load(k); ok {
 		return v.(*hedge.LatencyTracker)
 	}
-	v, _ := g.trackers.trackers.LoadOrStore(k, hedge.NewLatencyTracker(0, hedge.SystemClock{}))
+	v, _ := g.trackers.trackers.LoadOrStore(k, hedge.NewLatencyTracker(0, nil))
 	return v.(*hedge.LatencyTracker)
 }
 

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
-	"github.com/llmproxy/caddy-llm-proxy/proxy"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // Defaults of Prober.
@@ -66,7 +66,7 @@ var errProbeTimeout = errors.New("probe timeout")
 // send runs one probe against addr: success is a 2xx with a complete body
 // within Timeout, as clk counts it (the registry's timers). It ends early
 // when ctx does (the entry was released).
-func (p *Prober) send(ctx context.Context, clk proxy.Clock, addr string) error {
+func (p *Prober) send(ctx context.Context, clk clock.Clock, addr string) error {
 	timeout := p.Timeout
 	if timeout <= 0 {
 		timeout = 60 * time.Second

@@ -17,8 +17,8 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
-	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
@@ -80,11 +80,11 @@ type Registry struct {
 	// breakerOpts are added to every breaker's options (tests inject a clock).
 	breakerOpts []breaker.Option
 	// clock is the time of picks, retry budgets and, through breakerOpts,
-	// breakers (UseClock); breaker.SystemClock by default.
+	// breakers (UseClock); clock.Real by default.
 	clock breaker.Clock
 	// timers paces the probe and scrape loops (UseClock with a
-	// proxy.Clock); wallClock by default.
-	timers proxy.Clock
+	// clock.Clock); clock.Real by default.
+	timers clock.Clock
 	// store is the breaker store of the breakers created now (nil: none);
 	// storeMu serializes SetBreakerStore.
 	store   atomic.Pointer[storeBox]
@@ -128,7 +128,7 @@ func NewRegistry(obs Observer) *Registry {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: breaker.SystemClock{}, timers: wallClock{}}
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: clock.Real, timers: clock.Real}
 	r.scrapers = saturation.NewScrapers(scrapeClock{r}, obs)
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)
@@ -137,7 +137,7 @@ func NewRegistry(obs Observer) *Registry {
 
 // UseClock makes c the clock of picks, of the retry budgets of pools built
 // from now on, and of the breakers created from now on, so that tests and
-// simulations run on a fake clock. When c is also a proxy.Clock (it makes
+// simulations run on a fake clock. When c is also a clock.Clock (it makes
 // timers), it paces the background loops too: the active prober's
 // interval, the /metrics scrape interval and each scrape's timeout;
 // scrapes are stamped with c's time either way. Call it before building pools; it is not safe for
@@ -145,25 +145,10 @@ func NewRegistry(obs Observer) *Registry {
 func (r *Registry) UseClock(c breaker.Clock) {
 	r.clock = c
 	r.breakerOpts = append(r.breakerOpts, breaker.WithClock(c))
-	if tc, ok := c.(proxy.Clock); ok {
+	if tc, ok := c.(clock.Clock); ok {
 		r.timers = tc
 	}
 }
-
-// wallClock is the timers of package time, the loops' default clock.
-type wallClock struct{}
-
-func (wallClock) Now() time.Time                       { return time.Now() }
-func (wallClock) NewTimer(d time.Duration) proxy.Timer { return wallTimer{time.NewTimer(d)} }
-func (wallClock) AfterFunc(d time.Duration, f func()) proxy.Timer {
-	return wallTimer{time.AfterFunc(d, f)}
-}
-
-type wallTimer struct{ t *time.Timer }
-
-func (t wallTimer) C() <-chan time.Time        { return t.t.C }
-func (t wallTimer) Stop() bool                 { return t.t.Stop() }
-func (t wallTimer) Reset(d time.Duration) bool { return t.t.Reset(d) }
 
 // now is the registry clock's time.
 func (r *Registry) now() time.Time { return r.clock.Now() }

@@ -3,6 +3,7 @@ package upstream
 import (
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
@@ -98,9 +99,9 @@ type scrapeClock struct{ r *Registry }
 
 func (c scrapeClock) Now() time.Time { return c.r.now() }
 
-func (c scrapeClock) NewTimer(d time.Duration) saturation.Timer { return c.r.timers.NewTimer(d) }
+func (c scrapeClock) NewTimer(d time.Duration) clock.Timer { return c.r.timers.NewTimer(d) }
 
-func (c scrapeClock) AfterFunc(d time.Duration, f func()) saturation.Timer {
+func (c scrapeClock) AfterFunc(d time.Duration, f func()) clock.Timer {
 	return c.r.timers.AfterFunc(d, f)
 }
 
