@@ -29,6 +29,6 @@
 // Transport): time comes from an injected Clock (the scrape interval, the
 // scrape timeout and the stamps), so its tests and package upstream's run
 // on a fake clock without sleeping. It imports breaker (the breakers it
-// trips) and internal/clock, and nothing else of the module. Package upstream ranks and
-// filters candidates by the scores and sums them into the pool signal.
+// trips) and internal/clock, and nothing else of the module. Package
+// upstream ranks and filters candidates by the scores and sums them into the pool signal.
 package saturation
