@@ -449,3 +449,57 @@ func TestDocLinksResolve(t *testing.T) {
 		}
 	}
 }
+
+// TestPlaceholdersDocListsTheModules: the Placeholders section of
+// docs/operating.md names every {http.llm_proxy.*} placeholder that
+// Handler.placeholder answers, and README.md and docs/ name no other.
+func TestPlaceholdersDocListsTheModules(t *testing.T) {
+	src, err := os.ReadFile("module.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, body, ok := strings.Cut(string(src), "func (h *Handler) placeholder(")
+	if !ok {
+		t.Fatal("module.go has no Handler.placeholder")
+	}
+	body, _, _ = strings.Cut(body, "\n}\n")
+	served := map[string]bool{}
+	for _, m := range regexp.MustCompile(`case ((?:"\w+",?\s*)+):`).FindAllStringSubmatch(body, -1) {
+		for _, n := range regexp.MustCompile(`"(\w+)"`).FindAllStringSubmatch(m[1], -1) {
+			served[n[1]] = true
+		}
+	}
+	if len(served) < 10 {
+		t.Fatalf("read only %d placeholders from Handler.placeholder (%v): has it changed its shape?", len(served), served)
+	}
+
+	operating, err := os.ReadFile(fromRoot("docs/operating.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(operating), "\n## Placeholders\n")
+	if !ok {
+		t.Fatal("docs/operating.md has no \"## Placeholders\" section")
+	}
+	section, _, _ = strings.Cut(section, "\n## ")
+	for n := range served {
+		if !strings.Contains(section, "{http.llm_proxy."+n+"}") {
+			t.Errorf("docs/operating.md: the Placeholders section does not list {http.llm_proxy.%s}", n)
+		}
+	}
+
+	named := regexp.MustCompile(`\{http\.llm_proxy\.(\w+)\}`)
+	for _, f := range docFiles(t) {
+		b, err := os.ReadFile(fromRoot(f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, line := range strings.Split(string(b), "\n") {
+			for _, m := range named.FindAllStringSubmatch(line, -1) {
+				if !served[m[1]] {
+					t.Errorf("%s:%d names {http.llm_proxy.%s}, which the handler does not set", f, i+1, m[1])
+				}
+			}
+		}
+	}
+}
