@@ -450,19 +450,27 @@ func TestDocLinksResolve(t *testing.T) {
 	}
 }
 
+// fileSection returns the part of a file after the first start and before
+// the next end (or the file's end); a file without start fails the test.
+func fileSection(t *testing.T, path, start, end string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, after, ok := strings.Cut(string(b), start)
+	if !ok {
+		t.Fatalf("%s has no %q", path, start)
+	}
+	section, _, _ := strings.Cut(after, end)
+	return section
+}
+
 // TestPlaceholdersDocListsTheModules: the Placeholders section of
 // docs/operating.md names every {http.llm_proxy.*} placeholder that
 // Handler.placeholder answers, and README.md and docs/ name no other.
 func TestPlaceholdersDocListsTheModules(t *testing.T) {
-	src, err := os.ReadFile("module.go")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, body, ok := strings.Cut(string(src), "func (h *Handler) placeholder(")
-	if !ok {
-		t.Fatal("module.go has no Handler.placeholder")
-	}
-	body, _, _ = strings.Cut(body, "\n}\n")
+	body := fileSection(t, "module.go", "func (h *Handler) placeholder(", "\n}\n")
 	served := map[string]bool{}
 	for _, m := range regexp.MustCompile(`case ((?:"\w+",?\s*)+):`).FindAllStringSubmatch(body, -1) {
 		for _, n := range regexp.MustCompile(`"(\w+)"`).FindAllStringSubmatch(m[1], -1) {
@@ -473,15 +481,7 @@ func TestPlaceholdersDocListsTheModules(t *testing.T) {
 		t.Fatalf("read only %d placeholders from Handler.placeholder (%v): has it changed its shape?", len(served), served)
 	}
 
-	operating, err := os.ReadFile(fromRoot("docs/operating.md"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, ok := strings.Cut(string(operating), "\n## Placeholders\n")
-	if !ok {
-		t.Fatal("docs/operating.md has no \"## Placeholders\" section")
-	}
-	section, _, _ = strings.Cut(section, "\n## ")
+	section := fileSection(t, fromRoot("docs/operating.md"), "\n## Placeholders\n", "\n## ")
 	for n := range served {
 		if !strings.Contains(section, "{http.llm_proxy."+n+"}") {
 			t.Errorf("docs/operating.md: the Placeholders section does not list {http.llm_proxy.%s}", n)
