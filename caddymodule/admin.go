@@ -55,7 +55,7 @@ func init() {
 //	                                           and state, the scrape's age and error
 //	GET  /llm_proxy/saturation/<upstream>      one upstream (its dial address)
 //
-// And the pools (issue 19):
+// And the pools:
 //
 //	GET  /llm_proxy/pools                      every pool of the running config: "key",
 //	                                           "handler" (Handler.Name), "max_ejection", "panic_threshold" (negative:

@@ -6,7 +6,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
 
-// The panic rule's collectors (issue 19), registered with the others in
+// The panic rule's collectors, registered with the others in
 // registerMetrics. pool is the pool's label (poolLabel): its sorted
 // upstream addresses, or its dynamic source's short hash.
 var (

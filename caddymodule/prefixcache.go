@@ -18,8 +18,8 @@ import (
 // module: Provision recognises it before loading the policy module.
 const prefixCachePolicy = "prefix_cache"
 
-// PrefixCacheConfig is the JSON of the prefix_cache selection policy
-// (issue 21): {"policy": "prefix_cache", "block_chars": 256, ...} in
+// PrefixCacheConfig is the JSON of the prefix_cache selection policy:
+// {"policy": "prefix_cache", "block_chars": 256, ...} in
 // load_balancing.selection_policy. It sends each request to the upstream
 // most likely to hold its prompt's prefix in its KV cache, unless that
 // upstream is loaded well beyond the least loaded candidate; a request
@@ -35,10 +35,10 @@ type PrefixCacheConfig struct {
 	// (about 64 tokens).
 	BlockChars int `json:"block_chars,omitempty"`
 	// MaxBlocks is how many blocks the gateway remembers per upstream,
-	// least recently used forgotten first, at about 50 bytes each.
-	// Default 8192 (2 MiB of prompt text, about 400 KiB of memory per
-	// upstream when full). Handlers sharing an upstream share its
-	// index; the largest max_blocks applies.
+	// least recently used forgotten first; the index's memory grows with
+	// it (docs/benchmarks.md has the bytes per block). Default 8192 (2 MiB
+	// of prompt text). Handlers sharing an upstream share its index; the
+	// largest max_blocks applies.
 	MaxBlocks int `json:"max_blocks,omitempty"`
 	// LoadFactor bounds affinity: the upstream holding the prefix keeps
 	// the request while its load (saturation score, or attempts in flight

@@ -44,8 +44,8 @@ const DefaultUpstreamMaxIdleConns = 256
 // DefaultUpstreamBufferSize is the read and write buffer of each upstream
 // connection of the default transport, in bytes: an SSE chunk is a few
 // hundred bytes, so net/http's 4 KiB buffers mostly sit empty for the whole
-// life of a stream (measured at 1,000 open streams: 76–78 → 67 KB RSS per
-// stream); larger writes, such as a prompt, bypass the buffer.
+// life of a stream (docs/benchmarks.md: memory per open stream); larger
+// writes, such as a prompt, bypass the buffer.
 const DefaultUpstreamBufferSize = 1 << 10
 
 // newTarget turns a Caddy upstream into the pool's Target. Placeholders are
