@@ -56,6 +56,12 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
 	}
 	now := p.reg.now()
+	probing := false
+	if p.cfg.Breaker != nil && p.fail.failed.Load() {
+		if members, probing, err = p.failedPoolMembers(members, now, req.Hedge); err != nil {
+			return proxy.Upstream{}, err
+		}
+	}
 	var earliest time.Time
 	open, busy := 0, 0
 	noteOpen := func(addr string, b *breaker.Breaker) {
@@ -164,6 +170,10 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			busy++ // filled up since the scan
 			continue
 		}
+		if probing && !p.fail.takeProbe(c.Entry, now, p.poolProbeInterval()) {
+			c.Entry.releaseSlot() // another pick took its probe
+			continue
+		}
 		if c.br == nil || c.bypass {
 			return p.upstream(c, nil), nil
 		}
@@ -197,6 +207,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 	// stream keeps them.
 	e, br, t, key := c.Entry, c.br, c.Target, c.key
 	epoch := e.startAttempt()
+	started := p.reg.now()
 	return proxy.Upstream{
 		Addr:       t.Addr,
 		Closed:     br == nil || br.State() == breaker.Closed,
@@ -216,6 +227,13 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
+			if rep != nil {
+				if o := rep.Outcome; o.UpstreamFault() {
+					p.recordOutcome(e, started, true)
+				} else if o == proxy.AttemptSuccess || o == proxy.AttemptHTTP4xx || o == proxy.AttemptInbandError4xx {
+					p.recordOutcome(e, started, false)
+				}
+			}
 			if permit == nil {
 				return
 			}
@@ -231,6 +249,37 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			}
 		},
 	}
+}
+
+// failedPoolMembers returns, for a pool that failed as a whole, the members
+// whose probe is due (probing true), or the 503 that answers the request
+// at once: a hedge never probes, and between probes nothing reaches the
+// upstreams.
+func (p *Pool) failedPoolMembers(members []*member, now time.Time, hedge bool) ([]*member, bool, error) {
+	every := p.poolProbeInterval()
+	var due []*member
+	var next time.Time
+	for _, m := range members {
+		at, ok := p.fail.probeDue(m.e, now, every)
+		if ok {
+			due = append(due, m)
+		} else if next.IsZero() || at.Before(next) {
+			next = at
+		}
+	}
+	if !p.fail.failed.Load() {
+		return members, false, nil // re-admitted meanwhile
+	}
+	if len(due) > 0 && !hedge {
+		return due, true, nil
+	}
+	_, _, reason, _ := p.fail.status()
+	ue := &proxy.UnavailableError{CircuitOpen: true, RetryAfter: max(next.Sub(now), 0),
+		Reason: fmt.Sprintf("the pool failed as a whole (%s); only probes reach its upstreams until one succeeds", reason)}
+	if next.IsZero() {
+		ue.RetryAfter = every
+	}
+	return nil, false, ue
 }
 
 var _ proxy.Balancer = (*Pool)(nil)

@@ -120,6 +120,9 @@ type Pool struct {
 	// reserveTrip, not yet open (tripMu guards it).
 	tripMu sync.Mutex
 	trips  int
+	// fail is the pool-wide rule: the pool's last outcomes and whether it
+	// failed as a whole (poolfail.go).
+	fail poolFailure
 }
 
 // member is one upstream of a pool with its shared entry.
