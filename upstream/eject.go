@@ -314,6 +314,7 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 		// goes to the worse outlier, by as much as an outlier is worse
 		// than its pool.
 		if !p.displace(key, self, fi) {
+			p.markOverCap(self)
 			return
 		}
 		if taken, ok = p.reserveTrips(key, self); !ok {

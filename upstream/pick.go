@@ -24,6 +24,9 @@ type Candidate struct {
 
 	br  *breaker.Breaker // nil when breakers are off
 	key string           // br's model key ("" per upstream)
+	// failing is the upstream's failures within RecentWindow, which count
+	// against it as attempts in flight would (see Load).
+	failing int64
 	// bypass marks an upstream whose breaker the saturation rules opened,
 	// picked because no other upstream could take the request: it goes
 	// without a permit (saturation alone never refuses a request).
@@ -119,6 +122,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			fresh = append(fresh, c)
 		}
 	}
+	panicking := false
 	if p.cfg.Breaker != nil {
 		// The cap and the panic rule, for upstreams open on statistics.
 		n, route := len(members), 0
@@ -126,7 +130,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			route = len(ejected) - capN // beyond the cap: not held
 		}
 		thr := p.ejection.PanicThreshold
-		panicking := len(ejected) > 0 && thr > 0 && float64(n-open-len(ejected)+route) < thr*float64(n)
+		panicking = len(ejected) > 0 && thr > 0 && float64(n-open-len(ejected)+route) < thr*float64(n)
 		if panicking {
 			route = len(ejected)
 			p.panicRequest()
@@ -158,6 +162,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		// on the pool signal), and risks nothing the breaker protects.
 		fresh = saturated
 	}
+	p.countFailures(fresh, panicking, now)
 	fresh = p.rank(fresh, now, req.Info.Model)
 	for len(fresh) > 0 {
 		i := p.choose(fresh, r, w, &req) // prefixcache.go
@@ -200,6 +205,42 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	return proxy.Upstream{}, ue
 }
 
+// Load is what count-aware selection policies (LeastConn, RandomChoose)
+// compare: the attempts in flight to the upstream, plus, where its breaker
+// does not keep it out (the pool in panic, the upstream routed over past
+// the ejection cap or refused a place under it), its failures within
+// RecentWindow. An upstream that fails at once has nothing in flight;
+// without its failures it would look the least loaded and draw the
+// traffic just where nothing else keeps it out.
+func (c Candidate) Load() int64 { return c.Entry.Inflight() + c.failing }
+
+// countFailures sets each candidate's recent failures where they count
+// against it (see Candidate.Load): every candidate in panic, else those
+// routed over past the cap and those the cap refused an ejection.
+func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
+	if p.cfg.Breaker == nil {
+		return
+	}
+	for i := range cs {
+		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry, now) {
+			c.failing = int64(c.Entry.recent.Counts().Failures)
+		}
+	}
+}
+
+// markOverCap records that e's breaker would have opened on statistical
+// evidence but the pool's ejection cap had no place for it: for
+// RecentWindow its recent failures count against it in selection.
+func (p *Pool) markOverCap(e *Entry) {
+	p.capRefused.Store(e, p.reg.now().Add(RecentWindow).UnixNano())
+}
+
+// overCap reports whether the cap refused e an ejection within RecentWindow.
+func (p *Pool) overCap(e *Entry, now time.Time) bool {
+	v, ok := p.capRefused.Load(e)
+	return ok && now.UnixNano() < v.(int64)
+}
+
 // upstream hands c to the proxy for one attempt: its slot and permit are
 // given back exactly once, by Done.
 func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
@@ -227,12 +268,12 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
-			if rep != nil {
-				if o := rep.Outcome; o.UpstreamFault() {
-					p.recordOutcome(e, started, true)
-				} else if o == proxy.AttemptSuccess || o == proxy.AttemptHTTP4xx || o == proxy.AttemptInbandError4xx {
-					p.recordOutcome(e, started, false)
-				}
+			// Every attempt's outcome is the upstream's evidence, once,
+			// whether or not a breaker let it through.
+			o := outcomeOf(rep)
+			e.recent.Record(o)
+			if o != breaker.Neutral || answered(rep) {
+				p.recordOutcome(e, started, o == breaker.Failure || o == breaker.Down)
 			}
 			if permit == nil {
 				return
@@ -240,7 +281,9 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			var taken []*Pool
 			failed := record(br, permit, rep, func() bool {
 				var ok bool
-				taken, ok = p.reserveTrips(key, e)
+				if taken, ok = p.reserveTrips(key, e); !ok {
+					p.markOverCap(e)
+				}
 				return !ok
 			})
 			releaseTrips(taken) // the breaker is open: its Evidence holds the places now

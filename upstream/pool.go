@@ -120,6 +120,9 @@ type Pool struct {
 	// reserveTrip, not yet open (tripMu guards it).
 	tripMu sync.Mutex
 	trips  int
+	// capRefused holds, by *Entry, until when (unix ns) the upstream counts
+	// as refused an ejection by the cap (markOverCap).
+	capRefused sync.Map
 	// fail is the pool-wide rule: the pool's last outcomes and whether it
 	// failed as a whole (poolfail.go).
 	fail poolFailure

@@ -204,10 +204,13 @@ func TestPoolWithOneHealthyReplicaIsNotFailed(t *testing.T) {
 			t.Fatalf("request at %v answered 503 at once", r.at)
 		}
 	}
-	served := servedShare(s.between(down, end))
-	t.Logf("served %.1f%% with one healthy replica of three", 100*served)
-	if served < 0.6 {
-		t.Errorf("served %.1f%% with one healthy replica, want ≥ 60%%", 100*served)
+	// Discovery (the outliers' windows filling, within the retry
+	// budget) takes a few seconds; after it the healthy one serves.
+	const discovered = down + 5*time.Second
+	during, after := servedShare(s.between(down, discovered)), servedShare(s.between(discovered, end))
+	t.Logf("served %.1f%% in the %v of discovery, %.1f%% after, with one healthy replica of three", 100*during, discovered-down, 100*after)
+	if after < 0.95 {
+		t.Errorf("served %.1f%% after discovery with one healthy replica, want ≥ 95%%", 100*after)
 	}
 }
 
