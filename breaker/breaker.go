@@ -1148,6 +1148,13 @@ func (b *Breaker) Snapshot() Snapshot {
 	if snap.State == Open {
 		snap.OpenUntil = b.gateTimeLocked()
 	}
+	switch {
+	case b.observed.Load():
+	case snap.State == Open:
+		snap.ProbeDue = !b.forever && b.mono(now) >= b.gate.Load()
+	case snap.State == HalfOpen:
+		snap.ProbeDue = len(b.probes) < c.s.HalfOpenProbes
+	}
 	return snap
 }
 

@@ -768,3 +768,30 @@ func TestStoreSharesOpenState(t *testing.T) {
 		t.Fatal("indefinite entry not open")
 	}
 }
+
+// An idle open breaker still reads Open once its cooldown has passed (only
+// a call half-opens it); its snapshot says a probe is due.
+func TestSnapshotSaysProbeDueOnceTheCooldownPassed(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.down(3)
+	if s := f.b.Snapshot(); s.State != breaker.Open || s.ProbeDue {
+		t.Fatalf("just opened: %+v, want open, no probe due", s)
+	}
+	f.clk.Advance(f.openFor())
+	if s := f.b.Snapshot(); s.State != breaker.Open || !s.ProbeDue {
+		t.Fatalf("cooldown over, no call: %+v, want open with a probe due", s)
+	}
+	p, ok := f.b.Allow()
+	if !ok || !p.Probe() {
+		t.Fatal("no probe after the cooldown")
+	}
+	if s := f.b.Snapshot(); s.State != breaker.HalfOpen || s.ProbeDue {
+		t.Fatalf("probe out: %+v, want half-open with no free slot", s)
+	}
+	p.Done(breaker.Neutral, 0, "")
+	f.b.ForceOpen(0, "drain")
+	f.clk.Advance(time.Hour)
+	if s := f.b.Snapshot(); s.ProbeDue {
+		t.Fatalf("forced open until closed: %+v, want no probe due", s)
+	}
+}

@@ -192,6 +192,9 @@ type BreakerView struct {
 	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
+	// Recent is the upstream's shared evidence: the outcomes of every
+	// handler's attempts on it within RecentWindow (Entry.Recent).
+	Recent breaker.OutcomeCounts `json:"recent"`
 	// Policy is "" for the breakers of the upstream's primary policy (the
 	// newest started handler with breakers on, and every handler with the
 	// same settings), else the fingerprint of the settings of the handlers
@@ -219,7 +222,7 @@ func (r *Registry) Breakers() []BreakerView {
 	var out []BreakerView
 	for _, e := range r.Entries() {
 		for k, b := range e.breakerMap() {
-			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(),
+			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(), Recent: e.Recent(),
 				Policy: k.pol, Pools: e.poolsOf(k.pol), Handlers: e.PolicyHandlers(k.pol)})
 		}
 	}
