@@ -986,8 +986,12 @@ func (b *Breaker) ProbeDue() bool {
 //     forced open until closed is left alone);
 //   - Closed: it opens for exactly d (MinOpen does not apply: the upstream
 //     said when), without counting as a re-open;
-//   - HalfOpen: the Retry-After answers the probe, so it re-opens as a failed
-//     probe would (grown cooldown), and at least until now+d.
+//   - HalfOpen: the Retry-After answers the probe: it re-opens for exactly
+//     d, counting the failure but not a re-open (the upstream said when;
+//     a grown cooldown would double what it asked for).
+//
+// A probe's outcome that comes after its ExtendOpen is ignored (the
+// breaker moved on), so callers give a probe's Retry-After first.
 //
 // A breaker that TripObserved opened stays observed: a Retry-After says
 // nothing about the saturation being over, so it moves the cooldown end out
@@ -1020,13 +1024,15 @@ func (b *Breaker) ExtendOpen(d time.Duration, reason string) {
 		b.openLocked(now, until, false, false, reason)
 		b.publishOpenLocked(reason)
 	case HalfOpen:
-		b.local = false
-		b.probeFailedLocked(now, reason)
-		if until.After(b.openUntil) {
-			b.openUntil = until
-			b.setGateLocked()
-			b.publishOpenLocked(reason)
+		b.consec.Add(1)
+		b.cfg.Load().fails.record(now, true, false)
+		b.lastFailure, b.lastFailureAt = reason, now
+		ev := b.evidence.Load()
+		b.openLocked(now, until, false, b.observed.Load(), reason)
+		if !b.observed.Load() {
+			b.evidence.Store(ev) // what held it before still does
 		}
+		b.publishOpenLocked(reason)
 	}
 }
 

@@ -369,8 +369,8 @@ func TestExtendOpen(t *testing.T) {
 		{name: "never shortens", setup: func(f *fixture) { f.fail(3) }, d: time.Second, wantState: breaker.Open, wantFor: 10 * time.Second},
 		{name: "clamped to max_open when open", setup: func(f *fixture) { f.fail(3) }, d: 10 * time.Hour, wantState: breaker.Open, wantFor: maxOpen},
 		{name: "junk leaves an open breaker alone", setup: func(f *fixture) { f.fail(3) }, d: -5, wantState: breaker.Open, wantFor: 10 * time.Second},
-		{name: "re-opens a half-open breaker with the grown cooldown", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Second, wantState: breaker.Open, wantFor: 20 * time.Second},
-		{name: "re-opens a half-open breaker for at least d", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Minute, wantState: breaker.Open, wantFor: time.Minute},
+		{name: "re-opens a half-open breaker for d, not the grown cooldown", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Second, wantState: breaker.Open, wantFor: time.Second},
+		{name: "re-opens a half-open breaker for a long d", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Minute, wantState: breaker.Open, wantFor: time.Minute},
 		{name: "leaves a forced breaker alone", setup: func(f *fixture) { f.b.ForceOpen(0, "") }, d: time.Minute, wantState: breaker.Open},
 	}
 	for _, tt := range tests {

@@ -35,6 +35,16 @@ import (
 // Pool.reserveTrips): the breaker's own statistical rules trip only below it. It reports
 // whether the outcome was a failure.
 func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, capReached func() bool) (failed bool) {
+	retryAfter := func() {
+		if rep != nil && rep.RetryAfter > 0 {
+			b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+		}
+	}
+	if p.Probe() {
+		// A probe answered with Retry-After re-opens for what the
+		// upstream asked; its failure, recorded after, changes nothing.
+		retryAfter()
+	}
 	switch o := outcomeOf(rep); {
 	case o == breaker.Success:
 		p.DoneCapped(breaker.Success, rep.TTFT, "", capReached) // slow_ttft may count it
@@ -46,11 +56,8 @@ func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, cap
 		p.DoneCapped(o, rep.TTFT, rep.Outcome.String(), capReached)
 		failed = true
 	}
-	if rep == nil {
-		return false
-	}
-	if rep.RetryAfter > 0 {
-		b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+	if !p.Probe() {
+		retryAfter()
 	}
 	return failed
 }

@@ -135,3 +135,32 @@ func TestResettingReplicaWithLongStreamsDrawsNoTraffic(t *testing.T) {
 		t.Errorf("the resetting replica took %d attempts, want ≤ 3 to discover it and 2 probes", onResetting)
 	}
 }
+
+// A probe answered 429 with Retry-After re-opens the breaker for what the
+// upstream asked, not for a doubled cooldown.
+func TestProbeAnsweredWithRetryAfterReopensForThatLong(t *testing.T) {
+	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
+	// The rest of the pool serves: a failed probe is no failure like its
+	// pool's (PeerRatio 0), so it would re-open with the grown cooldown.
+	serveOn(t, p, addrs, addrs[1], 20, never)
+	serveOn(t, p, addrs, addrs[2], 20, never)
+	for range 3 {
+		up := mustPick(t, p, "", addrs[1], addrs[2])
+		up.Done(&proxy.AttemptReport{Upstream: up.Addr, Outcome: proxy.AttemptConnectError})
+	}
+	b := breakerOf(t, reg, addrs[0], "")
+	if b.State() != breaker.Open {
+		t.Fatalf("after 3 refused connections: %+v", b.Snapshot())
+	}
+	clk.Advance(b.Snapshot().OpenUntil.Sub(clk.Now()))
+	up := mustPick(t, p, "", addrs[1], addrs[2])
+	if up.Addr != addrs[0] || b.State() != breaker.HalfOpen {
+		t.Fatalf("picked %s in %s, want the probe of %s", up.Addr, b.State(), addrs[0])
+	}
+	up.Done(&proxy.AttemptReport{Upstream: up.Addr, Outcome: proxy.AttemptHTTP429, Status: 429, RetryAfter: 2 * time.Second})
+	s := b.Snapshot()
+	if want := clk.Now().Add(2 * time.Second); s.State != breaker.Open || !s.OpenUntil.Equal(want) || s.Reopens != 0 {
+		t.Fatalf("after the probe's Retry-After 2s: %s until %v (%v from now), %d re-opens; want open for 2s, no re-open",
+			s.State, s.OpenUntil, s.OpenUntil.Sub(clk.Now()), s.Reopens)
+	}
+}
