@@ -51,6 +51,8 @@ func statusFixture(now time.Time) map[string]any {
 		}},
 		"fleet": fleetView{Mode: "fleet", InstanceID: "gw-1", Since: &since,
 			Instances: []fleet.Instance{{ID: "gw-1", LastSeen: now}, {ID: "gw-2", LastSeen: since}}},
+		"pools": []upstream.PoolStatus{{Key: "10.0.0.2:8000", Handler: "chat", MaxEjection: 0.3, PanicThreshold: 0.5, MaxEjected: 1,
+			Failed: true, FailedSince: since, FailedReason: "40 of its last 40 attempts, across 2 upstreams, failed", Failures: 1}},
 	}
 }
 
@@ -215,7 +217,7 @@ func TestStatusCLITablesNameTheState(t *testing.T) {
 	}
 	for _, want := range []string{"of " + addr, "10.0.0.2:8000", "open 41s forced", "41s ago: http_5xx", "0.82", "1.5s",
 		"opened fleet-wide by gw-2", "scrape of 10.0.0.2:8000 failed: dial tcp: refused",
-		"acme", "gold", "2/4", "7/60", "1.2k/100k", "half_open 41s sat", "FLEET fleet", "gw-2"} {
+		"acme", "gold", "2/4", "7/60", "1.2k/100k", "half_open 41s sat", "FLEET fleet", "gw-2", "pool chat failed as a whole 41s ago"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
