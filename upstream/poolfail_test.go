@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -222,4 +224,65 @@ func countAttempted(rs []poolRun) int {
 		}
 	}
 	return n
+}
+
+// poolFailEvents records PoolFailed calls.
+type poolFailEvents struct {
+	NopObserver
+	mu     sync.Mutex
+	events []string
+}
+
+func (o *poolFailEvents) PoolFailed(pool string, on bool, reason string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.events = append(o.events, fmt.Sprintf("%s %v %s", pool, on, reason))
+}
+
+// The pool-wide rule's two changes are reported once each, shown in the
+// pool's status, and only a probe sent after the failure re-admits: an
+// older attempt that ends well does not.
+func TestPoolFailureReportedAndReadmittedByAProbeOnly(t *testing.T) {
+	obs := &poolFailEvents{}
+	clk := new(simClock)
+	reg := NewRegistry(obs)
+	reg.UseClock(clk)
+	addrs := []string{"10.29.8.1:8000", "10.29.8.2:8000"}
+	p := startPool(t, reg, Config{Key: "failing", Static: targets(addrs...), Breaker: &breaker.Settings{}})
+	// Both served: their failures are no dead server's.
+	finish(mustPick(t, p, "", addrs[1]), proxy.AttemptSuccess)
+	finish(mustPick(t, p, "", addrs[0]), proxy.AttemptSuccess)
+	old := mustPick(t, p, "") // a stream from before the failure
+	for i := range PoolFailWindow {
+		clk.Advance(10 * time.Millisecond)
+		up := mustPick(t, p, "", addrs[i%2])
+		fail(up)
+	}
+	st := p.Status()
+	if !st.Failed || st.Failures != 1 || len(obs.events) != 1 || !strings.HasPrefix(obs.events[0], "failing true 40 of its last 40 attempts, across 2 upstreams, failed") {
+		t.Fatalf("after %d failures: status %+v, events %q", PoolFailWindow, st, obs.events)
+	}
+	var ue *proxy.UnavailableError
+	if _, err := pickModel(p, ""); !errors.As(err, &ue) || !ue.CircuitOpen || ue.RetryAfter != DefaultPoolProbeInterval {
+		t.Fatalf("pick in a failed pool: %v, want 503 circuit open, Retry-After %v", err, DefaultPoolProbeInterval)
+	}
+	finish(old, proxy.AttemptSuccess)
+	if !p.Status().Failed {
+		t.Fatal("an attempt sent before the failure re-admitted the pool")
+	}
+	clk.Advance(DefaultPoolProbeInterval)
+	probe := mustPick(t, p, "")
+	other := mustPick(t, p, "", probe.Addr) // one probe per upstream
+	if other.Addr == probe.Addr {
+		t.Fatalf("two probes of %s in one interval", probe.Addr)
+	}
+	if _, err := pickModel(p, "", addrs...); !errors.As(err, &ue) || !ue.CircuitOpen {
+		t.Fatalf("a third attempt in one probe interval: %v", err)
+	}
+	fail(other)
+	finish(probe, proxy.AttemptSuccess)
+	if st := p.Status(); st.Failed || len(obs.events) != 2 || obs.events[1] != "failing false " {
+		t.Fatalf("after a probe's success: status %+v, events %q", st, obs.events)
+	}
+	mustPick(t, p, "").Done(nil)
 }
