@@ -80,7 +80,7 @@ func fakeAdmin(t *testing.T, bodies map[string]any) (addr string, hits *atomic.I
 
 // TestAdminJSONDecodesIntoStatusView asserts that the JSON the admin API
 // writes from the module's types (upstream.BreakerView, SaturationView,
-// admission.TenantView, fleetView) is what statusview decodes: a renamed
+// admission.TenantView, fleetView, upstream.PoolStatus) is what statusview decodes: a renamed
 // field would show as an empty cell, not an error.
 func TestAdminJSONDecodesIntoStatusView(t *testing.T) {
 	now := time.Date(2026, 12, 1, 14, 30, 0, 0, time.UTC)
@@ -104,6 +104,8 @@ func TestAdminJSONDecodesIntoStatusView(t *testing.T) {
 			Breaker: &statusview.BreakerState{State: "half_open", Since: since, Observed: true, LastFailure: "slow call", LastFailureAt: since}}},
 		Fleet: statusview.Fleet{Mode: "fleet", InstanceID: "gw-1", Since: &since,
 			Instances: []statusview.Instance{{ID: "gw-1", LastSeen: now}, {ID: "gw-2", LastSeen: since}}},
+		Pools: []statusview.Pool{{Key: "10.0.0.2:8000", Handler: "chat", MaxEjected: 1,
+			Failed: true, FailedSince: since, FailedReason: "40 of its last 40 attempts, across 2 upstreams, failed"}},
 	}
 	if !reflect.DeepEqual(s, want) {
 		t.Errorf("decoded\n%+v\nwant\n%+v\nfrom %s", s, want, raw)
