@@ -383,6 +383,7 @@ func (p *Pool) forget(m *member) {
 		return
 	}
 	p.nDynamic.Add(-1)
+	p.capRefused.Delete(m.e)
 	if p.mem != nil {
 		p.mem.forget(m.t.Addr)
 	}
