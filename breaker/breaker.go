@@ -126,6 +126,11 @@ type Breaker struct {
 	// hardRun is the current run of Down outcomes since the last sign of
 	// life or answer.
 	hardRun atomic.Int64
+	// runStart is when the current run of Down outcomes began, in
+	// nanoseconds since base: only an attempt issued since then that the
+	// upstream answers ends it (an older stream ending says nothing of
+	// new connections).
+	runStart atomic.Int64
 	// brokenRun is when a sign of life last broke a run of Down outcomes
 	// (the upstream refuses some connections and serves others), in
 	// nanoseconds since base; noLife before any. Within RatioWindow of
@@ -249,6 +254,10 @@ type Permit struct {
 	probe     uint64 // probe id; 0 for a closed-state permit
 	synthetic bool   // from AllowProbe: the gateway's own probe
 	done      bool
+	// issued is when the permit was issued, in nanoseconds since the
+	// breaker's base: its outcome ends a run of Down outcomes only when
+	// the attempt began within the run (see runStart).
+	issued int64
 }
 
 // Probe reports whether the permit is a half-open probe, whose outcome
@@ -266,7 +275,7 @@ func (p Permit) Probe() bool { return p.probe != 0 }
 func (b *Breaker) Allow() (Permit, bool) {
 	w := b.word.Load()
 	if stateOf(w) == Closed {
-		return Permit{b: b, word: w}, true
+		return Permit{b: b, word: w, issued: b.mono(b.clock.Now())}, true
 	}
 	return b.allowSlow(w, false)
 }
@@ -312,7 +321,7 @@ func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
 	case b.observed.Load(): // tripped by TripObserved meanwhile
 	case stateOf(w) == Closed:
 		if !synthetic {
-			p, ok = Permit{b: b, word: w}, true
+			p, ok = Permit{b: b, word: w, issued: t}, true
 		}
 	case stateOf(w) == Open:
 		if !b.forever && t >= b.gate.Load() {
@@ -342,7 +351,7 @@ func (b *Breaker) takeProbeLocked(now time.Time, synthetic bool) (Permit, bool) 
 	b.lastProbe++
 	b.probes = append(b.probes, probe{id: b.lastProbe, deadline: now.Add(c.s.ProbeTimeout)})
 	b.updateBusyLocked()
-	return Permit{b: b, word: b.word.Load(), probe: b.lastProbe, synthetic: synthetic}, true
+	return Permit{b: b, word: b.word.Load(), probe: b.lastProbe, synthetic: synthetic, issued: b.mono(now)}, true
 }
 
 // updateBusyLocked publishes until when Allow may refuse without the lock.
@@ -408,7 +417,7 @@ func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capRea
 		// is a failure for the rules, so only a timely success dates the
 		// last success (a first token, slow or not, does through Live).
 		now := b.clock.Now()
-		b.breakRun(now)
+		b.breakRunFor(now, p.issued)
 		if !slow {
 			b.lastLife.Store(b.mono(now))
 			// The hot path: no lock; one atomic add, and stores only
@@ -423,7 +432,7 @@ func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capRea
 			return
 		}
 	}
-	b.doneFailure(p.word, slow, o == Down, ttft, reason, capReached)
+	b.doneFailure(p.word, p.issued, slow, o == Down, ttft, reason, capReached)
 }
 
 // failureReason composes the reason recorded for a failure.
@@ -458,7 +467,7 @@ func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) strin
 // Failures amid successes never trip the ConsecutiveFailures rule: under
 // uniform partial failure every upstream has runs of failures, and opening
 // on them turns 50% success into 0%.
-func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, reason string, capReached func() bool) {
+func (b *Breaker) doneFailure(w uint64, issued int64, slow, down bool, ttft time.Duration, reason string, capReached func() bool) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -471,9 +480,11 @@ func (b *Breaker) doneFailure(w uint64, slow, down bool, ttft time.Duration, rea
 	n := int(b.consec.Add(1))
 	hr := 0
 	if down {
-		hr = int(b.hardRun.Add(1))
-	} else {
-		b.hardRun.Store(0) // the server answered
+		if hr = int(b.hardRun.Add(1)); hr == 1 {
+			b.runStart.Store(b.mono(now))
+		}
+	} else if issued >= b.runStart.Load() {
+		b.hardRun.Store(0) // the server answered a new attempt
 	}
 	c.fails.record(now, true, false)
 	b.lastFailure, b.lastFailureAt = reason, now
@@ -975,8 +986,12 @@ func (b *Breaker) ProbeDue() bool {
 //     forced open until closed is left alone);
 //   - Closed: it opens for exactly d (MinOpen does not apply: the upstream
 //     said when), without counting as a re-open;
-//   - HalfOpen: the Retry-After answers the probe, so it re-opens as a failed
-//     probe would (grown cooldown), and at least until now+d.
+//   - HalfOpen: the Retry-After answers the probe: it re-opens for exactly
+//     d, counting the failure but not a re-open (the upstream said when;
+//     a grown cooldown would double what it asked for).
+//
+// A probe's outcome that comes after its ExtendOpen is ignored (the
+// breaker moved on), so callers give a probe's Retry-After first.
 //
 // A breaker that TripObserved opened stays observed: a Retry-After says
 // nothing about the saturation being over, so it moves the cooldown end out
@@ -1009,13 +1024,15 @@ func (b *Breaker) ExtendOpen(d time.Duration, reason string) {
 		b.openLocked(now, until, false, false, reason)
 		b.publishOpenLocked(reason)
 	case HalfOpen:
-		b.local = false
-		b.probeFailedLocked(now, reason)
-		if until.After(b.openUntil) {
-			b.openUntil = until
-			b.setGateLocked()
-			b.publishOpenLocked(reason)
+		b.consec.Add(1)
+		b.cfg.Load().fails.record(now, true, false)
+		b.lastFailure, b.lastFailureAt = reason, now
+		ev := b.evidence.Load()
+		b.openLocked(now, until, false, b.observed.Load(), reason)
+		if !b.observed.Load() {
+			b.evidence.Store(ev) // what held it before still does
 		}
+		b.publishOpenLocked(reason)
 	}
 }
 
@@ -1136,6 +1153,13 @@ func (b *Breaker) Snapshot() Snapshot {
 	}
 	if snap.State == Open {
 		snap.OpenUntil = b.gateTimeLocked()
+	}
+	switch {
+	case b.observed.Load():
+	case snap.State == Open:
+		snap.ProbeDue = !b.forever && b.mono(now) >= b.gate.Load()
+	case snap.State == HalfOpen:
+		snap.ProbeDue = len(b.probes) < c.s.HalfOpenProbes
 	}
 	return snap
 }

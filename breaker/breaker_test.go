@@ -369,8 +369,8 @@ func TestExtendOpen(t *testing.T) {
 		{name: "never shortens", setup: func(f *fixture) { f.fail(3) }, d: time.Second, wantState: breaker.Open, wantFor: 10 * time.Second},
 		{name: "clamped to max_open when open", setup: func(f *fixture) { f.fail(3) }, d: 10 * time.Hour, wantState: breaker.Open, wantFor: maxOpen},
 		{name: "junk leaves an open breaker alone", setup: func(f *fixture) { f.fail(3) }, d: -5, wantState: breaker.Open, wantFor: 10 * time.Second},
-		{name: "re-opens a half-open breaker with the grown cooldown", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Second, wantState: breaker.Open, wantFor: 20 * time.Second},
-		{name: "re-opens a half-open breaker for at least d", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Minute, wantState: breaker.Open, wantFor: time.Minute},
+		{name: "re-opens a half-open breaker for d, not the grown cooldown", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Second, wantState: breaker.Open, wantFor: time.Second},
+		{name: "re-opens a half-open breaker for a long d", setup: func(f *fixture) { f.tripAndProbe() }, d: time.Minute, wantState: breaker.Open, wantFor: time.Minute},
 		{name: "leaves a forced breaker alone", setup: func(f *fixture) { f.b.ForceOpen(0, "") }, d: time.Minute, wantState: breaker.Open},
 	}
 	for _, tt := range tests {
@@ -766,5 +766,32 @@ func TestStoreSharesOpenState(t *testing.T) {
 	st.PutOpen("up3", time.Time{}, "forever")
 	if _, _, ok := st.OpenUntil("up3", f.clk.Now().Add(1000*time.Hour)); !ok {
 		t.Fatal("indefinite entry not open")
+	}
+}
+
+// An idle open breaker still reads Open once its cooldown has passed (only
+// a call half-opens it); its snapshot says a probe is due.
+func TestSnapshotSaysProbeDueOnceTheCooldownPassed(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.down(3)
+	if s := f.b.Snapshot(); s.State != breaker.Open || s.ProbeDue {
+		t.Fatalf("just opened: %+v, want open, no probe due", s)
+	}
+	f.clk.Advance(f.openFor())
+	if s := f.b.Snapshot(); s.State != breaker.Open || !s.ProbeDue {
+		t.Fatalf("cooldown over, no call: %+v, want open with a probe due", s)
+	}
+	p, ok := f.b.Allow()
+	if !ok || !p.Probe() {
+		t.Fatal("no probe after the cooldown")
+	}
+	if s := f.b.Snapshot(); s.State != breaker.HalfOpen || s.ProbeDue {
+		t.Fatalf("probe out: %+v, want half-open with no free slot", s)
+	}
+	p.Done(breaker.Neutral, 0, "")
+	f.b.ForceOpen(0, "drain")
+	f.clk.Advance(time.Hour)
+	if s := f.b.Snapshot(); s.ProbeDue {
+		t.Fatalf("forced open until closed: %+v, want no probe due", s)
 	}
 }

@@ -132,6 +132,19 @@ func (b *Breaker) breakRun(now time.Time) {
 	}
 }
 
+// breakRunFor is breakRun for the success of an attempt issued at issued
+// (nanoseconds since base): only an attempt that began within the run is
+// a sign of life. A long stream that began before the upstream started
+// refusing or resetting new connections, and ends well now, proves
+// nothing about them: an upstream that resets every new connection while
+// its older streams end well would never be held on hard evidence and,
+// failing at once, would draw the traffic of a least-loaded pick.
+func (b *Breaker) breakRunFor(now time.Time, issued int64) {
+	if issued >= b.runStart.Load() {
+		b.breakRun(now)
+	}
+}
+
 // runBrokenWithin reports whether a sign of life broke a run of Down
 // outcomes within d before now (see breakRun).
 func (b *Breaker) runBrokenWithin(now time.Time, d time.Duration) bool {

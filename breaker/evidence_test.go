@@ -98,6 +98,37 @@ func TestSignOfLifeBreaksADownRun(t *testing.T) {
 	}
 }
 
+// A sign of life is a new attempt that got an answer: long streams that
+// began before an upstream started resetting every new connection, and end
+// well (or cut) during the run, do not break it, so the run trips on hard
+// evidence after ConsecutiveFailures as for a server with no streams.
+func TestOlderStreamEndingIsNoSignOfLife(t *testing.T) {
+	for name, end := range map[string]breaker.Outcome{"success": breaker.Success, "cut": breaker.Failure} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t, breaker.Settings{})
+			f.succeed(10)
+			var streams []breaker.Permit
+			for range 2 {
+				p, ok := f.b.Allow()
+				if !ok {
+					t.Fatal("Allow refused")
+				}
+				streams = append(streams, p)
+			}
+			f.clk.Advance(10 * time.Second) // within RatioWindow of the last success
+			f.calls(down)
+			streams[0].Done(end, 0, "stream ended")
+			f.calls(down)
+			streams[1].Done(end, 0, "stream ended")
+			f.calls(down)
+			f.wantState(breaker.Open)
+			if e := f.b.Evidence(); e != breaker.Hard {
+				t.Fatalf("evidence %q, want hard", e)
+			}
+		})
+	}
+}
+
 // Failures of any kind with no success in the window are hard: a server
 // that answers 503 to everything is down.
 func TestFailuresWithNoSuccessInTheWindowAreHard(t *testing.T) {

@@ -128,6 +128,11 @@ type Snapshot struct {
 	// OpenUntil is, in Open, the earliest time it may half-open; zero
 	// otherwise, and zero when forced open until closed.
 	OpenUntil time.Time `json:"open_until,omitzero"`
+	// ProbeDue is true in Open once the cooldown has passed (the next
+	// call, or the active prober, half-opens it: an idle upstream stays
+	// Open until then), and in HalfOpen while a probe slot is free; false
+	// when forced open until closed or tripped by observation.
+	ProbeDue bool `json:"probe_due,omitempty"`
 	// Evidence is what holds it open or half-open: "hard" (the upstream
 	// is down or hanging, or said so) or "statistical" (it fails more than
 	// its pool); absent when closed.

@@ -376,7 +376,7 @@ func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
 		pol, rest, _ = strings.Cut(p, "|")
 	}
 	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: strings.TrimPrefix(rest, "|"),
-		Inflight: e.Inflight(), Policy: pol, Pools: e.PolicyPools(pol), Handlers: e.PolicyHandlers(pol)}
+		Inflight: e.Inflight(), Recent: e.Recent(), Policy: pol, Pools: e.PolicyPools(pol), Handlers: e.PolicyHandlers(pol)}
 	for j, k := range v.Pools {
 		v.Pools[j] = poolLabel(k)
 	}

@@ -29,8 +29,9 @@ func init() {
 Commands of the llm_proxy module. One so far:
 
   status    reads the running Caddy's admin API (GET /llm_proxy/breakers,
-            /llm_proxy/saturation, /llm_proxy/tenants and /llm_proxy/fleet)
-            and prints tables of the upstreams, the tenants and the fleet.
+            /llm_proxy/saturation, /llm_proxy/tenants, /llm_proxy/fleet and
+            /llm_proxy/pools) and prints tables of the upstreams, the
+            tenants and the fleet, with notes on the pools.
 
 See 'caddy llm-proxy status --help'.
 `,
@@ -55,7 +56,9 @@ Reads the admin API of a running Caddy with llm_proxy and prints:
              saturation signals did), its attempts in flight, its
              saturation score (1 is saturated, ? unknown) and the age of
              its latest /metrics scrape, and its breaker's last failure;
-             breakers per model below their upstream.
+             breakers per model below their upstream ("due" once a
+             cooldown has passed); below the table, each pool that failed
+             as a whole, is in panic or has upstreams ejected.
   TENANTS    each tenant with state: tier, requests in flight (of its
              max_concurrent), queued, requests and tokens in the rolling
              minute (of its rpm and tpm), its tenant breaker.
@@ -67,7 +70,8 @@ Lines fit 80 columns (a terminal's width when wider). The admin endpoint is
 $CADDY_ADMIN, else localhost:2019, as for 'caddy stop' and 'caddy reload'.
 
 --json prints the admin API's bodies unchanged in one object keyed by
-endpoint ({"breakers": […], "fleet": {…}, "saturation": […], "tenants": […]})
+endpoint ({"breakers": […], "fleet": {…}, "pools": […], "saturation": […],
+"tenants": […]})
 for scripts. --watch prints anew every --interval (default 2s), in place on
 a terminal, until Ctrl-C; with --json, one object per line.
 `,

@@ -51,6 +51,8 @@ func statusFixture(now time.Time) map[string]any {
 		}},
 		"fleet": fleetView{Mode: "fleet", InstanceID: "gw-1", Since: &since,
 			Instances: []fleet.Instance{{ID: "gw-1", LastSeen: now}, {ID: "gw-2", LastSeen: since}}},
+		"pools": []upstream.PoolStatus{{Key: "10.0.0.2:8000", Handler: "chat", MaxEjection: 0.3, PanicThreshold: 0.5, MaxEjected: 1,
+			Failed: true, FailedSince: since, FailedReason: "40 of its last 40 attempts, across 2 upstreams, failed", Failures: 1}},
 	}
 }
 
@@ -78,7 +80,7 @@ func fakeAdmin(t *testing.T, bodies map[string]any) (addr string, hits *atomic.I
 
 // TestAdminJSONDecodesIntoStatusView asserts that the JSON the admin API
 // writes from the module's types (upstream.BreakerView, SaturationView,
-// admission.TenantView, fleetView) is what statusview decodes: a renamed
+// admission.TenantView, fleetView, upstream.PoolStatus) is what statusview decodes: a renamed
 // field would show as an empty cell, not an error.
 func TestAdminJSONDecodesIntoStatusView(t *testing.T) {
 	now := time.Date(2026, 12, 1, 14, 30, 0, 0, time.UTC)
@@ -102,6 +104,8 @@ func TestAdminJSONDecodesIntoStatusView(t *testing.T) {
 			Breaker: &statusview.BreakerState{State: "half_open", Since: since, Observed: true, LastFailure: "slow call", LastFailureAt: since}}},
 		Fleet: statusview.Fleet{Mode: "fleet", InstanceID: "gw-1", Since: &since,
 			Instances: []statusview.Instance{{ID: "gw-1", LastSeen: now}, {ID: "gw-2", LastSeen: since}}},
+		Pools: []statusview.Pool{{Key: "10.0.0.2:8000", Handler: "chat", MaxEjected: 1,
+			Failed: true, FailedSince: since, FailedReason: "40 of its last 40 attempts, across 2 upstreams, failed"}},
 	}
 	if !reflect.DeepEqual(s, want) {
 		t.Errorf("decoded\n%+v\nwant\n%+v\nfrom %s", s, want, raw)
@@ -215,7 +219,7 @@ func TestStatusCLITablesNameTheState(t *testing.T) {
 	}
 	for _, want := range []string{"of " + addr, "10.0.0.2:8000", "open 41s forced", "41s ago: http_5xx", "0.82", "1.5s",
 		"opened fleet-wide by gw-2", "scrape of 10.0.0.2:8000 failed: dial tcp: refused",
-		"acme", "gold", "2/4", "7/60", "1.2k/100k", "half_open 41s sat", "FLEET fleet", "gw-2"} {
+		"acme", "gold", "2/4", "7/60", "1.2k/100k", "half_open 41s sat", "FLEET fleet", "gw-2", "pool chat failed as a whole 41s ago"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}

@@ -2,6 +2,8 @@ package caddymodule
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
@@ -61,3 +63,26 @@ func (upstreamObserver) PanicRequest(pool string) {
 }
 
 var _ upstream.PanicObserver = upstreamObserver{}
+
+// PoolFailed implements upstream.PoolFailObserver: a pool that fails as a
+// whole, and its re-admission by a probe, are logged (a warning, then an
+// info), as a breaker's transitions are.
+func (upstreamObserver) PoolFailed(pool string, on bool, reason string) {
+	app := newestApp()
+	if app == nil {
+		return
+	}
+	level, msg := zapcore.InfoLevel, "pool re-admitted by a probe's success"
+	if on {
+		level, msg = zapcore.WarnLevel, "pool failed as a whole: 503 but for probes"
+	}
+	if ce := app.logger.Check(level, msg); ce != nil {
+		fields := []zap.Field{zap.String("pool", poolLabel(pool))}
+		if reason != "" {
+			fields = append(fields, zap.String("reason", reason))
+		}
+		ce.Write(fields...)
+	}
+}
+
+var _ upstream.PoolFailObserver = upstreamObserver{}

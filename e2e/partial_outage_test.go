@@ -119,6 +119,51 @@ func TestUniformHalfFailureThenRecovery(t *testing.T) {
 	}
 }
 
+// Three replicas at 20 requests/s all start answering 503 after 2 s (a bad
+// deploy): within 2 s the pool has failed as a whole, and from then on the
+// gateway answers by itself but for one probe per replica per second (the
+// default pool probe interval); 4 s after the replicas recover at least 98%
+// is served again.
+func TestPoolThatFailsAsAWholeAnswers503AtOnce(t *testing.T) {
+	t.Parallel()
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 3})
+	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
+	c := newClient(t)
+	ctx := testContext(t, 60*time.Second)
+	const down, up, end = 2 * time.Second, 7 * time.Second, 14 * time.Second
+	// The upstream attempts from 2 s into the failure to its end.
+	var from, to atomic.Int64
+	start := time.Now()
+	go func() {
+		time.Sleep(time.Until(start.Add(down + 2*time.Second)))
+		from.Store(fleetRequests(fleet))
+		time.Sleep(time.Until(start.Add(up)))
+		to.Store(fleetRequests(fleet))
+	}()
+	rs := openLoop(ctx, c, gw.URL+"/v1/chat/completions", 20, end, func(at time.Duration) string {
+		if at >= down && at < up {
+			return "status=503"
+		}
+		return "none"
+	})
+	before, _ := served(rs, 0, down)
+	after, na := served(rs, up+4*time.Second, end)
+	attempts := to.Load() - from.Load()
+	t.Logf("served %.1f%% before; %d upstream attempts in the last %v of the failure (%d requests); %.1f%% of %d served from 4 s after recovery",
+		100*before, attempts, up-down-2*time.Second, 20*int(up-down-2*time.Second)/int(time.Second), 100*after, na)
+	if before < 0.98 {
+		t.Errorf("served %.1f%% before the failure, want ≥ 98%%", 100*before)
+	}
+	// 3 replicas × 3 s × one probe a second, and a second's slack for the
+	// sampling: 12. Without the pool-wide rule: about 20 × 1.2 a second.
+	if attempts > 12 {
+		t.Errorf("%d upstream attempts in the last %v of the failure, want only probes (≤ 12)", attempts, up-down-2*time.Second)
+	}
+	if after < 0.98 {
+		t.Errorf("served %.1f%% from 4 s after recovery, want ≥ 98%%", 100*after)
+	}
+}
+
 // An operator's failure_ratio under uniform partial failure: two replicas
 // each failing half the requests, the breakers' own ratio rule set low
 // (0.3 over 10). The rule fires on both, but the pool's cap (max_ejection:

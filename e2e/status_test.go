@@ -192,7 +192,7 @@ func runStatus(ctx context.Context, t *testing.T, args ...string) string {
 func adminState(t *testing.T, gw *tenantGateway) map[string]any {
 	t.Helper()
 	out := map[string]any{}
-	for _, e := range []string{"breakers", "saturation", "tenants", "fleet"} {
+	for _, e := range []string{"breakers", "saturation", "tenants", "fleet", "pools"} {
 		status, body := gw.admin(http.MethodGet, "/llm_proxy/"+e)
 		if status != http.StatusOK {
 			t.Fatalf("GET /llm_proxy/%s: status %d: %s", e, status, body)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"sync/atomic"
+	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
@@ -131,6 +132,15 @@ type PoolStatus struct {
 	// statistical evidence; PanicRequests counts the picks made so.
 	Panic         bool  `json:"panic"`
 	PanicRequests int64 `json:"panic_requests"`
+	// Failed is true while the pool has failed as a whole (every one of
+	// its last PoolFailWindow attempts, across at least two upstreams,
+	// failed): it answers 503 at once but for one probe per upstream per
+	// probe interval. FailedSince and FailedReason say when and why;
+	// Failures counts the times it failed so.
+	Failed       bool      `json:"failed"`
+	FailedSince  time.Time `json:"failed_since,omitzero"`
+	FailedReason string    `json:"failed_reason,omitempty"`
+	Failures     int64     `json:"failures"`
 }
 
 // Status returns the pool's ejection state (breakers of the per-upstream
@@ -152,6 +162,7 @@ func (p *Pool) Status() PoolStatus {
 		}
 	})
 	st.MaxEjected = e.maxEjected(n)
+	st.Failed, st.FailedSince, st.FailedReason, st.Failures = p.fail.status()
 	return st
 }
 
@@ -303,6 +314,7 @@ func (p *Pool) judge(key string, self *Entry, b *breaker.Breaker) {
 		// goes to the worse outlier, by as much as an outlier is worse
 		// than its pool.
 		if !p.displace(key, self, fi) {
+			p.markOverCap(self)
 			return
 		}
 		if taken, ok = p.reserveTrips(key, self); !ok {

@@ -46,6 +46,9 @@ type Entry struct {
 
 	// inflight counts this gateway's attempts in progress to the server.
 	inflight atomic.Int64
+	// recent is the outcomes of every attempt on the server within
+	// RecentWindow, whichever handler made it (Recent).
+	recent *breaker.Outcomes
 	// scraper scrapes the server's /metrics while a started config reads
 	// its saturation signals, and holds its snapshot and the attempts
 	// started since it (saturation.Scraper); created with the entry,
@@ -201,7 +204,7 @@ func policyFingerprint(s *breaker.Settings, sat *saturation.Saturation, scopeMod
 
 func newEntry(reg *Registry, addr string) *Entry {
 	ctx, cancel := context.WithCancel(context.Background())
-	e := &Entry{addr: addr, reg: reg, ctx: ctx, cancel: cancel}
+	e := &Entry{addr: addr, reg: reg, ctx: ctx, cancel: cancel, recent: breaker.NewOutcomes(RecentWindow, reg.clock)}
 	e.scraper = reg.scrapers.New(addr, scrapeHost{e})
 	e.breakers.Store(&map[bkey]*breaker.Breaker{})
 	e.prim.Store(&primary{})
@@ -235,6 +238,15 @@ func (e *Entry) Addr() string { return e.addr }
 
 // Inflight returns the number of attempts in progress to the server.
 func (e *Entry) Inflight() int64 { return e.inflight.Load() }
+
+// RecentWindow is the window of an upstream's shared record of outcomes
+// (Entry.Recent).
+const RecentWindow = 10 * time.Second
+
+// Recent returns the outcomes of every attempt on the server within
+// RecentWindow, of every handler, recorded once each: picks made in panic
+// or past the ejection cap, which take no breaker permit, included.
+func (e *Entry) Recent() breaker.OutcomeCounts { return e.recent.Counts() }
 
 // acquire takes an in-flight slot, refusing when max > 0 slots are taken.
 // The check and the increment are one compare-and-swap, so max holds

@@ -24,6 +24,9 @@ type Candidate struct {
 
 	br  *breaker.Breaker // nil when breakers are off
 	key string           // br's model key ("" per upstream)
+	// failing is the upstream's failures within RecentWindow, which count
+	// against it as attempts in flight would (see Load).
+	failing int64
 	// bypass marks an upstream whose breaker the saturation rules opened,
 	// picked because no other upstream could take the request: it goes
 	// without a permit (saturation alone never refuses a request).
@@ -56,6 +59,12 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		return proxy.Upstream{}, fmt.Errorf("%w: the pool is empty", proxy.ErrNoUpstream)
 	}
 	now := p.reg.now()
+	probing := false
+	if p.cfg.Breaker != nil && p.fail.failed.Load() {
+		if members, probing, err = p.failedPoolMembers(members, now, req.Hedge); err != nil {
+			return proxy.Upstream{}, err
+		}
+	}
 	var earliest time.Time
 	open, busy := 0, 0
 	noteOpen := func(addr string, b *breaker.Breaker) {
@@ -113,6 +122,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			fresh = append(fresh, c)
 		}
 	}
+	panicking := false
 	if p.cfg.Breaker != nil {
 		// The cap and the panic rule, for upstreams open on statistics.
 		n, route := len(members), 0
@@ -120,7 +130,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			route = len(ejected) - capN // beyond the cap: not held
 		}
 		thr := p.ejection.PanicThreshold
-		panicking := len(ejected) > 0 && thr > 0 && float64(n-open-len(ejected)+route) < thr*float64(n)
+		panicking = len(ejected) > 0 && thr > 0 && float64(n-open-len(ejected)+route) < thr*float64(n)
 		if panicking {
 			route = len(ejected)
 			p.panicRequest()
@@ -152,6 +162,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		// on the pool signal), and risks nothing the breaker protects.
 		fresh = saturated
 	}
+	p.countFailures(fresh, panicking, now)
 	fresh = p.rank(fresh, now, req.Info.Model)
 	for len(fresh) > 0 {
 		i := p.choose(fresh, r, w, &req) // prefixcache.go
@@ -162,6 +173,10 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		fresh = slices.Delete(fresh, i, i+1)
 		if !c.Entry.acquire(c.Target.MaxRequests) {
 			busy++ // filled up since the scan
+			continue
+		}
+		if probing && !p.fail.takeProbe(c.Entry, now, p.poolProbeInterval()) {
+			c.Entry.releaseSlot() // another pick took its probe
 			continue
 		}
 		if c.br == nil || c.bypass {
@@ -190,6 +205,42 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 	return proxy.Upstream{}, ue
 }
 
+// Load is what count-aware selection policies (LeastConn, RandomChoose)
+// compare: the attempts in flight to the upstream, plus, where its breaker
+// does not keep it out (the pool in panic, the upstream routed over past
+// the ejection cap or refused a place under it), its failures within
+// RecentWindow. An upstream that fails at once has nothing in flight;
+// without its failures it would look the least loaded and draw the
+// traffic just where nothing else keeps it out.
+func (c Candidate) Load() int64 { return c.Entry.Inflight() + c.failing }
+
+// countFailures sets each candidate's recent failures where they count
+// against it (see Candidate.Load): every candidate in panic, else those
+// routed over past the cap and those the cap refused an ejection.
+func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
+	if p.cfg.Breaker == nil {
+		return
+	}
+	for i := range cs {
+		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry, now) {
+			c.failing = int64(c.Entry.recent.Counts().Failures)
+		}
+	}
+}
+
+// markOverCap records that e's breaker would have opened on statistical
+// evidence but the pool's ejection cap had no place for it: for
+// RecentWindow its recent failures count against it in selection.
+func (p *Pool) markOverCap(e *Entry) {
+	p.capRefused.Store(e, p.reg.now().Add(RecentWindow).UnixNano())
+}
+
+// overCap reports whether the cap refused e an ejection within RecentWindow.
+func (p *Pool) overCap(e *Entry, now time.Time) bool {
+	v, ok := p.capRefused.Load(e)
+	return ok && now.UnixNano() < v.(int64)
+}
+
 // upstream hands c to the proxy for one attempt: its slot and permit are
 // given back exactly once, by Done.
 func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
@@ -197,6 +248,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 	// stream keeps them.
 	e, br, t, key := c.Entry, c.br, c.Target, c.key
 	epoch := e.startAttempt()
+	started := p.reg.now()
 	return proxy.Upstream{
 		Addr:       t.Addr,
 		Closed:     br == nil || br.State() == breaker.Closed,
@@ -216,13 +268,22 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
+			// Every attempt's outcome is the upstream's evidence, once,
+			// whether or not a breaker let it through.
+			o := outcomeOf(rep)
+			e.recent.Record(o)
+			if o != breaker.Neutral || answered(rep) {
+				p.recordOutcome(e, started, o == breaker.Failure || o == breaker.Down)
+			}
 			if permit == nil {
 				return
 			}
 			var taken []*Pool
 			failed := record(br, permit, rep, func() bool {
 				var ok bool
-				taken, ok = p.reserveTrips(key, e)
+				if taken, ok = p.reserveTrips(key, e); !ok {
+					p.markOverCap(e)
+				}
 				return !ok
 			})
 			releaseTrips(taken) // the breaker is open: its Evidence holds the places now
@@ -231,6 +292,37 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			}
 		},
 	}
+}
+
+// failedPoolMembers returns, for a pool that failed as a whole, the members
+// whose probe is due (probing true), or the 503 that answers the request
+// at once: a hedge never probes, and between probes nothing reaches the
+// upstreams.
+func (p *Pool) failedPoolMembers(members []*member, now time.Time, hedge bool) ([]*member, bool, error) {
+	every := p.poolProbeInterval()
+	var due []*member
+	var next time.Time
+	for _, m := range members {
+		at, ok := p.fail.probeDue(m.e, now, every)
+		if ok {
+			due = append(due, m)
+		} else if next.IsZero() || at.Before(next) {
+			next = at
+		}
+	}
+	if !p.fail.failed.Load() {
+		return members, false, nil // re-admitted meanwhile
+	}
+	if len(due) > 0 && !hedge {
+		return due, true, nil
+	}
+	_, _, reason, _ := p.fail.status()
+	ue := &proxy.UnavailableError{CircuitOpen: true, RetryAfter: max(next.Sub(now), 0),
+		Reason: fmt.Sprintf("the pool failed as a whole (%s); only probes reach its upstreams until one succeeds", reason)}
+	if next.IsZero() {
+		ue.RetryAfter = every
+	}
+	return nil, false, ue
 }
 
 var _ proxy.Balancer = (*Pool)(nil)

@@ -120,6 +120,12 @@ type Pool struct {
 	// reserveTrip, not yet open (tripMu guards it).
 	tripMu sync.Mutex
 	trips  int
+	// capRefused holds, by *Entry, until when (unix ns) the upstream counts
+	// as refused an ejection by the cap (markOverCap).
+	capRefused sync.Map
+	// fail is the pool-wide rule: the pool's last outcomes and whether it
+	// failed as a whole (poolfail.go).
+	fail poolFailure
 }
 
 // member is one upstream of a pool with its shared entry.
@@ -377,6 +383,7 @@ func (p *Pool) forget(m *member) {
 		return
 	}
 	p.nDynamic.Add(-1)
+	p.capRefused.Delete(m.e)
 	if p.mem != nil {
 		p.mem.forget(m.t.Addr)
 	}

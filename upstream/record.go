@@ -35,30 +35,55 @@ import (
 // Pool.reserveTrips): the breaker's own statistical rules trip only below it. It reports
 // whether the outcome was a failure.
 func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, capReached func() bool) (failed bool) {
-	if rep == nil {
+	retryAfter := func() {
+		if rep != nil && rep.RetryAfter > 0 {
+			b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+		}
+	}
+	if p.Probe() {
+		// A probe answered with Retry-After re-opens for what the
+		// upstream asked; its failure, recorded after, changes nothing.
+		retryAfter()
+	}
+	switch o := outcomeOf(rep); {
+	case o == breaker.Success:
+		p.DoneCapped(breaker.Success, rep.TTFT, "", capReached) // slow_ttft may count it
+	case o == breaker.Neutral && answered(rep) && p.Probe():
+		p.Done(breaker.Success, 0, "")
+	case o == breaker.Neutral:
 		p.Done(breaker.Neutral, 0, "")
-		return false
+	default:
+		p.DoneCapped(o, rep.TTFT, rep.Outcome.String(), capReached)
+		failed = true
+	}
+	if !p.Probe() {
+		retryAfter()
+	}
+	return failed
+}
+
+// outcomeOf is the upstream column of DESIGN §4 for one attempt: Down for a
+// refused or reset connection and a first-byte timeout, Failure for every
+// other upstream fault, Success for a success, Neutral for the rest (a
+// 4xx, a cancelled attempt, a pick given back unused: rep nil).
+func outcomeOf(rep *proxy.AttemptReport) breaker.Outcome {
+	if rep == nil {
+		return breaker.Neutral
 	}
 	switch o := rep.Outcome; {
 	case o == proxy.AttemptSuccess:
-		p.DoneCapped(breaker.Success, rep.TTFT, "", capReached) // slow_ttft may count it
-	case o == proxy.AttemptHTTP4xx || o == proxy.AttemptInbandError4xx:
-		if p.Probe() {
-			p.Done(breaker.Success, 0, "")
-		} else {
-			p.Done(breaker.Neutral, 0, "")
-		}
+		return breaker.Success
 	case o == proxy.AttemptConnectError || o == proxy.AttemptFirstByteTimeout:
-		p.DoneCapped(breaker.Down, rep.TTFT, o.String(), capReached)
-		failed = true
+		return breaker.Down
 	case o.UpstreamFault():
-		p.DoneCapped(breaker.Failure, rep.TTFT, o.String(), capReached)
-		failed = true
-	default:
-		p.Done(breaker.Neutral, 0, "")
+		return breaker.Failure
 	}
-	if rep.RetryAfter > 0 {
-		b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
-	}
-	return failed
+	return breaker.Neutral
+}
+
+// answered reports whether the upstream answered the attempt with a
+// client error (a 4xx, or an in-band 4xx-like error): neutral evidence, but
+// proof that the server is up.
+func answered(rep *proxy.AttemptReport) bool {
+	return rep != nil && (rep.Outcome == proxy.AttemptHTTP4xx || rep.Outcome == proxy.AttemptInbandError4xx)
 }

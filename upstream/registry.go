@@ -1,13 +1,43 @@
 // Package upstream is the gateway's pool of inference servers: one shared
-// Entry per upstream server (dial address) holding its in-flight count, its
-// circuit breakers, its active prober and its saturation.Scraper (which
-// breakers a saturation trip reaches: those of the pools that configured
-// saturation); the Pool that a handler picks from (candidate filtering by
-// breaker, saturation score, capacity and what was tried, then the
-// selection policy, then a permit); the recording of each attempt's
-// outcome on its breaker (DESIGN §4); and the per-pool retry budget, hedge
-// cap and TTFT trackers. It knows HTTP but nothing of Caddy: the Caddy glue
-// adapts Caddy's selection policies, upstream sources and transport to it.
+// Entry per upstream server (dial address) holding its in-flight count,
+// its shared record of outcomes, its circuit breakers, its active prober
+// and its saturation.Scraper (which breakers a saturation trip reaches:
+// those of the pools that configured saturation); the Pool that a handler
+// picks from (candidate filtering by breaker, saturation score, capacity
+// and what was tried, then the selection policy, then a permit); the
+// recording of each attempt's outcome (DESIGN §4); and the per-pool retry
+// budget, hedge cap and TTFT trackers. It knows HTTP but nothing of Caddy:
+// the Caddy glue adapts Caddy's selection policies, upstream sources and
+// transport to it.
+//
+// Who decides that an upstream is out for a request: the handler's Pool,
+// in three steps of Pick.
+//
+//   - The pool as a whole (poolfail.go): when all of its last
+//     PoolFailWindow outcomes, across two or more upstreams, failed, the
+//     pool has failed and answers 503 without touching its upstreams but
+//     for one probe per upstream per probe interval; the first probe that
+//     succeeds re-admits traffic.
+//   - The handler's verdict on the upstream: its breaker (closed, open
+//     until, half-open), which applies the handler's breaker settings to
+//     the upstream's evidence. Hard evidence (a dead or hanging server, a
+//     Retry-After, an operator's drain) keeps the upstream out whatever
+//     the rest of the pool does.
+//   - The pool's outlier rules (eject.go): an upstream failing far more
+//     than the rest of its pool, or nearly always, is held on statistical
+//     evidence, at most max_ejection of the pool at once; below the panic
+//     threshold the pool routes over such upstreams. Where nothing keeps
+//     an upstream out (panic, past the cap), its recent failures count
+//     against it in what the selection policy sees (Candidate.Load).
+//
+// Evidence is per upstream and recorded once per attempt, whichever
+// handler made it and whether a breaker let it through: in the entry's
+// shared record (Entry.Recent, the admin API's "recent"), in the pool's
+// window of last outcomes, and, for an attempt with a permit, in the
+// handler's breaker. Handlers whose breaker settings (and saturation trip
+// rules) are equal share one breaker per upstream (per model under scope
+// model), which holds both the windows its rules read and the verdict;
+// each other policy has breakers of its own (see Entry).
 package upstream
 
 import (
@@ -177,6 +207,9 @@ type BreakerView struct {
 	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
+	// Recent is the upstream's shared evidence: the outcomes of every
+	// handler's attempts on it within RecentWindow (Entry.Recent).
+	Recent breaker.OutcomeCounts `json:"recent"`
 	// Policy is "" for the breakers of the upstream's primary policy (the
 	// newest started handler with breakers on, and every handler with the
 	// same settings), else the fingerprint of the settings of the handlers
@@ -204,7 +237,7 @@ func (r *Registry) Breakers() []BreakerView {
 	var out []BreakerView
 	for _, e := range r.Entries() {
 		for k, b := range e.breakerMap() {
-			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(),
+			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(), Recent: e.Recent(),
 				Policy: k.pol, Pools: e.poolsOf(k.pol), Handlers: e.PolicyHandlers(k.pol)})
 		}
 	}

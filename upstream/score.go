@@ -27,6 +27,15 @@ func (p *Pool) rank(cs []Candidate, now time.Time, model string) []Candidate {
 	if p.sat != nil {
 		cs = keepUnsaturated(cs)
 	}
+	// Recent failures weigh as attempts in flight do (see Candidate.Load),
+	// once saturation has had its say.
+	per := 1.0 / saturation.DefaultQueueThreshold
+	if p.sat != nil && p.sat.QueueThreshold > 0 {
+		per = 1 / p.sat.QueueThreshold
+	}
+	for i := range cs {
+		cs[i].Score += float64(cs[i].failing) * per
+	}
 	return cs
 }
 

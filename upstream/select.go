@@ -14,7 +14,7 @@ type Selector interface {
 }
 
 // LeastConn selects the candidate with the fewest of this gateway's
-// attempts in flight, breaking ties uniformly at random (reservoir
+// attempts in flight (its Load: recent failures count as attempts), breaking ties uniformly at random (reservoir
 // sampling), as Caddy's least_conn does with its own request counts. It is
 // the default: LLM requests vary in length by orders of magnitude, so load
 // follows outstanding requests, not request counts.
@@ -25,7 +25,7 @@ func (LeastConn) Select(cs []Candidate, _ *http.Request, _ http.ResponseWriter) 
 	best, ties := -1, 0
 	least := int64(-1)
 	for i, c := range cs {
-		n := c.Entry.Inflight()
+		n := c.Load()
 		if least == -1 || n < least {
 			least, ties = n, 0
 		}
@@ -70,7 +70,7 @@ func (s RandomChoose) Select(cs []Candidate, _ *http.Request, _ http.ResponseWri
 	}
 	best, least := -1, int64(-1)
 	for _, i := range picked {
-		if n := cs[i].Entry.Inflight(); least == -1 || n < least {
+		if n := cs[i].Load(); least == -1 || n < least {
 			best, least = i, n
 		}
 	}

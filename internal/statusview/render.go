@@ -155,6 +155,7 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 		}
 	}
 	notes = append(notes, siteNotes(s.Breakers)...)
+	notes = append(notes, poolNotes(s.Pools, o.Now)...)
 	w := t.write(b, o.Width)
 	var cutWhy []string
 	for _, y := range why {
@@ -302,7 +303,38 @@ func breakerCell(st BreakerState, now time.Time) string {
 	} else if st.Observed {
 		s += " sat"
 	}
+	if st.ProbeDue {
+		s += " due"
+	}
 	return s
+}
+
+// poolNotes says, for each pool that is not plainly serving, what holds
+// it: failed as a whole, in panic, or upstreams ejected.
+func poolNotes(ps []Pool, now time.Time) []string {
+	var out []string
+	for _, p := range ps {
+		name := clean(p.Handler)
+		if name == "" {
+			name = clean(p.Key)
+		}
+		switch {
+		case p.Failed:
+			n := fmt.Sprintf("pool %s failed as a whole", name)
+			if !p.FailedSince.IsZero() {
+				n += " " + duration(now.Sub(p.FailedSince)) + " ago"
+			}
+			if p.FailedReason != "" {
+				n += " (" + clean(p.FailedReason) + ")"
+			}
+			out = append(out, n+": 503 but for probes")
+		case p.Panic:
+			out = append(out, fmt.Sprintf("pool %s in panic: routes over its %d ejected upstream(s)", name, p.Ejected))
+		case p.Ejected > 0:
+			out = append(out, fmt.Sprintf("pool %s: %d of at most %d upstream(s) ejected", name, p.Ejected, p.MaxEjected))
+		}
+	}
+	return out
 }
 
 // failureCell is the last failure's age and reason ("12s ago: http 502"),

@@ -265,3 +265,29 @@ func TestBreakersNameTheHandlersTheyServe(t *testing.T) {
 		}
 	}
 }
+
+// A pool that is not plainly serving gets a note: failed as a whole (with
+// its age and reason), in panic, or with upstreams ejected; a healthy pool
+// none. A breaker whose cooldown has passed says a probe is due.
+func TestPoolNotesAndProbeDue(t *testing.T) {
+	s := Status{
+		Breakers: []Breaker{{Key: "10.0.0.9:8000", Upstream: "10.0.0.9:8000",
+			BreakerState: BreakerState{State: "open", Since: fixtureNow.Add(-time.Minute), ProbeDue: true}}},
+		Pools: []Pool{
+			{Key: "a", Handler: "chat", Failed: true, FailedSince: fixtureNow.Add(-3 * time.Second), FailedReason: "40 of its last 40 attempts failed"},
+			{Key: "b", Handler: "embed", Panic: true, Ejected: 2, MaxEjected: 1},
+			{Key: "c", Ejected: 1, MaxEjected: 3},
+			{Key: "d", Handler: "healthy", MaxEjected: 1},
+		},
+	}
+	out := render(t, s, 120)
+	for _, want := range []string{"open 1m00s due", "pool chat failed as a whole 3.0s ago (40 of its last 40 attempts failed): 503 but for probes",
+		"pool embed in panic: routes over its 2 ejected upstream(s)", "pool c: 1 of at most 3 upstream(s) ejected"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "healthy") {
+		t.Errorf("a note for a healthy pool:\n%s", out)
+	}
+}

@@ -20,17 +20,37 @@ import (
 // in the order the command fetches them: endpoint e is served at
 // /llm_proxy/<e>, and its body is the value of key e in the combined
 // object (`caddy llm-proxy status --json`).
-var Endpoints = []string{"breakers", "saturation", "tenants", "fleet"}
+var Endpoints = []string{"breakers", "saturation", "tenants", "fleet", "pools"}
 
 // Status is one gateway's state: the decoded bodies of GET
-// /llm_proxy/breakers, /llm_proxy/saturation, /llm_proxy/tenants and
-// /llm_proxy/fleet, under the endpoints' names. Fields the view does not
+// /llm_proxy/breakers, /llm_proxy/saturation, /llm_proxy/tenants,
+// /llm_proxy/fleet and /llm_proxy/pools, under the endpoints' names. Fields the view does not
 // show are not decoded.
 type Status struct {
 	Breakers   []Breaker    `json:"breakers"`
 	Saturation []Saturation `json:"saturation"`
 	Tenants    []Tenant     `json:"tenants"`
 	Fleet      Fleet        `json:"fleet"`
+	Pools      []Pool       `json:"pools"`
+}
+
+// Pool is one pool of GET /llm_proxy/pools (the JSON of the module's
+// upstream.PoolStatus): its outlier state and the pool-wide rule.
+type Pool struct {
+	// Key identifies the pool; Handler names the handler it serves.
+	Key     string `json:"key"`
+	Handler string `json:"handler"`
+	// Ejected is the upstreams held open on statistical evidence, of at
+	// most MaxEjected.
+	Ejected    int `json:"ejected"`
+	MaxEjected int `json:"max_ejected"`
+	// Panic: the pool routes over its ejected upstreams.
+	Panic bool `json:"panic"`
+	// Failed: the pool failed as a whole, since FailedSince, for
+	// FailedReason; it answers 503 but for probes.
+	Failed       bool      `json:"failed"`
+	FailedSince  time.Time `json:"failed_since"`
+	FailedReason string    `json:"failed_reason"`
 }
 
 // Breaker is one upstream breaker of GET /llm_proxy/breakers (the JSON of
@@ -74,6 +94,9 @@ type BreakerState struct {
 	// opened it.
 	Forced   bool `json:"forced"`
 	Observed bool `json:"observed"`
+	// ProbeDue: open with its cooldown over (the next call or probe
+	// half-opens it), or half-open with a probe slot free.
+	ProbeDue bool `json:"probe_due"`
 	// ConsecutiveFailures is the current run of failures.
 	ConsecutiveFailures int `json:"consecutive_failures"`
 	// LastFailure is the reason given with the last failure, at
@@ -143,7 +166,7 @@ func Parse(combined []byte) (Status, error) {
 		return Status{}, fmt.Errorf("admin API state: %w", err)
 	}
 	var s Status
-	into := map[string]any{"breakers": &s.Breakers, "saturation": &s.Saturation, "tenants": &s.Tenants, "fleet": &s.Fleet}
+	into := map[string]any{"breakers": &s.Breakers, "saturation": &s.Saturation, "tenants": &s.Tenants, "fleet": &s.Fleet, "pools": &s.Pools}
 	for _, e := range Endpoints {
 		raw, ok := keys[e]
 		if !ok {

@@ -11,14 +11,14 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
-// Review of issue 19: the failure shapes operators see, on the fake clock,
-// with the loop of runOutageSim (open loop at simRate, max_attempts 3, the
-// default retry budget charged only when an upstream is picked).
+// The failure shapes operators see, on the fake clock, with the loop of
+// runOutageSim (open loop at simRate, max_attempts 3, the default retry
+// budget charged only when an upstream is picked).
 
-var debugReview = false
+var debugShapes = false
 
-// rsim is one run of the review simulation.
-type rsim struct {
+// shapeSim is one run of runShapeSim.
+type shapeSim struct {
 	reg   *Registry
 	p     *Pool
 	addrs []string
@@ -40,13 +40,13 @@ type rsim struct {
 	hardAfterOK []int
 }
 
-func runReviewSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejection, outcome simOutcome) *rsim {
+func runShapeSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejection, outcome simOutcome) *shapeSim {
 	t.Helper()
 	clk := new(simClock)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(rand.New(rand.NewPCG(seed, 7)).Float64))
-	s := &rsim{reg: reg, clk: clk, addrs: make([]string, n), hardSeen: make([]bool, n), statSeen: make([]bool, n), lastHard: make([]time.Duration, n), firstOK: make([]time.Duration, n), hardAfterOK: make([]int, n)}
+	s := &shapeSim{reg: reg, clk: clk, addrs: make([]string, n), hardSeen: make([]bool, n), statSeen: make([]bool, n), lastHard: make([]time.Duration, n), firstOK: make([]time.Duration, n), hardAfterOK: make([]int, n)}
 	for i := range s.lastHard {
 		s.lastHard[i], s.firstOK[i] = -1, -1
 	}
@@ -55,7 +55,7 @@ func runReviewSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejecti
 		s.addrs[i] = fmt.Sprintf("10.91.%d.%d:8000", seed%200, i+1)
 		index[s.addrs[i]] = i
 	}
-	s.p = startPool(t, reg, Config{Key: fmt.Sprintf("review-%d-%d", n, seed), Static: targets(s.addrs...), Breaker: &breaker.Settings{}, Ejection: ej})
+	s.p = startPool(t, reg, Config{Key: fmt.Sprintf("shapes-%d-%d", n, seed), Static: targets(s.addrs...), Breaker: &breaker.Settings{}, Ejection: ej})
 	rng := rand.New(rand.NewPCG(seed, uint64(n)))
 	retries := s.p.Retries()
 	peek := retries.(proxy.RetryPeeker)
@@ -111,13 +111,13 @@ func runReviewSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejecti
 				if b.State() != breaker.Open {
 					break // half-open: probes are being let in
 				}
-				if s.lastHard[i] < 0 && s.firstOK[i] >= 0 && debugReview {
+				if s.lastHard[i] < 0 && s.firstOK[i] >= 0 && debugShapes {
 					t.Logf("%s held on hard evidence at %v after serving at %v: %+v", a, clk.Elapsed(), s.firstOK[i], b.Snapshot())
 				}
 				s.hardSeen[i] = true
 				s.lastHard[i] = clk.Elapsed()
 				if s.firstOK[i] >= 0 {
-					if s.hardAfterOK[i] == 0 && debugReview {
+					if s.hardAfterOK[i] == 0 && debugShapes {
 						t.Logf("%s held on hard evidence at %v after serving at %v: %+v", a, clk.Elapsed(), s.firstOK[i], b.Snapshot())
 					}
 					s.hardAfterOK[i]++
@@ -135,7 +135,7 @@ func runReviewSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejecti
 
 // served is the share of requests arriving in [from, to) that were served;
 // perReq the attempts per request there.
-func (s *rsim) served(from, to time.Duration) (served, perReq float64) {
+func (s *shapeSim) served(from, to time.Duration) (served, perReq float64) {
 	i, j := int(from*simRate/time.Second), min(int(to*simRate/time.Second), len(s.ok))
 	n, a := 0, 0
 	for k := i; k < j; k++ {
@@ -148,7 +148,7 @@ func (s *rsim) served(from, to time.Duration) (served, perReq float64) {
 }
 
 // attemptsOn counts the attempts on upstream i in seconds [from, to).
-func (s *rsim) attemptsOn(i, from, to int) int {
+func (s *shapeSim) attemptsOn(i, from, to int) int {
 	n := 0
 	for k := from; k < min(to, len(s.perSec)); k++ {
 		n += s.perSec[k][i]
@@ -160,9 +160,9 @@ func (s *rsim) attemptsOn(i, from, to int) int {
 // an outlier (ejected on statistical evidence), the others are kept, and
 // the pool serves at least what a random replica would (1 − 1/3 × (0.1 +
 // 0.3 + 0.6) ≈ 67%).
-func TestReviewUnequalRates(t *testing.T) {
+func TestUnequalFailureRatesEjectOnlyTheOutlier(t *testing.T) {
 	rates := []float64{0.1, 0.3, 0.6}
-	s := runReviewSim(t, 3, 41, 120*time.Second, Ejection{}, func(rng *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+	s := runShapeSim(t, 3, 41, 120*time.Second, Ejection{}, func(rng *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
 		if rng.Float64() < rates[i] {
 			return proxy.AttemptHTTP5xx
 		}
@@ -204,11 +204,11 @@ func TestReviewUnequalRates(t *testing.T) {
 // burst of 503s opens nothing (successes in the window) and service is
 // back within a second; a burst of refused or hanging connections is hard
 // evidence: the pool fails fast, and is back after one cooldown.
-func TestReviewBurst(t *testing.T) {
+func TestBurstOfFailuresOnEveryReplica(t *testing.T) {
 	const from, to = 30 * time.Second, 35 * time.Second
 	for _, n := range []int{1, 3} {
 		for _, o := range []proxy.AttemptOutcome{proxy.AttemptHTTP5xx, proxy.AttemptConnectError, proxy.AttemptFirstByteTimeout} {
-			s := runReviewSim(t, n, 50+uint64(n), 60*time.Second, Ejection{}, func(_ *rand.Rand, _ int, at time.Duration) proxy.AttemptOutcome {
+			s := runShapeSim(t, n, 50+uint64(n), 60*time.Second, Ejection{}, func(_ *rand.Rand, _ int, at time.Duration) proxy.AttemptOutcome {
 				if at >= from && at < to {
 					return o
 				}
@@ -249,9 +249,9 @@ func TestReviewBurst(t *testing.T) {
 // One replica holds every request to the first-byte timeout for 10 s, then
 // is fine: it is routed around, and takes its share again within a few
 // probe intervals (MinOpen 10 s plus the jitter).
-func TestReviewSlowThenFine(t *testing.T) {
+func TestHangingReplicaRoutedAroundThenBack(t *testing.T) {
 	const from, to = 20 * time.Second, 30 * time.Second
-	s := runReviewSim(t, 3, 61, 90*time.Second, Ejection{}, func(_ *rand.Rand, i int, at time.Duration) proxy.AttemptOutcome {
+	s := runShapeSim(t, 3, 61, 90*time.Second, Ejection{}, func(_ *rand.Rand, i int, at time.Duration) proxy.AttemptOutcome {
 		if i == 0 && at >= from && at < to {
 			return proxy.AttemptFirstByteTimeout
 		}
@@ -285,12 +285,12 @@ func TestReviewSlowThenFine(t *testing.T) {
 // are judged against the pool, so it is back after one cooldown. Over the
 // first 15 s of twenty fresh gateways the pool still serves at least what
 // a direct connection serves, less 5 points.
-func TestReviewFreshGatewayUniformFailure(t *testing.T) {
+func TestFreshGatewayUnderUniformFailureServesAsDirect(t *testing.T) {
 	for _, p := range []float64{0.5, 0.75} {
 		var first, direct float64
 		const runs = 20
 		for seed := range uint64(runs) {
-			s := runReviewSim(t, 3, 300+seed, 20*time.Second, Ejection{}, uniform(p))
+			s := runShapeSim(t, 3, 300+seed, 20*time.Second, Ejection{}, uniform(p))
 			f, _ := s.served(0, 15*time.Second)
 			first += f / runs
 		}
@@ -308,9 +308,9 @@ func TestReviewFreshGatewayUniformFailure(t *testing.T) {
 // not held on hard evidence once it has shown that it serves (its first
 // three dials may all be refused: that is a dead server as far as anyone
 // can tell).
-func TestReviewHalfDialsRefused(t *testing.T) {
+func TestReplicaRefusingHalfItsDialsKeepsServing(t *testing.T) {
 	for _, n := range []int{1, 3} {
-		s := runReviewSim(t, n, 70+uint64(n), 120*time.Second, Ejection{}, func(rng *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+		s := runShapeSim(t, n, 70+uint64(n), 120*time.Second, Ejection{}, func(rng *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
 			if i == 0 && rng.Float64() < 0.5 {
 				return proxy.AttemptConnectError
 			}
@@ -332,7 +332,7 @@ func TestReviewHalfDialsRefused(t *testing.T) {
 		}
 	}
 	// A flaky network path: every replica refuses half its dials.
-	s := runReviewSim(t, 3, 79, 120*time.Second, Ejection{}, func(rng *rand.Rand, _ int, _ time.Duration) proxy.AttemptOutcome {
+	s := runShapeSim(t, 3, 79, 120*time.Second, Ejection{}, func(rng *rand.Rand, _ int, _ time.Duration) proxy.AttemptOutcome {
 		if rng.Float64() < 0.5 {
 			return proxy.AttemptConnectError
 		}
@@ -366,8 +366,8 @@ func TestReviewHalfDialsRefused(t *testing.T) {
 // A replica that is truly dead (every dial refused): after discovery it
 // receives one probe per cooldown, and the cooldown doubles up to max_open
 // (5 min, jittered down by at most 20%).
-func TestReviewDeadReplicaCooldownGrows(t *testing.T) {
-	s := runReviewSim(t, 3, 91, 15*time.Minute, Ejection{}, func(_ *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+func TestDeadReplicaCooldownDoubles(t *testing.T) {
+	s := runShapeSim(t, 3, 91, 15*time.Minute, Ejection{}, func(_ *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
 		if i == 0 {
 			return proxy.AttemptConnectError
 		}
@@ -396,7 +396,7 @@ func TestReviewDeadReplicaCooldownGrows(t *testing.T) {
 // Ejection cap with N = 2 and N = 1: one upstream may be held on
 // statistics; in a pool of one, statistics alone never refuse (the panic
 // rule routes over it), and panic_threshold off lets it refuse.
-func TestReviewEjectionSmallPools(t *testing.T) {
+func TestEjectionCapInPoolsOfOneAndTwo(t *testing.T) {
 	// N = 2: one outlier ejected, the other serves everything.
 	reg, p, addrs, _ := ejectionPool(t, 2, Ejection{})
 	serveOn(t, p, addrs, addrs[1], 40, never)
@@ -436,7 +436,7 @@ func TestReviewEjectionSmallPools(t *testing.T) {
 
 // The panic rule under least_queue and prefix_cache-like selectors: the
 // selector still chooses among every upstream not held by hard evidence.
-func TestReviewPanicWithLeastQueue(t *testing.T) {
+func TestPanicRoutesOverEjectedUnderLeastQueue(t *testing.T) {
 	clk := new(simClock)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
@@ -461,8 +461,8 @@ func TestReviewPanicWithLeastQueue(t *testing.T) {
 // One replica answers every request 429 with Retry-After: 5s while the
 // others are fine: it is kept out for what it asked, and users see nearly
 // everything served.
-func TestReviewRateLimitedReplica(t *testing.T) {
-	s := runReviewSim(t, 3, 95, 60*time.Second, Ejection{}, func(_ *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
+func TestRateLimitedReplicaKeptOutForRetryAfter(t *testing.T) {
+	s := runShapeSim(t, 3, 95, 60*time.Second, Ejection{}, func(_ *rand.Rand, i int, _ time.Duration) proxy.AttemptOutcome {
 		if i == 0 {
 			return proxy.AttemptHTTP429
 		}
@@ -480,8 +480,8 @@ func TestReviewRateLimitedReplica(t *testing.T) {
 // commit point) at 50% on every replica are statistical: nothing is held
 // on hard evidence once the replicas have served, and goodput is at least
 // a direct connection's.
-func TestReviewInbandErrorsUniform(t *testing.T) {
-	s := runReviewSim(t, 3, 97, 120*time.Second, Ejection{}, func(rng *rand.Rand, _ int, _ time.Duration) proxy.AttemptOutcome {
+func TestUniformInbandErrorsAreStatistical(t *testing.T) {
+	s := runShapeSim(t, 3, 97, 120*time.Second, Ejection{}, func(rng *rand.Rand, _ int, _ time.Duration) proxy.AttemptOutcome {
 		if rng.Float64() < 0.5 {
 			return proxy.AttemptInbandError5xx
 		}
@@ -497,10 +497,10 @@ func TestReviewInbandErrorsUniform(t *testing.T) {
 // Sustained 100% failure (503s) for 30 s after a healthy minute: attempts
 // stay within (1 + ratio) × requests + floor × seconds (+ the floor's one
 // second of reserve) over the outage.
-func TestReviewSustainedFailureBudget(t *testing.T) {
+func TestSustainedFailureStaysWithinTheBudget(t *testing.T) {
 	const from, to = 60 * time.Second, 90 * time.Second
 	for _, n := range []int{1, 3} {
-		s := runReviewSim(t, n, 99+uint64(n), 100*time.Second, Ejection{}, func(_ *rand.Rand, _ int, at time.Duration) proxy.AttemptOutcome {
+		s := runShapeSim(t, n, 99+uint64(n), 100*time.Second, Ejection{}, func(_ *rand.Rand, _ int, at time.Duration) proxy.AttemptOutcome {
 			if at >= from && at < to {
 				return proxy.AttemptHTTP5xx
 			}
@@ -525,7 +525,7 @@ func TestReviewSustainedFailureBudget(t *testing.T) {
 // A hedge's pick (which skips every upstream whose breaker is not closed)
 // says nothing about the pool's panic mode: the gauge and the admin API
 // stay in panic while the pool's ordinary picks are made in it.
-func TestReviewHedgePickKeepsPanicMode(t *testing.T) {
+func TestHedgePickKeepsPanicMode(t *testing.T) {
 	reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
 	breakerOf(t, reg, addrs[0], "").ForceOpen(0, "hard")
 	breakerOf(t, reg, addrs[1], "").Eject("outlier", 0.5)

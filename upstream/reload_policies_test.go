@@ -267,3 +267,60 @@ func TestSharedLoopSettingsDoNotDependOnStartOrder(t *testing.T) {
 		t.Errorf("started a then b: scrape settings of %s, prober %s; b then a: %s, %s — want the same choice", s1, p1, s2, p2)
 	}
 }
+
+// Two sites with different thresholds over one upstream, one of them open:
+// a reload that changes the other site's thresholds keeps the open site's
+// verdict and its open_until exactly, whichever of the two is open (the
+// policies sort either way), and the changed site stays closed.
+func TestReloadChangingOneSitesThresholdsKeepsTheOthersOpenUntil(t *testing.T) {
+	const addr = "10.7.9.2:8000"
+	settings := func(n int) *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: n, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	for _, tc := range []struct {
+		name              string
+		open, other       int // thresholds before
+		otherAfter        int // the other site's threshold after the reload
+		openKey, otherKey string
+	}{
+		{"open site sorts first", 2, 10, 12, "a", "b"},
+		{"open site sorts last", 10, 2, 3, "a", "b"},
+		{"changed site becomes the open site's twin", 2, 10, 2, "a", "b"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := new(simClock)
+			reg := NewRegistry(nil)
+			reg.UseClock(clk)
+			pools := reloadAll(t, reg, nil,
+				Config{Key: tc.openKey, Static: targets(addr), Breaker: settings(tc.open)},
+				Config{Key: tc.otherKey, Static: targets(addr), Breaker: settings(tc.other)})
+			for range tc.open {
+				fail(mustPick(t, pools[0], ""))
+			}
+			before := pools[0].Breakers(pools[0].Entries()[0])[""].Snapshot()
+			if before.State != breaker.Open || pools[1].BreakerState(addr, "") != "closed" {
+				t.Fatalf("before the reload: open site %s, other %s", before.State, pools[1].BreakerState(addr, ""))
+			}
+			clk.Advance(time.Minute)
+			next := reloadAll(t, reg, pools,
+				Config{Key: tc.openKey, Static: targets(addr), Breaker: settings(tc.open)},
+				Config{Key: tc.otherKey, Static: targets(addr), Breaker: settings(tc.otherAfter)})
+			after := next[0].Breakers(next[0].Entries()[0])[""].Snapshot()
+			if after.State != breaker.Open || !after.OpenUntil.Equal(before.OpenUntil) {
+				t.Errorf("open site after the reload: %s until %v, want open until %v", after.State, after.OpenUntil, before.OpenUntil)
+			}
+			var ue *proxy.UnavailableError
+			if _, err := pickModel(next[0], ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+				t.Errorf("open site after the reload: pick error %v, want circuit open", err)
+			}
+			if tc.otherAfter != tc.open {
+				if st := next[1].BreakerState(addr, ""); st != "closed" {
+					t.Errorf("changed site after the reload: %s, want closed", st)
+				}
+				if _, err := pickModel(next[1], ""); err != nil {
+					t.Errorf("changed site after the reload: %v, want its request to reach the upstream", err)
+				}
+			}
+		})
+	}
+}
