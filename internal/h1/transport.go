@@ -72,8 +72,10 @@ type Transport struct {
 	// response (1xx heads included); 0 means DefaultMaxResponseHeaderBytes.
 	MaxResponseHeaderBytes int64
 	// ReadBufferSize is the size in bytes of each connection's read buffer
-	// while a response is read; 0 means DefaultReadBufferSize. An idle
-	// connection holds none.
+	// while a response is read; 0 means DefaultReadBufferSize, and a size
+	// below 16 means 16 (bufio's minimum, as net/http). An idle connection
+	// holds none. A chunk-size line and a trailer section must fit in it,
+	// as in net/http.
 	ReadBufferSize int
 
 	// heads holds the *bufio.Reader a response head is read through,
@@ -118,7 +120,8 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 		closeBody(req)
 		return nil, errors.New("h1: request has no host")
 	}
-	if err := validRequest(req); err != nil {
+	host, err := validRequest(req)
+	if err != nil {
 		closeBody(req)
 		return nil, err
 	}
@@ -155,7 +158,7 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 	// does, or the connection would be kept against the caller's word.
 	c.keepAlive = !fresh && !t.DisableKeepAlives && !req.Close &&
 		!httpguts.HeaderValuesContainsToken(req.Header["Connection"], "close")
-	return c.roundTrip(ctx, req, trace)
+	return c.roundTrip(ctx, req, host, trace)
 }
 
 func (t *Transport) clock() time.Time {
@@ -330,10 +333,16 @@ func putWriter(bw *bufio.Writer) {
 	writerPool.Put(bw)
 }
 
-// readBufferSize is ReadBufferSize or its default.
+// minReadBufferSize is bufio's smallest buffer: net/http's
+// ReadBufferSize below it reads through 16 bytes.
+const minReadBufferSize = 16
+
+// readBufferSize is ReadBufferSize or its default, at least
+// minReadBufferSize: the head's bufio.Reader never has less, and the body
+// takes over the bytes it read past the head.
 func (t *Transport) readBufferSize() int {
 	if t.ReadBufferSize > 0 {
-		return t.ReadBufferSize
+		return max(t.ReadBufferSize, minReadBufferSize)
 	}
 	return DefaultReadBufferSize
 }
