@@ -43,7 +43,32 @@ type conn struct {
 	// closed the connection.
 	ctx     context.Context
 	aborted atomic.Bool
+	// out counts the bytes of the current request written to nc.
+	out countingWriter
 }
+
+// countingWriter counts the bytes written through it.
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (cw *countingWriter) Write(p []byte) (int, error) {
+	n, err := cw.w.Write(p)
+	cw.n += int64(n)
+	return n, err
+}
+
+// errNotSent marks the failure of a request of which no byte reached the
+// connection: the server cannot have seen it, so it may be sent again on
+// another connection (as net/http retries a request "nothing written").
+var errNotSent = errors.New("h1: request not sent")
+
+// notSentError is a write failure with nothing written.
+type notSentError struct{ err error }
+
+func (e *notSentError) Error() string   { return e.err.Error() }
+func (e *notSentError) Unwrap() []error { return []error{errNotSent, e.err} }
 
 // headTimeout closes the connection of a response whose head did not
 // come within ResponseHeaderTimeout.
@@ -110,6 +135,9 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, host string, tr
 	if trace != nil && trace.WroteRequest != nil {
 		trace.WroteRequest(httptrace.WroteRequestInfo{Err: werr})
 	}
+	if werr != nil && c.out.n == 0 && !c.aborted.Load() {
+		return fail(&notSentError{werr})
+	}
 	if werr != nil {
 		// A server may answer before it has read the whole body (a 413,
 		// a 503 from a full queue) and close: its answer is worth more
@@ -168,7 +196,8 @@ func (c *conn) writeRequest(req *http.Request, host string) error {
 		w = &answerWatch{nc: c.nc}
 		defer func() { _ = c.nc.SetWriteDeadline(time.Time{}) }()
 	}
-	bw := getWriter(w)
+	c.out = countingWriter{w: w}
+	bw := getWriter(&c.out)
 	defer putWriter(bw)
 	uri := req.URL.RequestURI()
 	_, _ = bw.WriteString(method)
@@ -439,6 +468,10 @@ type malformedError struct{ err error }
 
 func (e *malformedError) Error() string   { return "h1: malformed response: " + e.err.Error() }
 func (e *malformedError) Unwrap() []error { return []error{ErrMalformedResponse, e.err} }
+
+// MalformedResponse reports true: a gateway tells a refused response from
+// a failed connection by it without importing this package.
+func (e *malformedError) MalformedResponse() bool { return true }
 
 func malformed(err error) error { return &malformedError{err} }
 

@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -258,5 +259,96 @@ func TestInternationalHostIsSentInASCII(t *testing.T) {
 		if h := <-hosts; h != "xn--bcher-kva.example:8000" {
 			t.Fatalf("Host %q", h)
 		}
+	}
+}
+
+// breakableConn fails every write, writing nothing, once broken; it is no
+// syscall.Conn, so an idle one looks alive.
+type breakableConn struct {
+	net.Conn
+	broken atomic.Bool
+}
+
+func (c *breakableConn) Write(p []byte) (int, error) {
+	if c.broken.Load() {
+		return 0, syscall.EPIPE
+	}
+	return c.Conn.Write(p)
+}
+
+// TestKeptConnectionDeadBeforeWritingIsRedialled: a kept connection that
+// fails before any byte of the request is written costs nothing: the
+// request goes once, on a new connection.
+func TestKeptConnectionDeadBeforeWritingIsRedialled(t *testing.T) {
+	var requests atomic.Int32
+	s, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		requests.Add(1)
+		_, _ = io.Copy(io.Discard, r.Body)
+		_, _ = io.WriteString(w, "ok")
+	})
+	d := &net.Dialer{}
+	var dialled []*breakableConn
+	tr := &Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		bc := &breakableConn{Conn: c}
+		dialled = append(dialled, bc)
+		return bc, nil
+	}}
+	t.Cleanup(tr.Close)
+	post := func() (*http.Response, error) {
+		req, _ := http.NewRequest(http.MethodPost, s.URL, strings.NewReader(`{"prompt":"x"}`))
+		return tr.RoundTrip(req)
+	}
+	resp, err := post()
+	if err != nil || mustBody(t, resp) != "ok" {
+		t.Fatal(err)
+	}
+	dialled[0].broken.Store(true)
+	resp, err = post()
+	if err != nil || mustBody(t, resp) != "ok" {
+		t.Fatalf("second request on a kept connection dead before writing: %v", err)
+	}
+	if requests.Load() != 2 || conns.Load() != 2 {
+		t.Fatalf("requests %d on %d connections, want 2 on 2", requests.Load(), conns.Load())
+	}
+}
+
+// TestWrittenRequestIsNeverSentAgain: a POST written in full on a kept
+// connection that then closes without a response byte fails; the client
+// does not send it again (the server may be generating).
+func TestWrittenRequestIsNeverSentAgain(t *testing.T) {
+	var requests atomic.Int32
+	addr := rawServer(t, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		for n := 0; ; n++ {
+			if req, _ := readRequest(t, br); req == nil {
+				return
+			}
+			requests.Add(1)
+			if n > 0 {
+				return // read in full, then closed unanswered
+			}
+			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	tr := newTransport(t)
+	for i := range 2 {
+		req, _ := http.NewRequest(http.MethodPost, "http://"+addr+"/", strings.NewReader(`{"prompt":"x"}`))
+		resp, err := tr.RoundTrip(req)
+		if i == 0 {
+			if err != nil || mustBody(t, resp) != "ok" {
+				t.Fatal(err)
+			}
+			continue
+		}
+		if err == nil {
+			t.Fatal("the second request succeeded")
+		}
+	}
+	if requests.Load() != 2 {
+		t.Fatalf("the server read %d requests, want 2", requests.Load())
 	}
 }

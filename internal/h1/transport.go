@@ -97,21 +97,10 @@ var errUnsupportedScheme = errors.New("h1: only http:// requests are supported")
 // reading it to its end returns the connection to the idle pool, closing it
 // early closes the connection. req.Body is always closed.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	return t.roundTrip(req, false)
+	return t.roundTrip(req)
 }
 
-// Fresh returns a RoundTripper over t that never reuses a connection: each
-// request dials its own, which is closed after its response. It is for
-// retrying a request whose reused connection the server had just closed.
-func (t *Transport) Fresh() http.RoundTripper { return freshTransport{t} }
-
-type freshTransport struct{ t *Transport }
-
-func (f freshTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	return f.t.roundTrip(req, true)
-}
-
-func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, error) {
+func (t *Transport) roundTrip(req *http.Request) (*http.Response, error) {
 	if req.URL == nil || req.URL.Scheme != "http" {
 		closeBody(req)
 		return nil, errUnsupportedScheme
@@ -132,9 +121,46 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 		trace.GetConn(key)
 	}
 	var c *conn
-	if !fresh && !t.DisableKeepAlives {
+	if !t.DisableKeepAlives {
 		c = t.takeIdle(key)
 	}
+	resp, err := t.send(ctx, c, req, host, trace)
+	if c != nil && errors.Is(err, errNotSent) && ctx.Err() == nil {
+		// The kept connection failed before any byte of the request
+		// left (the server closed it as it was taken): nothing reached
+		// the server, so the request goes again on a new connection,
+		// once. A request that was written is never sent again here:
+		// the server may be working on it.
+		if req, err = rewind(req); err != nil {
+			return nil, err
+		}
+		return t.send(ctx, nil, req, host, trace)
+	}
+	return resp, err
+}
+
+// rewind returns req with its body from the start (GetBody), for sending
+// it again.
+func rewind(req *http.Request) (*http.Request, error) {
+	if req.Body == nil || req.Body == http.NoBody {
+		return req, nil
+	}
+	if req.GetBody == nil {
+		return nil, errors.New("h1: kept connection closed before the request was sent, and the body cannot be read again")
+	}
+	body, err := req.GetBody()
+	if err != nil {
+		return nil, err
+	}
+	r := *req
+	r.Body = body
+	return &r, nil
+}
+
+// send writes req on c, or on a new connection when c is nil, and reads
+// the response head.
+func (t *Transport) send(ctx context.Context, c *conn, req *http.Request, host string, trace *httptrace.ClientTrace) (*http.Response, error) {
+	key := req.URL.Host
 	if c == nil {
 		nc, err := t.DialContext(ctx, "tcp", key)
 		if err != nil {
@@ -156,7 +182,7 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 	// The header is not copied (the transport writes its own Connection
 	// field), so a close it asks for must be honoured here, as net/http
 	// does, or the connection would be kept against the caller's word.
-	c.keepAlive = !fresh && !t.DisableKeepAlives && !req.Close &&
+	c.keepAlive = !t.DisableKeepAlives && !req.Close &&
 		!httpguts.HeaderValuesContainsToken(req.Header["Connection"], "close")
 	return c.roundTrip(ctx, req, host, trace)
 }
