@@ -426,6 +426,11 @@ func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*h
 		if resp.StatusCode == http.StatusSwitchingProtocols {
 			return nil, malformed(errors.New("upstream switched protocols, which is not supported"))
 		}
+		if resp.StatusCode < 100 {
+			// net/http takes 000-099 for a final answer; RFC 9110 §15
+			// has no such codes.
+			return nil, malformed(fmt.Errorf("status code %d", resp.StatusCode))
+		}
 		if resp.StatusCode < 200 {
 			if trace != nil && trace.Got1xxResponse != nil {
 				if err := trace.Got1xxResponse(resp.StatusCode, textproto.MIMEHeader(resp.Header)); err != nil {
