@@ -58,6 +58,7 @@ type scriptedUpstream struct {
 	early    bool
 	mu       sync.Mutex
 	requests int
+	conns    map[net.Conn]bool
 	wg       sync.WaitGroup
 }
 
@@ -66,7 +67,8 @@ func startScripted(t testing.TB, script []byte, seed uint64, early bool) *script
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &scriptedUpstream{ln: ln, segs: bytes.Split(script, []byte(segSep)), rng: rand.New(rand.NewPCG(seed, seed>>7)), early: early}
+	s := &scriptedUpstream{ln: ln, segs: bytes.Split(script, []byte(segSep)), rng: rand.New(rand.NewPCG(seed, seed>>7)), early: early,
+		conns: map[net.Conn]bool{}}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -75,6 +77,9 @@ func startScripted(t testing.TB, script []byte, seed uint64, early bool) *script
 			if err != nil {
 				return
 			}
+			s.mu.Lock()
+			s.conns[c] = true
+			s.mu.Unlock()
 			s.wg.Add(1)
 			go func() {
 				defer s.wg.Done()
@@ -85,8 +90,15 @@ func startScripted(t testing.TB, script []byte, seed uint64, early bool) *script
 	return s
 }
 
+// close stops the upstream: a connection still open (a write the client
+// never reads, a client that keeps it idle) is closed too.
 func (s *scriptedUpstream) close() {
 	_ = s.ln.Close()
+	s.mu.Lock()
+	for c := range s.conns {
+		_ = c.Close()
+	}
+	s.mu.Unlock()
 	s.wg.Wait()
 }
 
@@ -131,6 +143,7 @@ func (s *scriptedUpstream) serve(c *net.TCPConn) {
 				seg, end = seg[:len(seg)-len(d)], d
 			}
 		}
+		_ = c.SetWriteDeadline(time.Now().Add(time.Second))
 		pos := 0
 		for _, cut := range append(sortInts(cuts), len(seg)) {
 			if cut <= pos {
