@@ -15,6 +15,18 @@
 // and GotFirstResponseByte to an httptrace.ClientTrace in the request's
 // context. Response bodies are framed as RFC 9112 §6.3 says: chunked,
 // Content-Length, or read until the server closes.
+//
+// It is never more lenient than net/http: response heads are read by
+// net/http's own parser (http.ReadResponse), which also decides the
+// framing; only the body reader is its own, because net/http's chunked
+// reader needs a bufio.Reader held for the body's whole life, and a held
+// stream here holds no buffer between events. That reader makes net/http's
+// checks (CRLF line ends only, no CR inside a line, lines and the trailer
+// section within the read buffer, bounded extension overhead), and
+// FuzzDifferential holds the two clients to the same answers over real
+// sockets. Where it refuses more (101 Switching Protocols, a status code
+// below 100), RFC 9110 agrees. A response it refuses fails with an error
+// that wraps ErrMalformedResponse.
 package h1
 
 import (
