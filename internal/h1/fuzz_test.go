@@ -286,9 +286,15 @@ func differ(got, want []exchange, gotReqs, wantReqs int) string {
 				return "" // the rest follows from a different connection
 			}
 		}
-		if g.Err && w.Err && strings.HasPrefix(w.Body, g.Body) {
-			// Both failed: h1 may stop sooner, never later.
-			g.Body = w.Body
+		if g.Err && w.Err {
+			// Both failed: h1 may stop sooner (refuse the head, or
+			// deliver less of the body), never later.
+			switch {
+			case g.Status == 0:
+				g.Status, g.Header, g.Length, g.Body, g.Trailer = w.Status, w.Header, w.Length, w.Body, w.Trailer
+			case strings.HasPrefix(w.Body, g.Body):
+				g.Body = w.Body
+			}
 		}
 		if !reflect.DeepEqual(g, w) {
 			return fmt.Sprintf("exchange %d:\n h1       %+v\n net/http %+v", i, g, w)
