@@ -38,6 +38,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        load_factor <ratio>
 //	    }
 //	    transport http { ... }
+//	    upstream_client builtin|net_http
 //	    max_request_body <size>
 //	    first_byte_timeout <duration>
 //	    stream_idle_timeout <duration>
@@ -233,6 +234,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			transport = unm.(*reverseproxy.HTTPTransport)
 
+		case "upstream_client":
+			if err := parseUpstreamClient(d, h); err != nil {
+				return err
+			}
+
 		case "max_request_body":
 			if !d.NextArg() {
 				return d.ArgErr()
@@ -383,6 +389,26 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if transport != nil {
 		h.TransportRaw = caddyconfig.JSONModuleObject(transport, "protocol", "http", nil)
+	}
+	return nil
+}
+
+// parseUpstreamClient parses "upstream_client builtin|net_http".
+func parseUpstreamClient(d *caddyfile.Dispenser, h *Handler) error {
+	if h.UpstreamClient != "" {
+		return d.Err("upstream_client already specified")
+	}
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	switch v := d.Val(); v {
+	case UpstreamClientBuiltin, UpstreamClientNetHTTP:
+		h.UpstreamClient = v
+	default:
+		return d.Errf("upstream_client %q: want %s or %s", v, UpstreamClientBuiltin, UpstreamClientNetHTTP)
+	}
+	if d.NextArg() {
+		return d.ArgErr()
 	}
 	return nil
 }

@@ -183,9 +183,6 @@ func TestUpstreamIdleTimeoutDefaultsBelowServerKeepAlive(t *testing.T) {
 			if got := tr.Transport.MaxIdleConnsPerHost; got != tc.wantIdle {
 				t.Errorf("idle connections per upstream %d, want %d", got, tc.wantIdle)
 			}
-			if !tr.fresh.DisableKeepAlives {
-				t.Error("the fresh-connection transport reuses connections")
-			}
 		})
 	}
 }
@@ -199,16 +196,20 @@ func TestPlainHTTPUpstreamsUseTheGatewaysClient(t *testing.T) {
 	for _, tc := range []struct {
 		name, raw string
 		h1        bool
+		client    string
 	}{
-		{"no transport", "", true},
-		{"timeouts and keep-alive", `{"protocol":"http","dial_timeout":1000000000,"response_header_timeout":2000000000,"keep_alive":{"max_idle_conns_per_host":8}}`, true},
-		{"h2c", `{"protocol":"http","versions":["h2c"]}`, false},
-		{"forward proxy", `{"protocol":"http","forward_proxy_url":"http://127.0.0.1:3128"}`, false},
-		{"max conns per host", `{"protocol":"http","max_conns_per_host":4}`, false},
-		{"compression on", `{"protocol":"http","compression":true}`, false},
+		{"no transport", "", true, ""},
+		{"upstream_client builtin", "", true, UpstreamClientBuiltin},
+		{"upstream_client net_http", "", false, UpstreamClientNetHTTP},
+		{"upstream_client net_http with a transport", `{"protocol":"http","dial_timeout":1000000000}`, false, UpstreamClientNetHTTP},
+		{"timeouts and keep-alive", `{"protocol":"http","dial_timeout":1000000000,"response_header_timeout":2000000000,"keep_alive":{"max_idle_conns_per_host":8}}`, true, ""},
+		{"h2c", `{"protocol":"http","versions":["h2c"]}`, false, ""},
+		{"forward proxy", `{"protocol":"http","forward_proxy_url":"http://127.0.0.1:3128"}`, false, ""},
+		{"max conns per host", `{"protocol":"http","max_conns_per_host":4}`, false, ""},
+		{"compression on", `{"protocol":"http","compression":true}`, false, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h := new(Handler)
+			h := &Handler{UpstreamClient: tc.client}
 			if tc.raw != "" {
 				h.TransportRaw = []byte(tc.raw)
 			}
@@ -229,6 +230,11 @@ func TestPlainHTTPUpstreamsUseTheGatewaysClient(t *testing.T) {
 			}
 		})
 	}
+	t.Run("an unknown upstream_client is refused", func(t *testing.T) {
+		if _, err := newTransport(ctx, &Handler{UpstreamClient: "curl"}); err == nil || !strings.Contains(err.Error(), "upstream_client") {
+			t.Fatalf("err %v", err)
+		}
+	})
 	t.Run("proxy_protocol is refused", func(t *testing.T) {
 		h := &Handler{TransportRaw: []byte(`{"protocol":"http","proxy_protocol":"v2"}`)}
 		if _, err := newTransport(ctx, h); err == nil || !strings.Contains(err.Error(), "proxy_protocol") {

@@ -125,7 +125,7 @@ func initMetrics() {
 		}, []string{"model", "mode"})
 		metrics.staleConns = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "stale_connection_retries_total",
-			Help: "Attempts resent at once on a fresh connection because the reused keep-alive connection failed before any response byte (the upstream had closed it); neutral for the breaker and free for the budget.",
+			Help: "Attempts that failed as stale_connection: written onto a reused keep-alive connection that the upstream closed at once, before any response byte; neutral for the breaker, sent again only under the retry rules.",
 		}, []string{"upstream"})
 		metrics.admissions = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "admission_total",

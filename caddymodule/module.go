@@ -85,6 +85,14 @@ type Handler struct {
 	// max_conns_per_host, compression; see plainHTTP1).
 	TransportRaw json.RawMessage `json:"transport,omitempty" caddy:"namespace=http.reverse_proxy.transport inline_key=protocol"`
 
+	// UpstreamClient chooses the HTTP/1.1 client of http:// upstreams:
+	// "builtin" (the default) is the gateway's own (one goroutine and no
+	// read buffer per waiting stream), "net_http" is net/http's, as in
+	// Caddy's reverse_proxy: the operator's way back should the builtin
+	// client ever disagree with an upstream. https:// and h2c upstreams
+	// always use net/http's.
+	UpstreamClient string `json:"upstream_client,omitempty"`
+
 	// MaxRequestBody is the largest request body accepted, in bytes; a
 	// larger one gets 413 without any upstream call (a declared
 	// Content-Length over the limit is refused unread). Default: 16 MiB.
@@ -261,7 +269,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		Admitter:          admitter,
 		RequestUsage:      app.tenancy != nil,
 		Transport:         h.transport,
-		FreshTransport:    freshRoundTripper{h.transport},
 		Balancer:          h.pool,
 		Observer:          requestObserver{models: app.registry().Models},
 		Logger:            h.logger,

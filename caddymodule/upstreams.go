@@ -48,6 +48,12 @@ const DefaultUpstreamMaxIdleConns = 256
 // writes, such as a prompt, bypass the buffer.
 const DefaultUpstreamBufferSize = 1 << 10
 
+// The values of the handler's upstream_client.
+const (
+	UpstreamClientBuiltin = "builtin"
+	UpstreamClientNetHTTP = "net_http"
+)
+
 // newTarget turns a Caddy upstream into the pool's Target. Placeholders are
 // not supported: an upstream's identity must not change between requests.
 func newTarget(u *reverseproxy.Upstream) (upstream.Target, error) {
@@ -200,13 +206,11 @@ func selector(mod any) upstream.Selector {
 	}
 }
 
-// transport is Caddy's http transport, the gateway's own HTTP/1.1 client
-// for plain http:// upstreams when the transport's config allows it, and a
-// second round tripper that never reuses a connection, for the retry of an
-// attempt whose pooled connection the upstream had just closed.
+// transport is Caddy's http transport and the gateway's own HTTP/1.1
+// client for plain http:// upstreams when the transport's config and the
+// handler's upstream_client allow it.
 type transport struct {
 	*reverseproxy.HTTPTransport
-	fresh *http.Transport
 	// h1 carries http:// requests, nil when the config needs net/http
 	// (see plainHTTP1).
 	h1 *h1.Transport
@@ -238,16 +242,6 @@ func (t *transport) cleanup(own bool) error {
 		return t.HTTPTransport.Cleanup()
 	}
 	return nil
-}
-
-// freshRoundTripper sends each request on a new connection.
-type freshRoundTripper struct{ t *transport }
-
-func (f freshRoundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
-	if f.t.plain(req) {
-		return f.t.h1.Fresh().RoundTrip(req)
-	}
-	return f.t.fresh.RoundTrip(req)
 }
 
 // plainHTTP1 reports whether a transport's http:// requests can go over
@@ -293,6 +287,11 @@ func newH1(t *reverseproxy.HTTPTransport) *h1.Transport {
 // none is configured), with the gateway's default idle-connection timeout
 // when the config sets none.
 func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
+	switch h.UpstreamClient {
+	case "", UpstreamClientBuiltin, UpstreamClientNetHTTP:
+	default:
+		return nil, fmt.Errorf("upstream_client %q: want %s or %s", h.UpstreamClient, UpstreamClientBuiltin, UpstreamClientNetHTTP)
+	}
 	var t *reverseproxy.HTTPTransport
 	if h.TransportRaw == nil {
 		t = &reverseproxy.HTTPTransport{KeepAlive: &reverseproxy.KeepAlive{IdleConnTimeout: caddy.Duration(DefaultUpstreamIdleTimeout),
@@ -333,10 +332,8 @@ func newTransport(ctx caddy.Context, h *Handler) (*transport, error) {
 			t.Transport.MaxIdleConnsPerHost = DefaultUpstreamMaxIdleConns
 		}
 	}
-	fresh := t.Transport.Clone()
-	fresh.DisableKeepAlives = true
-	tr := &transport{HTTPTransport: t, fresh: fresh}
-	if plainHTTP1(t) {
+	tr := &transport{HTTPTransport: t}
+	if h.UpstreamClient != UpstreamClientNetHTTP && plainHTTP1(t) {
 		tr.h1 = newH1(t)
 	}
 	return tr, nil

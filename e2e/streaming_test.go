@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -80,81 +81,111 @@ func checkPace(t *testing.T, events []event, from, to int) {
 	t.Logf("event gaps: %v (span %v)", gaps, span.Round(time.Millisecond))
 }
 
+// eachUpstreamClient runs f as two parallel subtests, one per HTTP/1.1
+// client a handler can send http:// upstreams through (upstream_client
+// builtin, the default, and net_http): the core streaming cases hold with
+// either.
+func eachUpstreamClient(t *testing.T, f func(t *testing.T, client string)) {
+	for _, client := range []string{"builtin", "net_http"} {
+		t.Run(client, func(t *testing.T) {
+			t.Parallel()
+			f(t, client)
+		})
+	}
+}
+
+// withUpstreamClient adds "upstream_client client" to the llm_proxy
+// directive of site, unless client is the default.
+func withUpstreamClient(site, client string) string {
+	if client == "builtin" {
+		return site
+	}
+	line := "\t\tupstream_client " + client + "\n"
+	if i := strings.Index(site, " {\n"); i >= 0 {
+		return site[:i+3] + line + site[i+3:]
+	}
+	return site + " {\n" + line + "\t}"
+}
+
 // TestStreamArrivesByteIdenticalWithUpstreamTiming: every event of a
 // streamed chat completion reaches the client exactly as the upstream sent
 // it, and at the upstream's pace, not in a burst.
 func TestStreamArrivesByteIdenticalWithUpstreamTiming(t *testing.T) {
 	t.Parallel()
-	fleet := startFleet(t, mockllm.FleetConfig{})
-	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
-	c := newClient(t)
-	ctx := testContext(t, 30*time.Second)
+	eachUpstreamClient(t, func(t *testing.T, client string) {
+		fleet := startFleet(t, mockllm.FleetConfig{})
+		gw := startGateway(t, withUpstreamClient("\tllm_proxy "+upstreams(fleet), client))
+		c := newClient(t)
+		ctx := testContext(t, 30*time.Second)
 
-	const tokens = 8
-	direct, via := bothStreams(ctx, t, c, fleet.Replica(0).URL(), gw.URL, "/v1/chat/completions",
-		chatBody("Relay me byte for byte, and on time.", true),
-		"X-Request-Id: e2e-stream-timing", "X-Mock-TTFT: 50ms",
-		fmt.Sprintf("X-Mock-Tokens: %d", tokens), "X-Mock-Token-Interval: 200ms")
+		const tokens = 8
+		direct, via := bothStreams(ctx, t, c, fleet.Replica(0).URL(), gw.URL, "/v1/chat/completions",
+			chatBody("Relay me byte for byte, and on time.", true),
+			"X-Request-Id: e2e-stream-timing", "X-Mock-TTFT: 50ms",
+			fmt.Sprintf("X-Mock-Tokens: %d", tokens), "X-Mock-Token-Interval: 200ms")
 
-	if via.Status != http.StatusOK || direct.Status != http.StatusOK {
-		t.Fatalf("status: gateway %d, direct %d; want 200", via.Status, direct.Status)
-	}
-	if got, want := via.Header.Get("Content-Type"), direct.Header.Get("Content-Type"); got != want {
-		t.Errorf("Content-Type %q, upstream sent %q", got, want)
-	}
-	if via.Err != nil || len(via.Tail) > 0 {
-		t.Errorf("gateway stream ended with %v (tail %q), want a clean end", via.Err, via.Tail)
-	}
-	checkSameEvents(t, via.Events, direct.Events)
-	// role chunk, 8 token chunks, [DONE]
-	if len(via.Events) != tokens+2 || !via.Events[len(via.Events)-1].IsDone() {
-		t.Fatalf("got %d events ending with %q, want %d ending with [DONE]",
-			len(via.Events), via.Events[len(via.Events)-1].Raw, tokens+2)
-	}
-	// Token chunks 0..7 are events 1..8, 200ms apart upstream.
-	checkPace(t, via.Events, 1, tokens)
+		if via.Status != http.StatusOK || direct.Status != http.StatusOK {
+			t.Fatalf("status: gateway %d, direct %d; want 200", via.Status, direct.Status)
+		}
+		if got, want := via.Header.Get("Content-Type"), direct.Header.Get("Content-Type"); got != want {
+			t.Errorf("Content-Type %q, upstream sent %q", got, want)
+		}
+		if via.Err != nil || len(via.Tail) > 0 {
+			t.Errorf("gateway stream ended with %v (tail %q), want a clean end", via.Err, via.Tail)
+		}
+		checkSameEvents(t, via.Events, direct.Events)
+		// role chunk, 8 token chunks, [DONE]
+		if len(via.Events) != tokens+2 || !via.Events[len(via.Events)-1].IsDone() {
+			t.Fatalf("got %d events ending with %q, want %d ending with [DONE]",
+				len(via.Events), via.Events[len(via.Events)-1].Raw, tokens+2)
+		}
+		// Token chunks 0..7 are events 1..8, 200ms apart upstream.
+		checkPace(t, via.Events, 1, tokens)
+	})
 }
 
 // TestNonStreamingJSONPassesThrough: a non-streaming completion reaches the
 // client with the upstream's status, content type and body.
 func TestNonStreamingJSONPassesThrough(t *testing.T) {
 	t.Parallel()
-	fleet := startFleet(t, mockllm.FleetConfig{})
-	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
-	c := newClient(t)
-	ctx := testContext(t, 30*time.Second)
-	body := chatBody("Answer in one piece.", false)
-	headers := []string{"X-Request-Id: e2e-json", "X-Mock-Tokens: 12", "X-Mock-Token-Interval: 5ms"}
+	eachUpstreamClient(t, func(t *testing.T, client string) {
+		fleet := startFleet(t, mockllm.FleetConfig{})
+		gw := startGateway(t, withUpstreamClient("\tllm_proxy "+upstreams(fleet), client))
+		c := newClient(t)
+		ctx := testContext(t, 30*time.Second)
+		body := chatBody("Answer in one piece.", false)
+		headers := []string{"X-Request-Id: e2e-json", "X-Mock-Tokens: 12", "X-Mock-Token-Interval: 5ms"}
 
-	var direct *plainResponse
-	var directErr error
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		direct, directErr = doPlain(ctx, c, fleet.Replica(0).URL()+"/v1/chat/completions", body, headers...)
+		var direct *plainResponse
+		var directErr error
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			direct, directErr = doPlain(ctx, c, fleet.Replica(0).URL()+"/v1/chat/completions", body, headers...)
+		})
+		via, err := doPlain(ctx, c, gw.URL+"/v1/chat/completions", body, headers...)
+		wg.Wait()
+		if err != nil || directErr != nil {
+			t.Fatalf("gateway: %v; direct: %v", err, directErr)
+		}
+
+		if via.Status != http.StatusOK || via.Status != direct.Status {
+			t.Fatalf("status %d, upstream %d; want 200: %s", via.Status, direct.Status, via.Body)
+		}
+		if got, want := via.Header.Get("Content-Type"), direct.Header.Get("Content-Type"); got != want || got != "application/json" {
+			t.Errorf("Content-Type %q, upstream %q; want application/json", got, want)
+		}
+		if ok, how := sameUpstreamBytes(via.Body, direct.Body); !ok {
+			t.Errorf("body differs from the upstream's: %s", firstDiff(via.Body, direct.Body))
+		} else {
+			t.Logf("gateway body vs direct body: %s", how)
+		}
+		if cl := via.Header.Get("Content-Length"); cl != fmt.Sprint(len(via.Body)) {
+			t.Errorf("Content-Length %q for a %d-byte body", cl, len(via.Body))
+		}
+		if got := via.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(0).Addr() {
+			t.Errorf("%s %q, want the upstream's header %q", mockllm.HeaderReplica, got, fleet.Replica(0).Addr())
+		}
 	})
-	via, err := doPlain(ctx, c, gw.URL+"/v1/chat/completions", body, headers...)
-	wg.Wait()
-	if err != nil || directErr != nil {
-		t.Fatalf("gateway: %v; direct: %v", err, directErr)
-	}
-
-	if via.Status != http.StatusOK || via.Status != direct.Status {
-		t.Fatalf("status %d, upstream %d; want 200: %s", via.Status, direct.Status, via.Body)
-	}
-	if got, want := via.Header.Get("Content-Type"), direct.Header.Get("Content-Type"); got != want || got != "application/json" {
-		t.Errorf("Content-Type %q, upstream %q; want application/json", got, want)
-	}
-	if ok, how := sameUpstreamBytes(via.Body, direct.Body); !ok {
-		t.Errorf("body differs from the upstream's: %s", firstDiff(via.Body, direct.Body))
-	} else {
-		t.Logf("gateway body vs direct body: %s", how)
-	}
-	if cl := via.Header.Get("Content-Length"); cl != fmt.Sprint(len(via.Body)) {
-		t.Errorf("Content-Length %q for a %d-byte body", cl, len(via.Body))
-	}
-	if got := via.Header.Get(mockllm.HeaderReplica); got != fleet.Replica(0).Addr() {
-		t.Errorf("%s %q, want the upstream's header %q", mockllm.HeaderReplica, got, fleet.Replica(0).Addr())
-	}
 }
 
 // plainResponse is a whole non-streamed response.
@@ -245,39 +276,41 @@ func TestEncodeGzipKeepsEventsIncremental(t *testing.T) {
 // and no other upstream is tried.
 func TestStreamCutAfterCommitEndsWithErrorEvent(t *testing.T) {
 	t.Parallel()
-	for _, fault := range []string{"cut=40", "cut_rst=40"} {
-		t.Run(fault, func(t *testing.T) {
-			fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2})
-			gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy first\n\t\tmax_attempts 3\n\t}")
-			c := newClient(t)
-			ctx := testContext(t, 30*time.Second)
+	eachUpstreamClient(t, func(t *testing.T, client string) {
+		for _, fault := range []string{"cut=40", "cut_rst=40"} {
+			t.Run(fault, func(t *testing.T) {
+				fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2})
+				gw := startGateway(t, withUpstreamClient("\tllm_proxy "+upstreams(fleet)+" {\n\t\tlb_policy first\n\t\tmax_attempts 3\n\t}", client))
+				c := newClient(t)
+				ctx := testContext(t, 30*time.Second)
 
-			// /v1/completions streams token events only (no role chunk), so
-			// the 40 content events before the cut are the stream's first 40.
-			direct, via := bothStreams(ctx, t, c, fleet.Replica(0).URL(), gw.URL, "/v1/completions",
-				completionBody("Cut me off after forty.", true),
-				"X-Request-Id: e2e-cut", "X-Mock-Tokens: 100", "X-Mock-Token-Interval: 5ms", "X-Mock-Fault: "+fault)
+				// /v1/completions streams token events only (no role chunk), so
+				// the 40 content events before the cut are the stream's first 40.
+				direct, via := bothStreams(ctx, t, c, fleet.Replica(0).URL(), gw.URL, "/v1/completions",
+					completionBody("Cut me off after forty.", true),
+					"X-Request-Id: e2e-cut", "X-Mock-Tokens: 100", "X-Mock-Token-Interval: 5ms", "X-Mock-Fault: "+fault)
 
-			if len(direct.Events) != 40 {
-				t.Fatalf("the mock sent %d events before the cut, want 40 (err %v)", len(direct.Events), direct.Err)
-			}
-			if via.Status != http.StatusOK {
-				t.Fatalf("status %d, want 200 (the stream committed)", via.Status)
-			}
-			if via.Err != nil || len(via.Tail) > 0 {
-				t.Errorf("gateway stream ended with %v (tail %q), want the error event then a clean end", via.Err, via.Tail)
-			}
-			if len(via.Events) != 41 {
-				t.Fatalf("got %d events, want the 40 upstream events and one error event", len(via.Events))
-			}
-			checkSameEvents(t, via.Events[:40], direct.Events)
-			obj := checkTerminalError(t, via.Events)
-			t.Logf("terminal error: %v", obj)
-			if r0, r1 := fleet.Replica(0).Stats().Requests, fleet.Replica(1).Stats().Requests; r0 != 2 || r1 != 0 {
-				t.Errorf("replicas got %d and %d requests, want 2 (one direct, one via the gateway) and 0: no retry after commit", r0, r1)
-			}
-		})
-	}
+				if len(direct.Events) != 40 {
+					t.Fatalf("the mock sent %d events before the cut, want 40 (err %v)", len(direct.Events), direct.Err)
+				}
+				if via.Status != http.StatusOK {
+					t.Fatalf("status %d, want 200 (the stream committed)", via.Status)
+				}
+				if via.Err != nil || len(via.Tail) > 0 {
+					t.Errorf("gateway stream ended with %v (tail %q), want the error event then a clean end", via.Err, via.Tail)
+				}
+				if len(via.Events) != 41 {
+					t.Fatalf("got %d events, want the 40 upstream events and one error event", len(via.Events))
+				}
+				checkSameEvents(t, via.Events[:40], direct.Events)
+				obj := checkTerminalError(t, via.Events)
+				t.Logf("terminal error: %v", obj)
+				if r0, r1 := fleet.Replica(0).Stats().Requests, fleet.Replica(1).Stats().Requests; r0 != 2 || r1 != 0 {
+					t.Errorf("replicas got %d and %d requests, want 2 (one direct, one via the gateway) and 0: no retry after commit", r0, r1)
+				}
+			})
+		}
+	})
 }
 
 // checkTerminalError checks that the last event is an OpenAI-shaped error
@@ -341,36 +374,38 @@ func TestSteadyStreamOutlivesIdleTimeout(t *testing.T) {
 // about one timeout after the last event, and the upstream is cancelled.
 func TestIdleGapEndsStreamWithErrorEvent(t *testing.T) {
 	t.Parallel()
-	fleet := startFleet(t, mockllm.FleetConfig{})
-	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet)+" {\n\t\tstream_idle_timeout 1s\n\t}")
-	c := newClient(t)
-	ctx := testContext(t, 30*time.Second)
+	eachUpstreamClient(t, func(t *testing.T, client string) {
+		fleet := startFleet(t, mockllm.FleetConfig{})
+		gw := startGateway(t, withUpstreamClient("\tllm_proxy "+upstreams(fleet)+" {\n\t\tstream_idle_timeout 1s\n\t}", client))
+		c := newClient(t)
+		ctx := testContext(t, 30*time.Second)
 
-	// Role chunk and token 0 at once, token 1 only after 3s.
-	s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Then silence.", true),
-		"X-Mock-Tokens: 4", "X-Mock-Token-Interval: 3s")
-	if s.Status != http.StatusOK || s.Err != nil {
-		t.Fatalf("status %d, err %v (tail %q)", s.Status, s.Err, s.Tail)
-	}
-	if len(s.Events) != 3 {
-		t.Fatalf("got %d events %q, want role chunk, token 0, error event", len(s.Events), raw(s.Events))
-	}
-	obj := checkTerminalError(t, s.Events)
-	t.Logf("terminal error: %v", obj)
-	gap := s.Events[2].At.Sub(s.Events[1].At)
-	if gap < 900*time.Millisecond || gap > 2500*time.Millisecond {
-		t.Errorf("error event came %v after the last event, want about the 1s idle timeout", gap)
-	}
-	var rec mockllm.RequestRecord
-	if !waitFor(2*time.Second, func() bool {
-		recent := fleet.Replica(0).Stats().Recent
-		if len(recent) == 1 {
-			rec = recent[0]
+		// Role chunk and token 0 at once, token 1 only after 3s.
+		s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Then silence.", true),
+			"X-Mock-Tokens: 4", "X-Mock-Token-Interval: 3s")
+		if s.Status != http.StatusOK || s.Err != nil {
+			t.Fatalf("status %d, err %v (tail %q)", s.Status, s.Err, s.Tail)
 		}
-		return rec.Outcome == mockllm.OutcomeCancelled
-	}) {
-		t.Errorf("upstream request outcome %q, want %q: the gateway should cancel it", rec.Outcome, mockllm.OutcomeCancelled)
-	}
+		if len(s.Events) != 3 {
+			t.Fatalf("got %d events %q, want role chunk, token 0, error event", len(s.Events), raw(s.Events))
+		}
+		obj := checkTerminalError(t, s.Events)
+		t.Logf("terminal error: %v", obj)
+		gap := s.Events[2].At.Sub(s.Events[1].At)
+		if gap < 900*time.Millisecond || gap > 2500*time.Millisecond {
+			t.Errorf("error event came %v after the last event, want about the 1s idle timeout", gap)
+		}
+		var rec mockllm.RequestRecord
+		if !waitFor(2*time.Second, func() bool {
+			recent := fleet.Replica(0).Stats().Recent
+			if len(recent) == 1 {
+				rec = recent[0]
+			}
+			return rec.Outcome == mockllm.OutcomeCancelled
+		}) {
+			t.Errorf("upstream request outcome %q, want %q: the gateway should cancel it", rec.Outcome, mockllm.OutcomeCancelled)
+		}
+	})
 }
 
 // TestFragmentedStreamWithCommentsIsRelayedUnchanged: an upstream that
@@ -379,31 +414,33 @@ func TestIdleGapEndsStreamWithErrorEvent(t *testing.T) {
 // still reaches the client byte for byte, event by event.
 func TestFragmentedStreamWithCommentsIsRelayedUnchanged(t *testing.T) {
 	t.Parallel()
-	fleet := startFleet(t, mockllm.FleetConfig{})
-	gw := startGateway(t, "\tllm_proxy "+upstreams(fleet))
-	c := newClient(t)
-	ctx := testContext(t, 30*time.Second)
+	eachUpstreamClient(t, func(t *testing.T, client string) {
+		fleet := startFleet(t, mockllm.FleetConfig{})
+		gw := startGateway(t, withUpstreamClient("\tllm_proxy "+upstreams(fleet), client))
+		c := newClient(t)
+		ctx := testContext(t, 30*time.Second)
 
-	direct, via := bothStreams(ctx, t, c, fleet.Replica(0).URL(), gw.URL, "/v1/chat/completions",
-		chatBody("Arrive in pieces: é日本🙂.", true),
-		"X-Request-Id: e2e-fragments", "X-Mock-Tokens: 12", "X-Mock-Token-Interval: 5ms",
-		"X-Mock-Token-Bytes: 40", "X-Mock-Fault: fragment=7,comment_every=2")
-	if via.Status != http.StatusOK || via.Err != nil {
-		t.Fatalf("status %d, err %v", via.Status, via.Err)
-	}
-	comments := 0
-	for _, e := range direct.Events {
-		if e.IsComment() {
-			comments++
+		direct, via := bothStreams(ctx, t, c, fleet.Replica(0).URL(), gw.URL, "/v1/chat/completions",
+			chatBody("Arrive in pieces: é日本🙂.", true),
+			"X-Request-Id: e2e-fragments", "X-Mock-Tokens: 12", "X-Mock-Token-Interval: 5ms",
+			"X-Mock-Token-Bytes: 40", "X-Mock-Fault: fragment=7,comment_every=2")
+		if via.Status != http.StatusOK || via.Err != nil {
+			t.Fatalf("status %d, err %v", via.Status, via.Err)
 		}
-	}
-	if comments == 0 {
-		t.Fatalf("the mock sent no comments: %q", raw(direct.Events))
-	}
-	checkSameEvents(t, via.Events, direct.Events)
-	if !via.Events[len(via.Events)-1].IsDone() {
-		t.Errorf("stream does not end with [DONE]")
-	}
+		comments := 0
+		for _, e := range direct.Events {
+			if e.IsComment() {
+				comments++
+			}
+		}
+		if comments == 0 {
+			t.Fatalf("the mock sent no comments: %q", raw(direct.Events))
+		}
+		checkSameEvents(t, via.Events, direct.Events)
+		if !via.Events[len(via.Events)-1].IsDone() {
+			t.Errorf("stream does not end with [DONE]")
+		}
+	})
 }
 
 // TestStreamTimeoutBoundsWholeResponse: stream_timeout bounds the response

@@ -185,6 +185,10 @@ func (x *exchange) answerFailure(f *failure) Outcome {
 	case AttemptCanceled:
 		res.Status = 499
 		return OutcomeClientGone
+	case AttemptMalformedResponse:
+		x.writeError(&GatewayError{Status: http.StatusBadGateway, Type: TypeServer, Code: "malformed_response",
+			Message: fmt.Sprintf("upstream sent a malformed HTTP response after %d attempt(s)", res.Attempts)})
+		return OutcomeUpstreamError
 	}
 	x.writeError(&GatewayError{Status: http.StatusBadGateway, Type: TypeServer, Code: "upstream_error",
 		Message: fmt.Sprintf("upstream failed after %d attempt(s): %s", res.Attempts, a.outcome)})
@@ -276,6 +280,10 @@ func (a *attempt) classify() {
 		a.outcome = AttemptTruncated
 	case failLate:
 		a.outcome = AttemptFirstByteTimeout
+	case failMalformed:
+		a.outcome = causeOutcome(a.cause, AttemptMalformedResponse)
+	case failStale:
+		a.outcome = causeOutcome(a.cause, AttemptStaleConnection)
 	}
 }
 
@@ -307,6 +315,11 @@ func (a *attempt) classifyCommitted() {
 			a.outcome = o
 		default:
 			a.outcome = AttemptTruncated
+			if a.streamErr != nil && isMalformed(a.streamErr) {
+				// Cut by a framing error: the client sees a cut
+				// stream, the metrics see why.
+				a.outcome = AttemptMalformedResponse
+			}
 		}
 		msg, _ := a.streamFailure()
 		a.err = fmt.Errorf("upstream %s: %s: %w", a.up.Addr, msg, a.errWithCause(a.streamErr))
@@ -322,6 +335,8 @@ func (a *attempt) streamFailure() (msg, code string) {
 		return fmt.Sprintf("upstream sent no event for %v", cfg.StreamIdleTimeout), "stream_idle_timeout"
 	case AttemptStreamTimeout:
 		return fmt.Sprintf("response exceeded %v", cfg.StreamTimeout), "stream_timeout"
+	case AttemptMalformedResponse:
+		return "upstream sent a malformed HTTP response mid-stream", "malformed_response"
 	}
 	if errors.Is(a.streamErr, sse.ErrEventTooLarge) {
 		return fmt.Sprintf("upstream sent an SSE event larger than the gateway's %d-byte limit", cfg.MaxEventSize), "upstream_stream_truncated"

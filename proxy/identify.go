@@ -81,6 +81,10 @@ func (x *exchange) redactKeys() {
 	}
 }
 
+// noUserAgent is the outbound User-Agent of a client that sent none
+// (shared: nothing writes an outbound header's values).
+var noUserAgent = []string{""}
+
 // prepareHeader computes the outbound header once per exchange: hop-by-hop
 // headers removed, X-Forwarded-* set by the trusted-proxy rule, client
 // copies of our tenant headers replaced by ours.
@@ -102,6 +106,12 @@ func (x *exchange) prepareHeader() {
 	// The gateway must read the stream: ask for identity encoding (the
 	// transport may still negotiate gzip itself and decode it).
 	h.Del("Accept-Encoding")
+	if _, ok := h["User-Agent"]; !ok {
+		// None from the client, none to the upstream, as Caddy's
+		// reverse_proxy does: an empty value stops the transport's
+		// default (Go-http-client/1.1).
+		h["User-Agent"] = noUserAgent
+	}
 	out := &http.Request{Header: h}
 	trusted := x.p.cfg.TrustedProxy != nil && x.p.cfg.TrustedProxy(x.r)
 	setForwarded(out, x.r, trusted)

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/h1"
 )
 
 // closingUpstream is a raw HTTP/1.1 server that answers the first request
@@ -64,56 +66,40 @@ func itoa(n int) string { return strconv.Itoa(n) }
 
 func fmtInt(n int) string { return strconv.Itoa(n) }
 
-// countingTransport counts its round trips.
-type countingTransport struct {
-	rt http.RoundTripper
-	n  atomic.Int64
-}
-
-func (c *countingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
-	c.n.Add(1)
-	return c.rt.RoundTrip(r)
-}
-
 // A request written onto a pooled connection that the upstream is closing
-// is retried at once on a fresh connection, within the same attempt: the
-// attempt succeeds, and no connect_error reaches the breaker.
-func TestStaleKeepAliveConnectionIsRetriedOnAFreshOne(t *testing.T) {
-	for _, withFresh := range []bool{false, true} {
-		name := "retry on Transport"
-		if withFresh {
-			name = "retry on FreshTransport"
-		}
-		t.Run(name, func(t *testing.T) {
+// reached the upstream: the transport does not send it again on its own.
+// It fails as stale_connection (neutral for the breaker) and only the
+// retry rules send it again, as a second attempt that is counted.
+func TestRequestWrittenOnAClosingConnectionIsRetriedOnlyAsAnAttempt(t *testing.T) {
+	d := &net.Dialer{}
+	for _, tc := range []struct {
+		name string
+		rt   http.RoundTripper
+	}{
+		{"net/http", &http.Transport{}},
+		{"h1", &h1.Transport{DialContext: d.DialContext}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			addr, requests := closingUpstream(t)
-			pooled := &http.Transport{}
-			t.Cleanup(pooled.CloseIdleConnections)
-			var fresh *countingTransport
+			t.Cleanup(func() { tc.rt.(interface{ CloseIdleConnections() }).CloseIdleConnections() })
 			obs := &recordingObserver{}
-			cfg := Config{Transport: schemeTransport{pooled}, Balancer: &listBalancer{addrs: []string{addr}}, Observer: obs}
-			if withFresh {
-				fresh = &countingTransport{rt: schemeTransport{&http.Transport{DisableKeepAlives: true}}}
-				cfg.FreshTransport = fresh
-			}
-			p, err := New(cfg)
+			p, err := New(Config{Transport: schemeTransport{tc.rt}, Balancer: &listBalancer{addrs: []string{addr}}, Observer: obs})
 			if err != nil {
 				t.Fatal(err)
 			}
 			for i := range 2 { // the second request goes out on the pooled connection
 				w := httptest.NewRecorder()
 				res := p.ServeHTTP(w, post(`{"model":"m"}`))
-				if res.Outcome != OutcomeSuccess || res.Attempts != 1 || w.Code != 200 {
+				if res.Outcome != OutcomeSuccess || res.Attempts != i+1 || w.Code != 200 {
 					t.Fatalf("request %d: outcome %v attempts %d code %d; attempts %v", i, res.Outcome, res.Attempts, w.Code, obs.outcomes())
 				}
 			}
-			if got := strings.Join(obs.outcomes(), " "); strings.Contains(got, "connect_error") || len(obs.attempts) != 2 {
-				t.Fatalf("attempt reports %s: want two successes", got)
+			want := addr + "=success " + addr + "=stale_connection " + addr + "=success"
+			if got := strings.Join(obs.outcomes(), " "); got != want {
+				t.Fatalf("attempt reports %q, want %q", got, want)
 			}
-			if obs.stale != 1 || requests.Load() != 3 {
-				t.Fatalf("stale connections %d, upstream requests %d; want 1 and 3", obs.stale, requests.Load())
-			}
-			if withFresh && fresh.n.Load() != 1 {
-				t.Fatalf("FreshTransport used %d times, want 1", fresh.n.Load())
+			if obs.stale != 1 || obs.retries != 1 || requests.Load() != 3 {
+				t.Fatalf("stale connections %d, retries %d, upstream requests %d; want 1, 1 and 3", obs.stale, obs.retries, requests.Load())
 			}
 		})
 	}

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/textproto"
+	"strings"
 )
 
 // AttemptOutcome classifies how one upstream attempt ended (DESIGN §3,
@@ -43,23 +45,38 @@ const (
 	// AttemptCanceled: ended by the gateway or the client (client gone, hedge
 	// loser, config unloaded). Neutral: it says nothing about the upstream.
 	AttemptCanceled
+	// AttemptMalformedResponse: the upstream's response broke HTTP/1.1 (a
+	// bad status line or header, conflicting framing, broken chunked
+	// coding) before the commit point. A failure of the upstream, judged
+	// as statistical evidence: a server that speaks broken HTTP on one
+	// route may serve others; one that does it always fails with no
+	// success in the window, which is hard evidence.
+	AttemptMalformedResponse
+	// AttemptStaleConnection: the request was written on a kept
+	// connection that the upstream closed at once, before any response
+	// byte (its idle close crossed the request). Retryable under the retry
+	// rules, as the upstream may have received it; neutral, as it says
+	// nothing about the upstream's health.
+	AttemptStaleConnection
 )
 
 var attemptOutcomeNames = [...]string{
-	AttemptSuccess:          "success",
-	AttemptConnectError:     "connect_error",
-	AttemptFirstByteTimeout: "first_byte_timeout",
-	AttemptHTTP5xx:          "http_5xx",
-	AttemptHTTP429:          "http_429",
-	AttemptHTTP4xx:          "http_4xx",
-	AttemptInbandError5xx:   "inband_error_5xx",
-	AttemptInbandError4xx:   "inband_error_4xx",
-	AttemptInbandError429:   "inband_error_429",
-	AttemptTruncated:        "truncated",
-	AttemptIdleTimeout:      "idle_timeout",
-	AttemptStreamTimeout:    "stream_timeout",
-	AttemptInternalError:    "internal_error",
-	AttemptCanceled:         "canceled",
+	AttemptSuccess:           "success",
+	AttemptConnectError:      "connect_error",
+	AttemptFirstByteTimeout:  "first_byte_timeout",
+	AttemptHTTP5xx:           "http_5xx",
+	AttemptHTTP429:           "http_429",
+	AttemptHTTP4xx:           "http_4xx",
+	AttemptInbandError5xx:    "inband_error_5xx",
+	AttemptInbandError4xx:    "inband_error_4xx",
+	AttemptInbandError429:    "inband_error_429",
+	AttemptTruncated:         "truncated",
+	AttemptIdleTimeout:       "idle_timeout",
+	AttemptStreamTimeout:     "stream_timeout",
+	AttemptInternalError:     "internal_error",
+	AttemptCanceled:          "canceled",
+	AttemptMalformedResponse: "malformed_response",
+	AttemptStaleConnection:   "stale_connection",
 }
 
 // String returns the outcome's metric label, e.g. "first_byte_timeout".
@@ -75,7 +92,7 @@ func (o AttemptOutcome) String() string {
 func (o AttemptOutcome) UpstreamFault() bool {
 	switch o {
 	case AttemptSuccess, AttemptHTTP4xx, AttemptInbandError4xx, AttemptCanceled, AttemptStreamTimeout,
-		AttemptInternalError:
+		AttemptInternalError, AttemptStaleConnection:
 		return false
 	}
 	return true
@@ -86,7 +103,8 @@ func (o AttemptOutcome) UpstreamFault() bool {
 func (o AttemptOutcome) Retryable() bool {
 	switch o {
 	case AttemptConnectError, AttemptFirstByteTimeout, AttemptHTTP5xx, AttemptHTTP429,
-		AttemptInbandError5xx, AttemptInbandError429, AttemptTruncated, AttemptInternalError:
+		AttemptInbandError5xx, AttemptInbandError429, AttemptTruncated, AttemptInternalError,
+		AttemptMalformedResponse, AttemptStaleConnection:
 		return true
 	}
 	return false
@@ -165,6 +183,53 @@ var (
 	errStreamTimeout    = errors.New("response exceeded stream_timeout")
 	errLostRace         = errors.New("another attempt committed first")
 )
+
+// malformedError is implemented by a transport's error for a response it
+// refused to read (internal/h1's).
+type malformedError interface {
+	error
+	MalformedResponse() bool
+}
+
+// netHTTPMalformed are the messages of net/http's errors for a response
+// it refused to read (they have no type to test): its parser's, its
+// chunked decoder's, and its transport's head bound.
+var netHTTPMalformed = []string{
+	"malformed HTTP", "malformed MIME header", "bad Content-Length", "invalid Transfer-Encoding",
+	"unsupported transfer encoding", "too many transfer encodings", "malformed chunked encoding",
+	"chunked line ends with bare LF", "invalid CR in chunked line", "header line too long",
+	"empty hex number for chunk length", "invalid byte in chunk length", "http chunk length too large",
+	"chunked encoding contains too much non-data", "suspiciously long trailer", "bad trailer key",
+	"server response headers exceeded", "invalid header field", "multiple Content-Length headers",
+	"invalid empty Content-Length", "invalid Trailer key",
+}
+
+// isMalformed reports whether err says the upstream's response broke
+// HTTP/1.1 rather than that the connection failed.
+func isMalformed(err error) bool {
+	if me, ok := errors.AsType[malformedError](err); ok && me.MalformedResponse() {
+		return true
+	}
+	if _, ok := errors.AsType[textproto.ProtocolError](err); ok {
+		return true
+	}
+	msg := err.Error()
+	for _, m := range netHTTPMalformed {
+		if strings.Contains(msg, m) {
+			return true
+		}
+	}
+	return false
+}
+
+// readFailure is where an attempt failed that could not read its
+// response to the commit point.
+func readFailure(err error) failKind {
+	if isMalformed(err) {
+		return failMalformed
+	}
+	return failRead
+}
 
 // classifyStatus maps an upstream error status to its attempt outcome.
 func classifyStatus(code int) AttemptOutcome {

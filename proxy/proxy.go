@@ -174,11 +174,11 @@ type Observer interface {
 	// RequestDone reports the finished request, once, on every path
 	// (client gone and panics included).
 	RequestDone(r *Result)
-	// StaleConnection is called when a round trip to upstream failed on a
-	// reused keep-alive connection before any response byte (the upstream
-	// closed it as the request went out) and is retried at once on a fresh
-	// connection within the same attempt: neutral for the breaker, free
-	// for the retry budget and max_attempts.
+	// StaleConnection is called when an attempt failed on a reused
+	// keep-alive connection that the upstream closed as the request went
+	// out, before any response byte (outcome stale_connection): neutral for
+	// the breaker, retried only under the retry rules, as the upstream
+	// may have received the request.
 	StaleConnection(upstream string)
 }
 
@@ -320,11 +320,6 @@ type Usage = api.Usage
 type Config struct {
 	// Transport performs the round trips (Caddy's http transport). Required.
 	Transport http.RoundTripper
-	// FreshTransport, when set, is a transport that never reuses a
-	// connection (a clone of Transport with keep-alives off). A round trip
-	// that fails on a reused connection before any response byte is
-	// retried on it, at most twice per attempt; nil retries on Transport.
-	FreshTransport http.RoundTripper
 	// Clock is the source of time and timers for every timeout, the hedge
 	// delay and backoff sleeps; nil is the real clock.
 	Clock clock.Clock

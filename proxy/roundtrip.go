@@ -30,10 +30,6 @@ const maxPreCommitComments = 64 << 10
 // instructions) commits with them rather than drop any.
 const maxPreCommitHeld = 1 << 20
 
-// maxStaleRetries bounds the round trips retried within one attempt because
-// a reused connection turned out to be closed.
-const maxStaleRetries = 2
-
 // staleWindow bounds the time from writing a request to the failure of its
 // reused connection for that failure to count as a stale connection: the
 // server's close races the write within a round trip (it had decided to
@@ -147,6 +143,8 @@ const (
 	failRead                      // the stream or body ended before the commit point
 	failTooLarge                  // the body is over max_response_body
 	failLate                      // the first event raced the first-byte timer and lost
+	failMalformed                 // the response broke HTTP/1.1 (head, framing, chunked coding)
+	failStale                     // the kept connection closed as the request went out
 )
 
 // Bounds on reading the rest of a finished upstream response.
@@ -201,7 +199,15 @@ func (a *attempt) run(results chan<- *attempt) {
 func (a *attempt) preCommit() {
 	resp, err := a.roundTrip()
 	if err != nil {
-		a.failAt(failRoundTrip, fmt.Errorf("upstream %s: %w", a.up.Addr, a.errWithCause(err)))
+		kind := failRoundTrip
+		switch {
+		case isMalformed(err):
+			kind = failMalformed
+		case a.stale():
+			kind = failStale
+			a.x.p.obs.StaleConnection(a.up.Addr)
+		}
+		a.failAt(kind, fmt.Errorf("upstream %s: %w", a.up.Addr, a.errWithCause(err)))
 		return
 	}
 	a.resp, a.status, a.rbody = resp, resp.StatusCode, resp.Body
@@ -228,39 +234,31 @@ func (a *attempt) preCommit() {
 	a.ttft = a.x.since(a.x.start) - a.started
 }
 
-// roundTrip sends the request. Inference servers close idle keep-alive
-// connections early (uvicorn under vLLM after 5 s): a request written onto
-// a pooled connection as the upstream closes it fails before any response
-// byte. That says nothing about the upstream, so it is retried at once, on
-// FreshTransport when set, within this attempt, at most maxStaleRetries
-// times.
+// roundTrip sends the request, once. A request is never sent again within
+// an attempt: once written it may have reached the upstream (a generation
+// may be running), so a failure, even on a kept connection the upstream
+// was closing, is the attempt's, and only the retry rules (before commit,
+// with the budget, counted) send it again. A connection found dead before
+// anything was written is re-dialled by the transport itself, as net/http
+// and internal/h1 both do.
 func (a *attempt) roundTrip() (*http.Response, error) {
-	rt := a.x.p.cfg.Transport
 	ct := &a.conn
 	ct.hooks.GotConn, ct.hooks.GotFirstResponseByte, ct.hooks.WroteRequest = ct.gotConn, ct.gotFirstByte, ct.wroteRequest
-	for n := 0; ; n++ {
-		ct.reused.Store(false)
-		ct.gotByte.Store(false)
-		ct.wroteAt.Store(0)
-		resp, err := rt.RoundTrip(a.request(&ct.hooks))
-		if err == nil || !ct.reused.Load() || ct.gotByte.Load() || a.ctx.Err() != nil || n == maxStaleRetries {
-			return resp, err
-		}
-		// A connection the server was closing fails as the request goes
-		// out. One that dies later may have carried a request the upstream
-		// worked on: that is the upstream's failure, not a stale connection,
-		// and resending it would run the generation twice.
-		if w := ct.wroteAt.Load(); w != 0 && time.Since(time.Unix(0, w)) > staleWindow {
-			return resp, err
-		}
-		a.x.p.obs.StaleConnection(a.up.Addr)
-		if ce := a.x.p.checkDebug("retrying on a fresh connection"); ce != nil {
-			ce.Write(zap.String("upstream", a.up.Addr), zap.Error(err))
-		}
-		if f := a.x.p.cfg.FreshTransport; f != nil {
-			rt = f
-		}
+	return a.x.p.cfg.Transport.RoundTrip(a.request(&ct.hooks))
+}
+
+// stale reports whether a round trip that failed did so on a kept
+// connection the upstream was closing as the request went out: written,
+// then the connection's end within staleWindow and no response byte. That
+// says nothing about the upstream's health (it had decided to close before
+// the request arrived), but the request did reach it.
+func (a *attempt) stale() bool {
+	ct := &a.conn
+	if !ct.reused.Load() || ct.gotByte.Load() || a.ctx.Err() != nil {
+		return false
 	}
+	w := ct.wroteAt.Load()
+	return w != 0 && time.Since(time.Unix(0, w)) <= staleWindow
 }
 
 // connTrace records, for one round trip, whether its connection was reused
@@ -376,7 +374,7 @@ func (a *attempt) readFirstEvent() {
 	for {
 		ev, err := a.sc.Next()
 		if err != nil {
-			a.failAt(failRead, fmt.Errorf("upstream %s: stream ended before the first generated event: %w", a.up.Addr, a.errWithCause(err)))
+			a.failAt(readFailure(err), fmt.Errorf("upstream %s: stream ended before the first generated event: %w", a.up.Addr, a.errWithCause(err)))
 			return
 		}
 		switch a.x.api.Inspect(&a.st, ev) {
@@ -432,7 +430,7 @@ func (a *attempt) readFullBody() {
 	limit := a.x.p.cfg.MaxResponseBody
 	body, err := io.ReadAll(io.LimitReader(a.resp.Body, limit+1))
 	if err != nil {
-		a.failAt(failRead, fmt.Errorf("upstream %s: reading body: %w", a.up.Addr, a.errWithCause(err)))
+		a.failAt(readFailure(err), fmt.Errorf("upstream %s: reading body: %w", a.up.Addr, a.errWithCause(err)))
 		return
 	}
 	if int64(len(body)) > limit {

@@ -6,6 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"net/http"
+	"net/textproto"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -33,14 +36,24 @@ const (
 	chunkTrailer        // after the last chunk: trailer lines up to an empty one
 )
 
-// maxChunkLine bounds a chunk-size line or trailer line, extensions
-// included (net/http's bound).
-const maxChunkLine = 4096
+// The chunked decoder's bounds are net/http's (net/http/internal's
+// chunked.go and transfer.go's readTrailer): a chunk line, extensions
+// included, fits in the read buffer and is under maxChunkLine bytes; the
+// trailer section fits in the read buffer; chunk lines and extensions may
+// exceed the data they carry by at most maxChunkExcess bytes.
+const (
+	maxChunkLine   = 4096
+	maxChunkExcess = 16 << 10
+)
 
 var (
 	errReadOnClosedBody = errors.New("h1: read on closed response body")
-	errChunkLine        = errors.New("h1: malformed chunked encoding")
-	errChunkLineLong    = errors.New("h1: chunk line too long")
+	errChunkLine        = malformed(errors.New("malformed chunked encoding"))
+	errChunkBareLF      = malformed(errors.New("chunked line ends with bare LF"))
+	errChunkCR          = malformed(errors.New("invalid CR in chunked line"))
+	errChunkLineLong    = malformed(errors.New("chunk line too long"))
+	errChunkExcess      = malformed(errors.New("chunked encoding contains too much non-data"))
+	errTrailerLong      = malformed(errors.New("suspiciously long trailer after chunked body"))
 )
 
 // body is a response body read from its connection on the caller's
@@ -49,7 +62,8 @@ var (
 // run concurrently (Close aborts a blocked Read); Reads must not.
 type body struct {
 	c    *conn
-	stop func() bool // stops the context's close of the connection
+	resp *http.Response // its Trailer is filled at the end of a chunked body
+	stop func() bool    // stops the context's close of the connection
 
 	buf  []byte // nil while released; buf[r:w] is read, not yet returned
 	r, w int
@@ -57,9 +71,10 @@ type body struct {
 	pool *sync.Pool // the transport's buffers, of size
 	size int        // the buffer size to take
 
-	mode  int
-	left  int64 // modeLength: bytes to go; modeChunked: of the current chunk
-	chunk int   // chunked decoder state
+	mode   int
+	left   int64 // modeLength: bytes to go; modeChunked: of the current chunk
+	chunk  int   // chunked decoder state
+	excess int64 // chunked: overhead beyond what the data allows (net/http's rule)
 
 	state atomic.Int32
 	err   error // sticky once the body failed
@@ -107,7 +122,8 @@ func (b *body) adopt(br *bufio.Reader) {
 }
 
 // fill reads more bytes into the buffer, after those not yet consumed;
-// it fails when a line being parsed outgrows maxChunkLine.
+// it fails with errChunkLineLong when the buffer is full of them (a line
+// being parsed must fit in it, as in net/http's bufio.Reader).
 func (b *body) fill() error {
 	if b.buf == nil {
 		b.takeBuf()
@@ -116,22 +132,11 @@ func (b *body) fill() error {
 		b.r, b.w = 0, 0
 	}
 	if b.w == len(b.buf) {
-		if b.r > 0 {
-			b.w = copy(b.buf, b.buf[b.r:b.w])
-			b.r = 0
-		} else {
-			if len(b.buf) >= maxChunkLine {
-				return errChunkLineLong
-			}
-			nb := make([]byte, min(2*len(b.buf), maxChunkLine))
-			copy(nb, b.buf[:b.w])
-			if b.bufp != nil {
-				buffersHeld.Add(-1)
-				b.pool.Put(b.bufp)
-				b.bufp = nil
-			}
-			b.buf = nb
+		if b.r == 0 {
+			return errChunkLineLong
 		}
+		b.w = copy(b.buf, b.buf[b.r:b.w])
+		b.r = 0
 	}
 	n, err := b.c.nc.Read(b.buf[b.w:])
 	b.w += n
@@ -144,14 +149,25 @@ func (b *body) fill() error {
 	return err
 }
 
-// line returns the next line without its CRLF (or LF), reading as needed.
-// Its bytes alias the buffer until the next fill.
-func (b *body) line() ([]byte, error) {
+// chunkLine returns the next chunk line without its CRLF, reading as
+// needed; as net/http it must end in CRLF with no other CR in it. Its
+// bytes alias the buffer until the next fill.
+func (b *body) chunkLine() ([]byte, error) {
 	for {
 		if i := bytes.IndexByte(b.buf[b.r:b.w], '\n'); i >= 0 {
-			ln := b.buf[b.r : b.r+i]
+			ln := b.buf[b.r : b.r+i+1]
 			b.r += i + 1
-			return bytes.TrimSuffix(ln, []byte{'\r'}), nil
+			switch cr := bytes.IndexByte(ln, '\r'); {
+			case cr < 0:
+				return nil, errChunkBareLF
+			case cr != len(ln)-2:
+				return nil, errChunkCR
+			}
+			ln = ln[:len(ln)-2]
+			if len(ln) >= maxChunkLine {
+				return nil, errChunkLineLong
+			}
+			return ln, nil
 		}
 		if err := b.fill(); err != nil {
 			if err == io.EOF {
@@ -160,6 +176,20 @@ func (b *body) line() ([]byte, error) {
 			return nil, err
 		}
 	}
+}
+
+// need reads until n bytes are buffered; io.EOF before is
+// io.ErrUnexpectedEOF.
+func (b *body) need(n int) error {
+	for b.w-b.r < n {
+		if err := b.fill(); err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+	}
+	return nil
 }
 
 // Read reads the body. At its end the connection is released (to the idle
@@ -235,20 +265,26 @@ func (b *body) data(p []byte) (int, error) {
 	return 0, err
 }
 
-// readChunked decodes the chunked transfer coding (RFC 9112 §7.1): it
-// returns chunk data as it arrives, and io.EOF after the last chunk and its
-// trailer section (trailer fields are read and dropped).
+// readChunked decodes the chunked transfer coding (RFC 9112 §7.1) with
+// net/http's checks: it returns chunk data as it arrives, and io.EOF after
+// the last chunk and its trailer section, whose fields go to
+// Response.Trailer.
 func (b *body) readChunked(p []byte) (int, error) {
 	for {
 		switch b.chunk {
 		case chunkSize:
-			ln, err := b.line()
+			ln, err := b.chunkLine()
 			if err != nil {
 				return 0, err
 			}
+			b.excess += int64(len(ln)) + 2 // the line, and the CRLF after its data
 			size, err := parseChunkSize(ln)
 			if err != nil {
 				return 0, err
+			}
+			b.excess = max(b.excess-16-2*min(size, 1<<40), 0)
+			if b.excess > maxChunkExcess {
+				return 0, errChunkExcess
 			}
 			if size == 0 {
 				b.chunk = chunkTrailer
@@ -272,33 +308,73 @@ func (b *body) readChunked(p []byte) (int, error) {
 			}
 			return 0, err
 		case chunkCRLF:
-			ln, err := b.line()
-			if err != nil {
+			if err := b.need(2); err != nil {
 				return 0, err
 			}
-			if len(ln) != 0 {
+			if b.buf[b.r] != '\r' || b.buf[b.r+1] != '\n' {
 				return 0, errChunkLine
 			}
+			b.r += 2
 			b.chunk = chunkSize
 		case chunkTrailer:
-			ln, err := b.line()
-			if err != nil {
+			if err := b.readTrailer(); err != nil {
 				return 0, err
 			}
-			if len(ln) == 0 {
-				return 0, io.EOF
-			}
+			return 0, io.EOF
 		}
 	}
 }
 
-// parseChunkSize reads a chunk-size line: hex digits, then optional
-// whitespace and ";extensions", which are ignored.
+// readTrailer reads the trailer section after the last chunk as net/http
+// does: an empty line, or fields up to a CRLF CRLF that must be in the
+// read buffer (no trailer section holds a stream longer than one buffer
+// takes to fill), parsed by textproto into Response.Trailer.
+func (b *body) readTrailer() error {
+	if err := b.need(2); err != nil {
+		return err
+	}
+	if b.buf[b.r] == '\r' && b.buf[b.r+1] == '\n' {
+		b.r += 2
+		return nil
+	}
+	for bytes.Index(b.buf[b.r:b.w], crlfCRLF) < 0 {
+		if err := b.fill(); err != nil {
+			if err == errChunkLineLong {
+				err = errTrailerLong
+			} else if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+	}
+	src := bytes.NewReader(b.buf[b.r:b.w])
+	br := bufio.NewReaderSize(src, max(16, b.w-b.r))
+	h, err := textproto.NewReader(br).ReadMIMEHeader()
+	b.r = b.w - src.Len() - br.Buffered()
+	if err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return malformed(err)
+	}
+	if b.resp.Trailer == nil {
+		b.resp.Trailer = http.Header(h)
+	} else {
+		maps.Copy(b.resp.Trailer, http.Header(h))
+	}
+	return nil
+}
+
+var crlfCRLF = []byte("\r\n\r\n")
+
+// parseChunkSize reads a chunk-size line as net/http does: trailing
+// whitespace trimmed, then ";extensions" cut (and ignored), then 1 to 16
+// hex digits and nothing else.
 func parseChunkSize(ln []byte) (int64, error) {
+	ln = bytes.TrimRight(ln, " \t")
 	if i := bytes.IndexByte(ln, ';'); i >= 0 {
 		ln = ln[:i]
 	}
-	ln = bytes.TrimRight(ln, " \t")
 	if len(ln) == 0 || len(ln) > 16 {
 		return 0, errChunkLine
 	}
@@ -312,7 +388,7 @@ func parseChunkSize(ln []byte) (int64, error) {
 		case 'A' <= c && c <= 'F':
 			c = c - 'A' + 10
 		default:
-			return 0, fmt.Errorf("%w: chunk size %q", errChunkLine, ln)
+			return 0, malformed(fmt.Errorf("invalid byte in chunk length %q", ln))
 		}
 		n = n<<4 | uint64(c)
 	}
@@ -378,9 +454,6 @@ func (b *body) WaitReadable() error {
 	}
 	if b.r < b.w {
 		return nil
-	}
-	if b.buf != nil && b.bufp == nil {
-		b.dropBuf() // a buffer grown for a long line: back to the usual size
 	}
 	b.r, b.w = 0, 0
 	ok, err := b.waitRead()

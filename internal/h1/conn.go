@@ -2,6 +2,7 @@ package h1
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -42,7 +43,36 @@ type conn struct {
 	// closed the connection.
 	ctx     context.Context
 	aborted atomic.Bool
+	// out counts the bytes of the current request written to nc.
+	out countingWriter
 }
+
+// countingWriter counts the bytes written through it.
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (cw *countingWriter) Write(p []byte) (int, error) {
+	n, err := cw.w.Write(p)
+	cw.n += int64(n)
+	return n, err
+}
+
+// errNotSent marks the failure of a request of which no byte reached the
+// connection: the server cannot have seen it, so it may be sent again on
+// another connection (as net/http retries a request "nothing written").
+var errNotSent = errors.New("h1: request not sent")
+
+// notSentError is a write failure with nothing written.
+type notSentError struct{ err error }
+
+func (e *notSentError) Error() string   { return e.err.Error() }
+func (e *notSentError) Unwrap() []error { return []error{errNotSent, e.err} }
+
+// headTimeout closes the connection of a response whose head did not
+// come within ResponseHeaderTimeout.
+func (c *conn) headTimeout() { _ = c.nc.Close() }
 
 // abortErr is the error to report for a failed read or write: the cause of
 // the request's context when its end closed the connection, else err.
@@ -87,7 +117,7 @@ var reqWriteExclude = map[string]bool{
 
 // roundTrip writes req on c and reads the response head. On any error c is
 // closed.
-func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrace.ClientTrace) (*http.Response, error) {
+func (c *conn) roundTrip(ctx context.Context, req *http.Request, host string, trace *httptrace.ClientTrace) (*http.Response, error) {
 	// The request's context ending closes the connection: a write or read
 	// blocked on it returns at once, and nothing else can end it.
 	c.ctx = ctx
@@ -101,9 +131,12 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrac
 		_ = c.nc.Close()
 		return nil, c.abortErr(err)
 	}
-	werr := c.writeRequest(req)
+	werr := c.writeRequest(req, host)
 	if trace != nil && trace.WroteRequest != nil {
 		trace.WroteRequest(httptrace.WroteRequestInfo{Err: werr})
+	}
+	if werr != nil && c.out.n == 0 && !c.aborted.Load() {
+		return fail(&notSentError{werr})
 	}
 	if werr != nil {
 		// A server may answer before it has read the whole body (a 413,
@@ -116,22 +149,25 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrac
 		}
 		c.keepAlive = false
 	}
+	// The head's deadline is a timer that closes the connection, not a
+	// read deadline: Caddy's dialer wraps connections (read_timeout) in
+	// one that sets its own deadline on every Read, over ours.
+	var headTimer *time.Timer
 	if d := c.t.ResponseHeaderTimeout; d > 0 && (werr == nil || errors.Is(werr, errAnsweredEarly)) {
-		_ = c.nc.SetReadDeadline(c.t.clock().Add(d))
+		headTimer = time.AfterFunc(d, c.headTimeout)
 	}
 	resp, err := c.readResponse(req, trace)
+	if headTimer != nil && !headTimer.Stop() {
+		if err == nil {
+			_ = resp.Body.Close()
+		}
+		return fail(fmt.Errorf("h1: timeout awaiting response headers after %v", c.t.ResponseHeaderTimeout))
+	}
 	if err != nil {
 		if werr != nil && !errors.Is(werr, errAnsweredEarly) {
 			return fail(werr)
 		}
-		var ne net.Error
-		if errors.As(err, &ne) && ne.Timeout() && c.t.ResponseHeaderTimeout > 0 && !c.aborted.Load() {
-			err = fmt.Errorf("h1: timeout awaiting response headers: %w", err)
-		}
 		return fail(err)
-	}
-	if c.t.ResponseHeaderTimeout > 0 {
-		_ = c.nc.SetReadDeadline(time.Time{})
 	}
 	b := resp.Body.(*body)
 	b.stop = stop
@@ -144,13 +180,9 @@ func (c *conn) roundTrip(ctx context.Context, req *http.Request, trace *httptrac
 	return resp, nil
 }
 
-// writeRequest writes the request line, headers and body.
-func (c *conn) writeRequest(req *http.Request) error {
+// writeRequest writes the request line, headers (Host as host) and body.
+func (c *conn) writeRequest(req *http.Request, host string) error {
 	defer closeBody(req)
-	host := req.Host
-	if host == "" {
-		host = req.URL.Host
-	}
 	method := req.Method
 	if method == "" {
 		method = http.MethodGet
@@ -164,7 +196,8 @@ func (c *conn) writeRequest(req *http.Request) error {
 		w = &answerWatch{nc: c.nc}
 		defer func() { _ = c.nc.SetWriteDeadline(time.Time{}) }()
 	}
-	bw := getWriter(w)
+	c.out = countingWriter{w: w}
+	bw := getWriter(&c.out)
 	defer putWriter(bw)
 	uri := req.URL.RequestURI()
 	_, _ = bw.WriteString(method)
@@ -247,7 +280,10 @@ var errAnsweredEarly = errors.New("h1: server answered before reading the whole 
 
 // answerWatch writes to a plain socket under a write deadline it renews
 // every answerPoll: a write stalled past it (a server not reading) looks
-// for an answer, or for the server's close, and stops if there is one.
+// for a final answer, or for the server's close, and stops if there is
+// one. Interim (1xx) heads are no answer: a server sends 100 Continue or
+// 103 Early Hints and then reads the body, so the write goes on, as
+// net/http's does.
 // Only plain sockets are watched: a wrapper that sets its own write
 // deadline (Caddy's write_timeout) would make its timeout look like ours.
 type answerWatch struct {
@@ -268,45 +304,104 @@ func (a *answerWatch) Write(p []byte) (int, error) {
 			return written, err
 		}
 		a.armed = false
-		if !alive(a.nc) {
+		if answered(a.nc) {
 			return written, errAnsweredEarly
 		}
 	}
 }
 
+// interimOnly reports whether p, the start of what a server sent, holds
+// only interim heads (1xx other than 101 Switching Protocols), the last one
+// possibly incomplete; anything else is the start of a final answer (or of
+// bytes the response reader will refuse).
+func interimOnly(p []byte) bool {
+	const statusLen = len("HTTP/1.1 100")
+	for len(p) > 0 {
+		if len(p) < statusLen {
+			return strings.HasPrefix("HTTP/1.1 1", string(p[:min(len(p), len("HTTP/1.1 1"))])) ||
+				strings.HasPrefix("HTTP/1.0 1", string(p[:min(len(p), len("HTTP/1.0 1"))]))
+		}
+		if string(p[:7]) != "HTTP/1." || p[8] != ' ' || p[9] != '1' || string(p[9:12]) == "101" {
+			return false
+		}
+		end := bytes.Index(p, []byte("\n\r\n"))
+		if lf := bytes.Index(p, []byte("\n\n")); lf >= 0 && (end < 0 || lf < end) {
+			end = lf - 1
+		}
+		if end < 0 {
+			return true // the head is still arriving
+		}
+		p = p[end+3:]
+	}
+	return true
+}
+
 // validRequest refuses what net/http refuses to write: a method that is
-// not a token, a bad Host, a header name or value a server could read as
-// something else (response splitting).
-func validRequest(req *http.Request) error {
+// not a token, a bad Host, a request-target with a control character, a
+// header name or value a server could read as something else (response
+// splitting). It returns the Host to send: as net/http, an IDNA name in
+// its ASCII (punycode) form and an IPv6 zone removed (RFC 6874).
+func validRequest(req *http.Request) (string, error) {
 	if !validMethod(req.Method) {
-		return fmt.Errorf("h1: invalid method %q", req.Method)
+		return "", fmt.Errorf("h1: invalid method %q", req.Method)
 	}
 	host := req.Host
 	if host == "" {
 		host = req.URL.Host
 	}
+	host, err := httpguts.PunycodeHostPort(host)
+	if err != nil {
+		return "", fmt.Errorf("h1: invalid Host header: %w", err)
+	}
 	if !httpguts.ValidHostHeader(host) {
-		return fmt.Errorf("h1: invalid Host header %q", host)
+		// net/http sends an empty Host instead; refusing is stricter
+		// and sends nothing the caller did not ask for.
+		return "", fmt.Errorf("h1: invalid Host header %q", host)
+	}
+	if uri := req.URL.RequestURI(); strings.IndexFunc(uri, isCTL) >= 0 {
+		return "", fmt.Errorf("h1: control character in request-target %q", uri)
 	}
 	for k, vv := range req.Header {
 		if !httpguts.ValidHeaderFieldName(k) {
-			return fmt.Errorf("h1: invalid header field name %q", k)
+			return "", fmt.Errorf("h1: invalid header field name %q", k)
 		}
 		for _, v := range vv {
 			if !httpguts.ValidHeaderFieldValue(v) {
-				return fmt.Errorf("h1: invalid header field value for %q", k)
+				return "", fmt.Errorf("h1: invalid header field value for %q", k)
 			}
 		}
 	}
-	return nil
+	return removeZone(host), nil
+}
+
+func isCTL(r rune) bool { return r < ' ' || r == 0x7f }
+
+// removeZone removes an IPv6 zone identifier from host (net/http's).
+func removeZone(host string) string {
+	if !strings.HasPrefix(host, "[") {
+		return host
+	}
+	i := strings.LastIndex(host, "]")
+	if i < 0 {
+		return host
+	}
+	j := strings.LastIndex(host[:i], "%")
+	if j < 0 {
+		return host
+	}
+	return host[:j] + host[i:]
 }
 
 func validMethod(m string) bool {
 	return strings.IndexFunc(m, func(r rune) bool { return !httpguts.IsTokenRune(r) }) < 0 // "" is GET
 }
 
-// readResponse reads the response head (skipping 1xx heads) and frames
-// its body.
+// readResponse reads the response head (skipping 1xx heads) with
+// net/http's own parser, http.ReadResponse, and frames its body as that
+// parser decided: the head is held to exactly net/http's rules (status
+// line, header syntax, Content-Length forms, Transfer-Encoding, Trailer).
+// Only the body reader is replaced, by one that holds no buffer between
+// events.
 func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*http.Response, error) {
 	limit := c.t.MaxResponseHeaderBytes
 	if limit <= 0 {
@@ -314,40 +409,41 @@ func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*h
 	}
 	c.src = limitedConn{nc: c.nc, n: limit}
 	c.br = c.t.getHeadReader(&c.src)
-	first := true
+	if _, err := c.br.Peek(1); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, err
+	}
+	if trace != nil && trace.GotFirstResponseByte != nil {
+		trace.GotFirstResponseByte()
+	}
 	for {
-		if first {
-			if _, err := c.br.Peek(1); err != nil {
-				if errors.Is(err, io.EOF) {
-					err = io.ErrUnexpectedEOF
-				}
-				return nil, err
-			}
-			first = false
-			if trace != nil && trace.GotFirstResponseByte != nil {
-				trace.GotFirstResponseByte()
-			}
-		}
-		resp, err := readResponseHead(c.br, req)
+		resp, err := http.ReadResponse(c.br, req)
 		if err != nil {
-			return nil, err
+			return nil, headError(err)
 		}
-		if resp.StatusCode >= 100 && resp.StatusCode < 200 {
-			if resp.StatusCode == http.StatusSwitchingProtocols {
-				return nil, errors.New("h1: upstream switched protocols, which is not supported")
-			}
+		if resp.StatusCode == http.StatusSwitchingProtocols {
+			return nil, malformed(errors.New("upstream switched protocols, which is not supported"))
+		}
+		if resp.StatusCode < 100 {
+			// net/http takes 000-099 for a final answer; RFC 9110 §15
+			// has no such codes.
+			return nil, malformed(fmt.Errorf("status code %d", resp.StatusCode))
+		}
+		if resp.StatusCode < 200 {
 			if trace != nil && trace.Got1xxResponse != nil {
 				if err := trace.Got1xxResponse(resp.StatusCode, textproto.MIMEHeader(resp.Header)); err != nil {
 					return nil, err
 				}
+				// As net/http: once the caller sees 1xx heads, each
+				// head gets the whole bound; else all share one.
+				c.src.n = limit
 			}
 			continue
 		}
 		c.src.n = -1
-		b, err := frameBody(resp, req)
-		if err != nil {
-			return nil, err
-		}
+		b := frameBody(resp)
 		// The body reads through its own buffer, which it can let go
 		// of between events; the head's reader goes back now.
 		b.c = c
@@ -364,6 +460,42 @@ func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace) (*h
 	}
 }
 
+// ErrMalformedResponse is wrapped by every error that reports an upstream
+// response h1 refused to read: a bad status line or header, conflicting or
+// unsupported framing, broken chunked encoding or trailers, a head over
+// MaxResponseHeaderBytes. errors.Is tells it from an I/O failure (a reset,
+// a timeout, a truncation), which does not wrap it.
+var ErrMalformedResponse = errors.New("malformed response")
+
+// malformedError is a refused response: ErrMalformedResponse and the
+// reason.
+type malformedError struct{ err error }
+
+func (e *malformedError) Error() string   { return "h1: malformed response: " + e.err.Error() }
+func (e *malformedError) Unwrap() []error { return []error{ErrMalformedResponse, e.err} }
+
+// MalformedResponse reports true: a gateway tells a refused response from
+// a failed connection by it without importing this package.
+func (e *malformedError) MalformedResponse() bool { return true }
+
+func malformed(err error) error { return &malformedError{err} }
+
+// headError classifies an error of http.ReadResponse: the connection's own
+// failures (timeouts, resets, a close before the head was whole) pass as
+// they are; everything else is the parser refusing what it read.
+func headError(err error) error {
+	var ne net.Error
+	var errno syscall.Errno
+	switch {
+	case errors.Is(err, errHeaderTooLarge):
+		return malformed(err)
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed),
+		errors.As(err, &ne), errors.As(err, &errno), errors.Is(err, os.ErrDeadlineExceeded):
+		return err
+	}
+	return malformed(err)
+}
+
 // release returns c to the idle pool when its request and response allow
 // keep-alive, its context has not closed it, and nothing was read past the
 // response (bytes that answer nothing: such a connection cannot carry
@@ -377,127 +509,25 @@ func (c *conn) release(stop func() bool, clean bool) {
 	c.t.putIdle(c)
 }
 
-// readResponseHead reads one response head (status line and headers) from
-// br and returns it with its body not yet framed (Body nil). req is the
-// request it answers, set as Response.Request.
-func readResponseHead(br *bufio.Reader, req *http.Request) (*http.Response, error) {
-	tp := textproto.NewReader(br)
-	line, err := tp.ReadLine()
-	if err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
-		}
-		return nil, err
-	}
-	proto, status, ok := strings.Cut(line, " ")
-	if !ok {
-		return nil, fmt.Errorf("h1: malformed status line %q", line)
-	}
-	major, minor, ok := http.ParseHTTPVersion(proto)
-	if !ok || major != 1 {
-		return nil, fmt.Errorf("h1: malformed HTTP version %q", proto)
-	}
-	status = strings.TrimLeft(status, " ")
-	code, _, _ := strings.Cut(status, " ")
-	if len(code) != 3 {
-		return nil, fmt.Errorf("h1: malformed status code %q", code)
-	}
-	n, err := strconv.Atoi(code)
-	if err != nil || n < 100 || code[0] == '+' || code[0] == '-' {
-		return nil, fmt.Errorf("h1: malformed status code %q", code)
-	}
-	h, err := tp.ReadMIMEHeader()
-	if err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
-		}
-		return nil, err
-	}
-	if h == nil {
-		h = textproto.MIMEHeader{}
-	}
-	return &http.Response{
-		Status: status, StatusCode: n,
-		Proto: proto, ProtoMajor: major, ProtoMinor: minor,
-		Header: http.Header(h), Request: req,
-	}, nil
-}
-
-// frameBody decides how the body of resp is delimited (RFC 9112 §6.3) and
-// returns its reader, without a connection or buffer yet. It sets
-// resp.ContentLength, resp.TransferEncoding and resp.Close.
-func frameBody(resp *http.Response, req *http.Request) (*body, error) {
-	h := resp.Header
-	resp.Close = shouldClose(resp.ProtoMajor, resp.ProtoMinor, h)
-	b := &body{}
-	noBody := (req != nil && req.Method == http.MethodHead) || resp.StatusCode == http.StatusNoContent ||
-		resp.StatusCode == http.StatusNotModified || resp.StatusCode < 200
-	te := h.Values("Transfer-Encoding")
-	if len(te) > 0 && !noBody {
-		if len(te) != 1 || !strings.EqualFold(strings.TrimSpace(te[0]), "chunked") {
-			return nil, fmt.Errorf("h1: unsupported transfer encoding %q", te)
-		}
-		if resp.ProtoMajor == 1 && resp.ProtoMinor == 0 {
-			return nil, errors.New("h1: chunked encoding in an HTTP/1.0 response")
-		}
-		// Transfer-Encoding overrides Content-Length (RFC 9112 §6.3, 3).
-		h.Del("Content-Length")
-		h.Del("Transfer-Encoding")
-		resp.TransferEncoding = []string{"chunked"}
-		resp.ContentLength = -1
+// frameBody returns the reader of resp's body as http.ReadResponse framed
+// it (RFC 9112 §6.3), without a connection or buffer yet; a body with no
+// bytes to read starts done.
+func frameBody(resp *http.Response) *body {
+	b := &body{resp: resp}
+	switch {
+	case resp.Body == http.NoBody:
+		b.state.Store(bodyDone)
+	case len(resp.TransferEncoding) > 0:
+		// ReadResponse accepts "chunked" alone.
 		b.mode = modeChunked
-		return b, nil
-	}
-	cl := int64(-1)
-	if vv := h.Values("Content-Length"); len(vv) > 0 {
-		first := strings.TrimSpace(vv[0])
-		for _, v := range vv[1:] {
-			if strings.TrimSpace(v) != first {
-				return nil, fmt.Errorf("h1: conflicting Content-Length headers %q", vv)
-			}
-		}
-		n, err := strconv.ParseUint(first, 10, 63)
-		if err != nil {
-			return nil, fmt.Errorf("h1: bad Content-Length %q", first)
-		}
-		cl = int64(n)
-	}
-	if noBody {
-		resp.ContentLength = 0
-		if req != nil && req.Method == http.MethodHead && cl >= 0 {
-			resp.ContentLength = cl
-		}
+	case resp.ContentLength > 0:
+		b.mode, b.left = modeLength, resp.ContentLength
+	case resp.ContentLength == 0:
 		b.state.Store(bodyDone)
-		return b, nil
-	}
-	resp.ContentLength = cl
-	if cl == 0 {
-		b.state.Store(bodyDone)
-		return b, nil
-	}
-	if cl < 0 {
-		// Delimited by the server closing the connection.
-		resp.Close = true
+	default:
+		// Delimited by the server closing the connection (ReadResponse
+		// sets resp.Close).
 		b.mode = modeClose
-		return b, nil
 	}
-	b.mode, b.left = modeLength, cl
-	return b, nil
-}
-
-// shouldClose reports whether the connection closes after this response.
-func shouldClose(major, minor int, h http.Header) bool {
-	conn := h.Values("Connection")
-	has := func(tok string) bool {
-		for _, v := range conn {
-			if httpguts.HeaderValuesContainsToken([]string{v}, tok) {
-				return true
-			}
-		}
-		return false
-	}
-	if major == 1 && minor == 0 {
-		return !has("keep-alive")
-	}
-	return has("close")
+	return b
 }

@@ -670,22 +670,6 @@ func TestAnswerBeforeTheBodyIsRead(t *testing.T) {
 	}
 }
 
-// TestFreshNeverReuses dials for every request and keeps nothing.
-func TestFreshNeverReuses(t *testing.T) {
-	s, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, "ok") })
-	tr := newTransport(t)
-	for range 2 {
-		resp, err := get(t, tr.Fresh(), s.URL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		mustBody(t, resp)
-	}
-	if conns.Load() != 2 || tr.idleCount(s.Listener.Addr().String()) != 0 {
-		t.Fatalf("connections %d idle %d", conns.Load(), tr.idleCount(s.Listener.Addr().String()))
-	}
-}
-
 // TestCloseKeepsStreamsAndPoolsNothing: after Close (a reload), a stream
 // in flight finishes and its connection is closed, not kept.
 func TestCloseKeepsStreamsAndPoolsNothing(t *testing.T) {

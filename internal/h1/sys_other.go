@@ -11,6 +11,10 @@ import (
 // found by the request written onto it.
 func alive(net.Conn) bool { return true }
 
+// answered is false: a stalled write waits for the server to read on, or
+// for its context.
+func answered(net.Conn) bool { return false }
+
 // waitRead cannot read without a buffer here: the next Read waits, in one.
 func (b *body) waitRead() (bool, error) { return false, nil }
 

@@ -40,6 +40,37 @@ func alive(nc net.Conn) bool {
 	return false
 }
 
+// answered reports whether a server that stopped reading a request body
+// has answered it or closed: a non-blocking peek finds the close, an error,
+// or bytes other than interim (1xx) heads. Heads cut short by the peek's
+// window or still arriving are not yet an answer.
+func answered(nc net.Conn) bool {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return true
+	}
+	buf := make([]byte, 4<<10) // only once a write stalled
+	n := 0
+	var rerr error
+	err = rc.Read(func(fd uintptr) bool {
+		n, _, rerr = syscall.Recvfrom(int(fd), buf, syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		return true
+	})
+	switch {
+	case err != nil:
+		return true
+	case errors.Is(rerr, syscall.EAGAIN) || errors.Is(rerr, syscall.EWOULDBLOCK):
+		return false
+	case rerr != nil || n <= 0:
+		return true
+	}
+	return !interimOnly(buf[:n])
+}
+
 // rawConn returns the raw socket of a plain TCP or Unix connection, the
 // only ones a body reads from directly: a wrapper (Caddy's read and write
 // timeouts) sets deadlines in its Read that a raw read would skip.

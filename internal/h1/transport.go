@@ -15,6 +15,18 @@
 // and GotFirstResponseByte to an httptrace.ClientTrace in the request's
 // context. Response bodies are framed as RFC 9112 §6.3 says: chunked,
 // Content-Length, or read until the server closes.
+//
+// It is never more lenient than net/http: response heads are read by
+// net/http's own parser (http.ReadResponse), which also decides the
+// framing; only the body reader is its own, because net/http's chunked
+// reader needs a bufio.Reader held for the body's whole life, and a held
+// stream here holds no buffer between events. That reader makes net/http's
+// checks (CRLF line ends only, no CR inside a line, lines and the trailer
+// section within the read buffer, bounded extension overhead), and
+// FuzzDifferential holds the two clients to the same answers over real
+// sockets. Where it refuses more (101 Switching Protocols, a status code
+// below 100), RFC 9110 agrees. A response it refuses fails with an error
+// that wraps ErrMalformedResponse.
 package h1
 
 import (
@@ -72,8 +84,10 @@ type Transport struct {
 	// response (1xx heads included); 0 means DefaultMaxResponseHeaderBytes.
 	MaxResponseHeaderBytes int64
 	// ReadBufferSize is the size in bytes of each connection's read buffer
-	// while a response is read; 0 means DefaultReadBufferSize. An idle
-	// connection holds none.
+	// while a response is read; 0 means DefaultReadBufferSize, and a size
+	// below 16 means 16 (bufio's minimum, as net/http). An idle connection
+	// holds none. A chunk-size line and a trailer section must fit in it,
+	// as in net/http.
 	ReadBufferSize int
 
 	// heads holds the *bufio.Reader a response head is read through,
@@ -95,21 +109,10 @@ var errUnsupportedScheme = errors.New("h1: only http:// requests are supported")
 // reading it to its end returns the connection to the idle pool, closing it
 // early closes the connection. req.Body is always closed.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	return t.roundTrip(req, false)
+	return t.roundTrip(req)
 }
 
-// Fresh returns a RoundTripper over t that never reuses a connection: each
-// request dials its own, which is closed after its response. It is for
-// retrying a request whose reused connection the server had just closed.
-func (t *Transport) Fresh() http.RoundTripper { return freshTransport{t} }
-
-type freshTransport struct{ t *Transport }
-
-func (f freshTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	return f.t.roundTrip(req, true)
-}
-
-func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, error) {
+func (t *Transport) roundTrip(req *http.Request) (*http.Response, error) {
 	if req.URL == nil || req.URL.Scheme != "http" {
 		closeBody(req)
 		return nil, errUnsupportedScheme
@@ -118,7 +121,8 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 		closeBody(req)
 		return nil, errors.New("h1: request has no host")
 	}
-	if err := validRequest(req); err != nil {
+	host, err := validRequest(req)
+	if err != nil {
 		closeBody(req)
 		return nil, err
 	}
@@ -129,9 +133,46 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 		trace.GetConn(key)
 	}
 	var c *conn
-	if !fresh && !t.DisableKeepAlives {
+	if !t.DisableKeepAlives {
 		c = t.takeIdle(key)
 	}
+	resp, err := t.send(ctx, c, req, host, trace)
+	if c != nil && errors.Is(err, errNotSent) && ctx.Err() == nil {
+		// The kept connection failed before any byte of the request
+		// left (the server closed it as it was taken): nothing reached
+		// the server, so the request goes again on a new connection,
+		// once. A request that was written is never sent again here:
+		// the server may be working on it.
+		if req, err = rewind(req); err != nil {
+			return nil, err
+		}
+		return t.send(ctx, nil, req, host, trace)
+	}
+	return resp, err
+}
+
+// rewind returns req with its body from the start (GetBody), for sending
+// it again.
+func rewind(req *http.Request) (*http.Request, error) {
+	if req.Body == nil || req.Body == http.NoBody {
+		return req, nil
+	}
+	if req.GetBody == nil {
+		return nil, errors.New("h1: kept connection closed before the request was sent, and the body cannot be read again")
+	}
+	body, err := req.GetBody()
+	if err != nil {
+		return nil, err
+	}
+	r := *req
+	r.Body = body
+	return &r, nil
+}
+
+// send writes req on c, or on a new connection when c is nil, and reads
+// the response head.
+func (t *Transport) send(ctx context.Context, c *conn, req *http.Request, host string, trace *httptrace.ClientTrace) (*http.Response, error) {
+	key := req.URL.Host
 	if c == nil {
 		nc, err := t.DialContext(ctx, "tcp", key)
 		if err != nil {
@@ -153,9 +194,9 @@ func (t *Transport) roundTrip(req *http.Request, fresh bool) (*http.Response, er
 	// The header is not copied (the transport writes its own Connection
 	// field), so a close it asks for must be honoured here, as net/http
 	// does, or the connection would be kept against the caller's word.
-	c.keepAlive = !fresh && !t.DisableKeepAlives && !req.Close &&
+	c.keepAlive = !t.DisableKeepAlives && !req.Close &&
 		!httpguts.HeaderValuesContainsToken(req.Header["Connection"], "close")
-	return c.roundTrip(ctx, req, trace)
+	return c.roundTrip(ctx, req, host, trace)
 }
 
 func (t *Transport) clock() time.Time {
@@ -330,10 +371,16 @@ func putWriter(bw *bufio.Writer) {
 	writerPool.Put(bw)
 }
 
-// readBufferSize is ReadBufferSize or its default.
+// minReadBufferSize is bufio's smallest buffer: net/http's
+// ReadBufferSize below it reads through 16 bytes.
+const minReadBufferSize = 16
+
+// readBufferSize is ReadBufferSize or its default, at least
+// minReadBufferSize: the head's bufio.Reader never has less, and the body
+// takes over the bytes it read past the head.
 func (t *Transport) readBufferSize() int {
 	if t.ReadBufferSize > 0 {
-		return t.ReadBufferSize
+		return max(t.ReadBufferSize, minReadBufferSize)
 	}
 	return DefaultReadBufferSize
 }
