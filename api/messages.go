@@ -3,6 +3,7 @@ package api
 import (
 	"github.com/tidwall/gjson"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/jsonscan"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -207,8 +208,8 @@ func (messagesAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendAn
 
 func appendAnthropicError(dst []byte, e Error) []byte {
 	dst = append(dst, `{"type":"error","error":{"type":`...)
-	dst = sse.AppendJSONString(dst, AnthropicErrorType(e.Status))
+	dst = jsonscan.AppendString(dst, AnthropicErrorType(e.Status))
 	dst = append(dst, `,"message":`...)
-	dst = sse.AppendJSONString(dst, e.Message)
+	dst = jsonscan.AppendString(dst, e.Message)
 	return append(dst, "}}"...)
 }

@@ -4,6 +4,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/jsonscan"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -117,7 +118,7 @@ func responsesUsage(st *Stream, data []byte, path string) {
 // 400; the rest (server_error, vector_store_timeout, vLLM's internal
 // errors) 500.
 func responsesError(code, message, typ string) InbandError {
-	status := sse.ErrorStatus(typ, code)
+	status := errorStatus(typ, code)
 	if status == 500 {
 		s := strings.ToLower(code + " " + typ)
 		for _, w := range [...]string{"invalid", "not_found", "too_large", "image", "policy", "residency"} {
@@ -149,9 +150,9 @@ func (responsesAPI) AppendStreamError(dst []byte, st *Stream, e Error) []byte {
 		next = st.seq + 1
 	}
 	dst = append(dst, "event: error\ndata: {\"type\":\"error\",\"code\":"...)
-	dst = sse.AppendJSONString(dst, e.Code)
+	dst = jsonscan.AppendString(dst, e.Code)
 	dst = append(dst, `,"message":`...)
-	dst = sse.AppendJSONString(dst, e.Message)
+	dst = jsonscan.AppendString(dst, e.Message)
 	dst = append(dst, `,"param":null,"sequence_number":`...)
 	dst = strconv.AppendInt(dst, next, 10)
 	return append(dst, "}\n\n"...)
