@@ -20,7 +20,16 @@ type chatAPI struct {
 
 func (c chatAPI) Name() string { return c.name }
 
-func (chatAPI) ParseRequest(body []byte) (Request, error) { return parseChat(body) }
+func (c chatAPI) ParseRequest(body []byte) (Request, error) {
+	return parseRequest(body, c.family(), new(Layout))
+}
+
+func (c chatAPI) family() int {
+	if c.completions {
+		return famCompletions
+	}
+	return famChat
+}
 
 func (c chatAPI) OutputLimitFields() []string {
 	if c.completions {
@@ -96,11 +105,14 @@ type noneAPI struct {
 	anthropic bool
 }
 
-func (noneAPI) Name() string                              { return "none" }
-func (noneAPI) ParseRequest(body []byte) (Request, error) { return parseChat(body) }
-func (noneAPI) OutputLimitFields() []string               { return nil }
-func (noneAPI) InjectsUsage() bool                        { return false }
-func (noneAPI) InspectBody(body []byte) Usage             { return Chat.InspectBody(body) }
+func (noneAPI) Name() string { return "none" }
+func (noneAPI) ParseRequest(body []byte) (Request, error) {
+	return parseRequest(body, famNone, new(Layout))
+}
+func (noneAPI) family() int                   { return famNone }
+func (noneAPI) OutputLimitFields() []string   { return nil }
+func (noneAPI) InjectsUsage() bool            { return false }
+func (noneAPI) InspectBody(body []byte) Usage { return Chat.InspectBody(body) }
 
 func (noneAPI) Inspect(st *Stream, ev sse.Event) Class {
 	if !ev.HasData {

@@ -422,6 +422,9 @@ func (it *Iter) NextKey() (key []byte, ok bool) {
 // malformed input.
 func (it *Iter) NextElem() bool { return it.next() }
 
+// IsArray reports whether the Iter walks an array (else an object).
+func (it *Iter) IsArray() bool { return it.array }
+
 // Peek returns the first byte of the current value ('"', '{', '[', a
 // digit, ...): its JSON type.
 func (it *Iter) Peek() byte { return it.b[it.i] }
