@@ -5,11 +5,10 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/fuzzseed"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -151,35 +150,10 @@ func FuzzChatError(f *testing.F) {
 func TestFuzzSeedFiles(t *testing.T) {
 	corpora := map[string][]string{}
 	for _, s := range chunkSeeds {
-		corpora["FuzzInspectChatChunk"] = append(corpora["FuzzInspectChatChunk"], corpusFile(fmt.Sprintf("[]byte(%q)", s)))
+		corpora["FuzzInspectChatChunk"] = append(corpora["FuzzInspectChatChunk"], fuzzseed.File(fmt.Sprintf("[]byte(%q)", s)))
 	}
 	for _, s := range errorSeeds {
-		corpora["FuzzChatError"] = append(corpora["FuzzChatError"], corpusFile(fmt.Sprintf("[]byte(%q)", s)))
+		corpora["FuzzChatError"] = append(corpora["FuzzChatError"], fuzzseed.File(fmt.Sprintf("[]byte(%q)", s)))
 	}
-	for fuzzer, files := range corpora {
-		for i, content := range files {
-			path := filepath.Join("testdata", "fuzz", fuzzer, fmt.Sprintf("seed-%02d", i))
-			if *updateSeeds {
-				if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				continue
-			}
-			got, err := os.ReadFile(path)
-			if err != nil || string(got) != content {
-				t.Errorf("%s is missing or stale; run go test -run TestFuzzSeedFiles ./api/ -update-seeds", path)
-			}
-		}
-	}
-}
-
-func corpusFile(args ...string) string {
-	s := "go test fuzz v1\n"
-	for _, a := range args {
-		s += a + "\n"
-	}
-	return s
+	fuzzseed.Check(t, corpora, *updateSeeds, "./api/")
 }

@@ -6,12 +6,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"testing"
 	"testing/iotest"
 	"unsafe"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/fuzzseed"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -237,33 +236,8 @@ func FuzzScanner(f *testing.F) {
 func TestFuzzSeedFiles(t *testing.T) {
 	corpora := map[string][]string{}
 	for _, s := range scannerSeeds {
-		corpora["FuzzScanner"] = append(corpora["FuzzScanner"], corpusFile(
+		corpora["FuzzScanner"] = append(corpora["FuzzScanner"], fuzzseed.File(
 			fmt.Sprintf("[]byte(%q)", s.data), fmt.Sprintf("uint16(%d)", s.split), fmt.Sprintf("byte(%q)", s.max)))
 	}
-	for fuzzer, files := range corpora {
-		for i, content := range files {
-			path := filepath.Join("testdata", "fuzz", fuzzer, fmt.Sprintf("seed-%02d", i))
-			if *updateSeeds {
-				if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				continue
-			}
-			got, err := os.ReadFile(path)
-			if err != nil || string(got) != content {
-				t.Errorf("%s is missing or stale; run go test -run TestFuzzSeedFiles ./sse/ -update-seeds", path)
-			}
-		}
-	}
-}
-
-func corpusFile(args ...string) string {
-	s := "go test fuzz v1\n"
-	for _, a := range args {
-		s += a + "\n"
-	}
-	return s
+	fuzzseed.Check(t, corpora, *updateSeeds, "./sse/")
 }
