@@ -49,12 +49,12 @@ const (
 	U = api.UsageOnly
 )
 
-// TestTranscripts replays each API's transcripts (written from OpenAI's
-// and Anthropic's streaming references and vLLM's serving code) and checks
-// what the gateway learns from each: which events are held until commit
+// TestServerTranscriptsAreClassedFinishedAndSettled replays each API's
+// transcripts (written from OpenAI's and Anthropic's streaming references
+// and vLLM's serving code) and checks what the gateway learns from each: which events are held until commit
 // (lifecycle) and which commits, whether the stream finished normally, the
 // in-band error's class, and the usage that settles the tenant.
-func TestTranscripts(t *testing.T) {
+func TestServerTranscriptsAreClassedFinishedAndSettled(t *testing.T) {
 	tests := []struct {
 		file     string
 		api      api.API
@@ -168,9 +168,9 @@ func TestEventsWithoutNamesAreClassedByTheirType(t *testing.T) {
 	}
 }
 
-// TestTerminalErrorShapes: after commit a failed stream ends with the
-// client's own API's error event.
-func TestTerminalErrorShapes(t *testing.T) {
+// TestCommittedStreamEndsWithItsOwnAPIsErrorEvent: after commit a failed
+// stream ends with the client's own API's error event.
+func TestCommittedStreamEndsWithItsOwnAPIsErrorEvent(t *testing.T) {
 	cut := api.Error{Status: 502, Type: "server_error", Code: "upstream_stream_truncated", Message: "upstream stream ended before completion"}
 	_, rst := replay(t, api.Responses, readTranscript(t, "responses_cut.sse"))
 	tests := []struct {
@@ -204,10 +204,10 @@ func TestTerminalErrorShapes(t *testing.T) {
 	}
 }
 
-// TestGatewayErrorBodies: before commit the gateway's own error body is
-// Anthropic's on Messages (its type from the status) and OpenAI's on
-// every other API.
-func TestGatewayErrorBodies(t *testing.T) {
+// TestGatewayErrorBodyIsAnthropicsOnMessagesAndOpenAIsElsewhere: before
+// commit the gateway's own error body is Anthropic's on Messages (its type
+// from the status) and OpenAI's on every other API.
+func TestGatewayErrorBodyIsAnthropicsOnMessagesAndOpenAIsElsewhere(t *testing.T) {
 	for _, tt := range []struct {
 		status int
 		typ    string
@@ -236,7 +236,9 @@ func TestGatewayErrorBodies(t *testing.T) {
 	}
 }
 
-func TestForPath(t *testing.T) {
+// TestAPIIsChosenByPathSuffixOrName: ForPath picks the API by the path's
+// suffix, ByName by its name ("auto" is no API).
+func TestAPIIsChosenByPathSuffixOrName(t *testing.T) {
 	for path, want := range map[string]string{
 		"/v1/chat/completions":        "chat",
 		"/openai/v1/chat/completions": "chat",
@@ -265,7 +267,9 @@ func TestForPath(t *testing.T) {
 	}
 }
 
-func TestBodyUsage(t *testing.T) {
+// TestJSONBodyUsageIsReadInEachAPIsShape: a non-streaming answer's usage
+// is read where each API puts it; a body without one reports none.
+func TestJSONBodyUsageIsReadInEachAPIsShape(t *testing.T) {
 	for _, tt := range []struct {
 		api  api.API
 		body string

@@ -8,9 +8,9 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
-// TestRequestFields: each API's output limit and the prompt estimate over
-// all the text its model reads.
-func TestRequestFields(t *testing.T) {
+// TestEachAPIsOutputLimitAndPromptEstimate: each API's output limit, and
+// the prompt estimate over all the text its model reads.
+func TestEachAPIsOutputLimitAndPromptEstimate(t *testing.T) {
 	tests := []struct {
 		name string
 		api  api.API

@@ -6,7 +6,10 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
-func TestKind(t *testing.T) {
+// TestKindTellsCommentsDoneErrorsAndDataApart: an event without data is a
+// comment, [DONE] the end marker, a top-level error (any shape) an error,
+// anything else data, malformed JSON included.
+func TestKindTellsCommentsDoneErrorsAndDataApart(t *testing.T) {
 	tests := []struct {
 		name   string
 		data   string
