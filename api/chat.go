@@ -1,6 +1,10 @@
 package api
 
-import "github.com/llmproxy/caddy-llm-proxy/sse"
+import (
+	"slices"
+
+	"github.com/llmproxy/caddy-llm-proxy/sse"
+)
 
 // chatAPI is OpenAI Chat Completions and, with completions set, the legacy
 // Completions API: the same chunk shape (chat_chunk.go).
@@ -33,9 +37,9 @@ func (c chatAPI) family() int {
 
 func (c chatAPI) OutputLimitFields() []string {
 	if c.completions {
-		return []string{"max_tokens"}
+		return slices.Clone(maxTokensLimit)
 	}
-	return []string{"max_completion_tokens", "max_tokens"}
+	return slices.Clone(chatLimits)
 }
 
 func (chatAPI) InjectsUsage() bool { return true }

@@ -3,6 +3,7 @@ package api
 import (
 	"github.com/llmproxy/caddy-llm-proxy/internal/jsonscan"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
+	"slices"
 )
 
 // messagesAPI is Anthropic Messages (/v1/messages), as Anthropic, vLLM and
@@ -41,7 +42,7 @@ func (messagesAPI) ParseRequest(body []byte) (Request, error) {
 
 func (messagesAPI) family() int { return famMessages }
 
-func (messagesAPI) OutputLimitFields() []string { return []string{"max_tokens"} }
+func (messagesAPI) OutputLimitFields() []string { return slices.Clone(maxTokensLimit) }
 
 func (messagesAPI) InjectsUsage() bool { return false }
 

@@ -106,8 +106,8 @@ var (
 	messagesFields  = []string{"model", "stream", "max_tokens", "messages", "system", "tools", "thinking"}
 )
 
-// The output limit fields of each family, as its API's OutputLimitFields
-// (which returns a copy of its own: these are read on every parse).
+// The output limit fields of each family: read on every parse, and
+// copied by each API's OutputLimitFields.
 var (
 	chatLimits     = []string{"max_completion_tokens", "max_tokens"}
 	maxTokensLimit = []string{"max_tokens"}
@@ -203,7 +203,6 @@ func parseLayout(body []byte, fam int, l *Layout) (Request, error) {
 		if !p.member(&it, keyString(raw), &m) {
 			return Request{}, syntaxError(body)
 		}
-		m.end = int32(it.Pos())
 		p.req.Layout.members = true
 	}
 	if end := it.End(); end < 0 || jsonscan.SkipSpace(body, end) != len(body) {
@@ -238,8 +237,8 @@ func (p *parser) refuse(key string) {
 }
 
 // member reads the member key whose value is at it's position, consuming
-// it, and records where it lies (m, whose end the caller sets). It reports
-// false when the value is not valid JSON.
+// it, and records where the members the edits set lie (m is where this
+// one starts). It reports false when the value is not valid JSON.
 func (p *parser) member(it *jsonscan.Iter, key string, m *member) bool {
 	p.refuse(key)
 	l := p.req.Layout

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
@@ -37,7 +38,7 @@ func (responsesAPI) ParseRequest(body []byte) (Request, error) {
 
 func (responsesAPI) family() int { return famResponses }
 
-func (responsesAPI) OutputLimitFields() []string { return []string{"max_output_tokens"} }
+func (responsesAPI) OutputLimitFields() []string { return slices.Clone(responsesLimit) }
 
 func (responsesAPI) InjectsUsage() bool { return false }
 
