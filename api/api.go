@@ -67,6 +67,8 @@ type API interface {
 	// Anthropic's {"type":"error","error":{"type","message"}} for
 	// Messages (its type from e.Status: see AnthropicErrorType).
 	AppendErrorBody(dst []byte, e Error) []byte
+	// family is the parse rules of the API's requests.
+	family() int
 }
 
 // Error is an error the gateway reports to a client.
@@ -276,23 +278,6 @@ var (
 	// Anthropic's error shapes.
 	messagesOther API = noneAPI{anthropic: true}
 )
-
-// parseCount returns the value of a JSON number written as 1 to 18 decimal
-// digits, and 0 for anything else (negative, fractional, exponent, string).
-func parseCount(v string) int {
-	if len(v) == 0 || len(v) > 18 {
-		return 0
-	}
-	n := 0
-	for i := 0; i < len(v); i++ {
-		c := v[i]
-		if c < '0' || c > '9' {
-			return 0
-		}
-		n = n*10 + int(c-'0')
-	}
-	return n
-}
 
 // appendOpenAIError appends OpenAI's error body
 // {"error":{"message","type","code"}}, encoded by encoding/json.

@@ -49,12 +49,12 @@ const (
 	U = api.UsageOnly
 )
 
-// TestTranscripts replays each API's transcripts (written from OpenAI's
-// and Anthropic's streaming references and vLLM's serving code) and checks
-// what the gateway learns from each: which events are held until commit
+// TestServerTranscriptsAreClassedFinishedAndSettled replays each API's
+// transcripts (written from OpenAI's and Anthropic's streaming references
+// and vLLM's serving code) and checks what the gateway learns from each: which events are held until commit
 // (lifecycle) and which commits, whether the stream finished normally, the
 // in-band error's class, and the usage that settles the tenant.
-func TestTranscripts(t *testing.T) {
+func TestServerTranscriptsAreClassedFinishedAndSettled(t *testing.T) {
 	tests := []struct {
 		file     string
 		api      api.API
@@ -168,9 +168,9 @@ func TestEventsWithoutNamesAreClassedByTheirType(t *testing.T) {
 	}
 }
 
-// TestTerminalErrorShapes: after commit a failed stream ends with the
-// client's own API's error event.
-func TestTerminalErrorShapes(t *testing.T) {
+// TestCommittedStreamEndsWithItsOwnAPIsErrorEvent: after commit a failed
+// stream ends with the client's own API's error event.
+func TestCommittedStreamEndsWithItsOwnAPIsErrorEvent(t *testing.T) {
 	cut := api.Error{Status: 502, Type: "server_error", Code: "upstream_stream_truncated", Message: "upstream stream ended before completion"}
 	_, rst := replay(t, api.Responses, readTranscript(t, "responses_cut.sse"))
 	tests := []struct {
@@ -204,10 +204,10 @@ func TestTerminalErrorShapes(t *testing.T) {
 	}
 }
 
-// TestGatewayErrorBodies: before commit the gateway's own error body is
-// Anthropic's on Messages (its type from the status) and OpenAI's on
-// every other API.
-func TestGatewayErrorBodies(t *testing.T) {
+// TestGatewayErrorBodyIsAnthropicsOnMessagesAndOpenAIsElsewhere: before
+// commit the gateway's own error body is Anthropic's on Messages (its type
+// from the status) and OpenAI's on every other API.
+func TestGatewayErrorBodyIsAnthropicsOnMessagesAndOpenAIsElsewhere(t *testing.T) {
 	for _, tt := range []struct {
 		status int
 		typ    string
@@ -236,7 +236,9 @@ func TestGatewayErrorBodies(t *testing.T) {
 	}
 }
 
-func TestForPath(t *testing.T) {
+// TestAPIIsChosenByPathSuffixOrName: ForPath picks the API by the path's
+// suffix, ByName by its name ("auto" is no API).
+func TestAPIIsChosenByPathSuffixOrName(t *testing.T) {
 	for path, want := range map[string]string{
 		"/v1/chat/completions":        "chat",
 		"/openai/v1/chat/completions": "chat",
@@ -265,54 +267,9 @@ func TestForPath(t *testing.T) {
 	}
 }
 
-// TestRequestFields: each API's output limit and the prompt estimate over
-// all the text its model reads.
-func TestRequestFields(t *testing.T) {
-	tests := []struct {
-		name string
-		api  api.API
-		body string
-		want api.Request
-	}{
-		{"responses string input", api.Responses,
-			`{"model":"m","stream":true,"max_output_tokens":256,"input":"abcdefgh","instructions":"abcd"}`,
-			api.Request{Model: "m", Stream: true, MaxTokens: 256, MaxTokensSet: true, N: 1, PromptTokens: 3}},
-		{"responses items and tools", api.Responses,
-			`{"model":"m","input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"abcdefgh"},{"type":"input_image","image_url":"data:image/png;base64,AAAAAAAAAAAAAAAA"}]},{"type":"function_call_output","call_id":"call_1","output":"abcd"}],"tools":[{"type":"function","name":"f"}]}`,
-			api.Request{Model: "m", N: 1, PromptTokens: (8 + 4 + len(`[{"type":"function","name":"f"}]`) + 3) / 4}},
-		{"responses without a limit", api.Responses, `{"model":"m","input":"hi"}`,
-			api.Request{Model: "m", N: 1, PromptTokens: 1}},
-		{"messages system blocks and tool use", api.Messages,
-			`{"model":"claude","max_tokens":1024,"stream":true,"system":[{"type":"text","text":"abcd","cache_control":{"type":"ephemeral"}}],"messages":[{"role":"user","content":"abcdefgh"},{"role":"assistant","content":[{"type":"tool_use","id":"toolu_1","name":"f","input":{"q":"abc"}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"abcd"},{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAAAAAAAAAAAAAAAAAA"}}]}]}`,
-			api.Request{Model: "claude", Stream: true, MaxTokens: 1024, MaxTokensSet: true, N: 1, PromptTokens: (4 + 8 + 1 + 3 + 4 + 3) / 4}},
-		{"messages string system", api.Messages, `{"model":"c","max_tokens":0,"system":"abcdefgh","messages":[]}`,
-			api.Request{Model: "c", MaxTokensSet: true, N: 1, PromptTokens: 2}},
-		{"chat counts tools", api.Chat, `{"model":"m","messages":[{"role":"user","content":"abcd"}],"tools":[{"a":1}]}`,
-			api.Request{Model: "m", N: 1, PromptTokens: (4 + len(`[{"a":1}]`) + 3) / 4}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			got, err := tt.api.ParseRequest([]byte(tt.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got != tt.want {
-				t.Fatalf("got %+v\nwant %+v", got, tt.want)
-			}
-		})
-	}
-	for _, bad := range []string{`[1]`, `{"max_output_tokens":-1}`, `{"max_output_tokens":1.5}`, `{"model":3}`,
-		`{"stream":"yes"}`, `{"model":"a","MODEL":"b"}`, `{`} {
-		if _, err := api.Responses.ParseRequest([]byte(bad)); err == nil {
-			t.Errorf("Responses accepted %s", bad)
-		}
-	}
-	if _, err := api.Messages.ParseRequest([]byte(`{"max_tokens":"many"}`)); err == nil {
-		t.Error("Messages accepted a string max_tokens")
-	}
-}
-
-func TestBodyUsage(t *testing.T) {
+// TestJSONBodyUsageIsReadInEachAPIsShape: a non-streaming answer's usage
+// is read where each API puts it; a body without one reports none.
+func TestJSONBodyUsageIsReadInEachAPIsShape(t *testing.T) {
 	for _, tt := range []struct {
 		api  api.API
 		body string
@@ -369,6 +326,85 @@ func TestInspectDoesNotAllocate(t *testing.T) {
 			if n := testing.AllocsPerRun(200, func() { tt.api.Inspect(&st, *ev) }); n != 0 {
 				t.Errorf("%s %s event %d after commit: %v allocs, want 0", tt.api.Name(), tt.file, i, n)
 			}
+		}
+	}
+}
+
+// TestDoneInResponsesAndMessagesStreamsEndsThem: a [DONE] in a Responses
+// or Messages stream (servers that end every stream with it) carries
+// nothing generated: it ends the stream, and finishes it only when the
+// API's own end came first (a [DONE] before response.completed, or
+// instead of message_stop, is a cut). Responses events without event:
+// lines and without sequence_number (data-only servers) are read by their
+// type, and the terminal error event is numbered by the events counted.
+func TestDoneInResponsesAndMessagesStreamsEndsThem(t *testing.T) {
+	created := `data: {"type":"response.created","response":{"id":"resp_d","status":"in_progress"}}` + "\n\n"
+	delta := `data: {"type":"response.output_text.delta","delta":"Hi"}` + "\n\n"
+	done := "data: [DONE]\n\n"
+	classes, st := replay(t, api.Responses, created+done)
+	if want := []api.Class{L, E}; !equalClasses(classes, want) || st.Finished {
+		t.Fatalf("responses lifecycle then [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
+	}
+	classes, st = replay(t, api.Responses, created+delta+done)
+	if want := []api.Class{L, G, E}; !equalClasses(classes, want) || st.Finished {
+		t.Fatalf("responses cut by [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
+	}
+	if got, want := string(api.Responses.AppendStreamError(nil, &st, api.Error{Status: 502, Code: "c", Message: "m"})),
+		"event: error\n"+`data: {"type":"error","code":"c","message":"m","param":null,"sequence_number":2}`+"\n\n"; got != want {
+		t.Fatalf("terminal event %q, want %q", got, want)
+	}
+	start := `data: {"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}` + "\n\n"
+	classes, st = replay(t, api.Messages, start+done)
+	if want := []api.Class{L, E}; !equalClasses(classes, want) || st.Finished {
+		t.Fatalf("messages lifecycle then [DONE]: classes %v finished %v, want %v unfinished", classes, st.Finished, want)
+	}
+}
+
+// TestOtherMessagesPathsAreAnthropicShaped: /v1/messages/count_tokens is
+// "none" (no stream semantics) but its gateway errors are Anthropic's;
+// other paths, OpenAI's Assistants messages included, are not.
+func TestOtherMessagesPathsAreAnthropicShaped(t *testing.T) {
+	for path, want := range map[string]bool{
+		"/v1/messages": true, "/anthropic/v1/messages/count_tokens": true, "/v1/messages/batches/b_1": true,
+		"/v1/threads/t_1/messages/m_1": false, "/v1/embeddings": false, "/v1/responses": false,
+	} {
+		a := api.ForPath(path)
+		if got := api.AnthropicShaped(a); got != want {
+			t.Errorf("%s (%s): AnthropicShaped %v, want %v", path, a.Name(), got, want)
+		}
+		body := string(a.AppendErrorBody(nil, api.Error{Status: 503, Message: "m"}))
+		if anthropic := body == `{"type":"error","error":{"type":"overloaded_error","message":"m"}}`; anthropic != want {
+			t.Errorf("%s: error body %s", path, body)
+		}
+	}
+	if api.ForPath("/v1/messages/count_tokens").Name() != "none" {
+		t.Error("count_tokens has stream semantics")
+	}
+}
+
+// TestOpenAIMessagesListsAreNotAnthropicMessages: OpenAI's Assistants
+// (/v1/threads/{id}/messages) and stored completions
+// (/v1/chat/completions/{id}/messages) end in /messages too, but are
+// OpenAI's JSON lists: no stream semantics and OpenAI's error shape.
+func TestOpenAIMessagesListsAreNotAnthropicMessages(t *testing.T) {
+	for _, tc := range []struct {
+		path, want string
+		anthropic  bool
+	}{
+		{"/v1/threads/thread_abc123/messages", "none", false},
+		{"/v1/threads/thread_abc123/messages/", "none", false},
+		{"/openai/v1/threads/thread_abc123/messages", "none", false},
+		{"/v1/chat/completions/chatcmpl-abc123/messages", "none", false},
+		{"/v1/completions/cmpl-1/messages", "none", false},
+		{"/v1/threads/thread_abc123/messages/msg_1", "none", false},
+		{"/v1/messages", "messages", true},
+		{"/anthropic/v1/messages", "messages", true},
+		{"/v1/threads/messages", "messages", true},
+		{"/v1/messages/count_tokens", "none", true},
+	} {
+		a := api.ForPath(tc.path)
+		if a.Name() != tc.want || api.AnthropicShaped(a) != tc.anthropic {
+			t.Errorf("ForPath(%q) = %s (Anthropic-shaped %v), want %s (%v)", tc.path, a.Name(), api.AnthropicShaped(a), tc.want, tc.anthropic)
 		}
 	}
 }

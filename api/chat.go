@@ -1,9 +1,13 @@
 package api
 
-import "github.com/llmproxy/caddy-llm-proxy/sse"
+import (
+	"slices"
+
+	"github.com/llmproxy/caddy-llm-proxy/sse"
+)
 
 // chatAPI is OpenAI Chat Completions and, with completions set, the legacy
-// Completions API: the same chunk shape, read by package sse.
+// Completions API: the same chunk shape (chat_chunk.go).
 //
 //	lifecycle  SSE comments; a chunk whose choices carry only a role and
 //	           empty content (vLLM's and OpenAI's first chunk)
@@ -20,13 +24,22 @@ type chatAPI struct {
 
 func (c chatAPI) Name() string { return c.name }
 
-func (chatAPI) ParseRequest(body []byte) (Request, error) { return parseChat(body) }
+func (c chatAPI) ParseRequest(body []byte) (Request, error) {
+	return parseRequest(body, c.family(), new(Layout))
+}
+
+func (c chatAPI) family() int {
+	if c.completions {
+		return famCompletions
+	}
+	return famChat
+}
 
 func (c chatAPI) OutputLimitFields() []string {
 	if c.completions {
-		return []string{"max_tokens"}
+		return slices.Clone(maxTokensLimit)
 	}
-	return []string{"max_completion_tokens", "max_tokens"}
+	return slices.Clone(chatLimits)
 }
 
 func (chatAPI) InjectsUsage() bool { return true }
@@ -43,17 +56,17 @@ func (chatAPI) Inspect(st *Stream, ev sse.Event) Class {
 		return ErrorEvent
 	}
 	st.Events++
-	ci := sse.InspectChunk(ev.Data)
-	if ci.Usage {
-		st.Usage = Usage{PromptTokens: ci.PromptTokens, CompletionTokens: ci.CompletionTokens, Reported: true}
+	ci := inspectChunk(ev.Data)
+	if ci.usage {
+		st.Usage = Usage{PromptTokens: ci.promptTokens, CompletionTokens: ci.completionTokens, Reported: true}
 	}
-	if ci.FinishReason {
+	if ci.finishReason {
 		st.Finished = true
 	}
-	if ci.UsageOnly {
+	if ci.usageOnly {
 		return UsageOnly
 	}
-	if !st.Generated && !ci.FinishReason && !sse.ChunkGenerated(ev.Data) {
+	if !st.Generated && !ci.finishReason && !chunkGenerated(ev.Data) {
 		return Lifecycle
 	}
 	st.Generated = true
@@ -62,23 +75,23 @@ func (chatAPI) Inspect(st *Stream, ev sse.Event) Class {
 
 // chatError parses a Chat in-band error event.
 func chatError(data []byte) InbandError {
-	ie, ok := sse.ParseInbandError(data)
+	ie, ok := parseChatError(data)
 	if !ok {
 		return InbandError{Message: "upstream sent an error event", Type: "server_error", Status: 500}
 	}
-	return InbandError{Message: ie.Message, Type: ie.Type, Code: ie.Code, Status: ie.Status}
+	return ie
 }
 
 func (chatAPI) InspectBody(body []byte) Usage {
-	ci := sse.InspectChunk(body)
-	if !ci.Usage {
+	ci := inspectChunk(body)
+	if !ci.usage {
 		return Usage{}
 	}
-	return Usage{PromptTokens: ci.PromptTokens, CompletionTokens: ci.CompletionTokens, Reported: true}
+	return Usage{PromptTokens: ci.promptTokens, CompletionTokens: ci.completionTokens, Reported: true}
 }
 
 func (chatAPI) AppendStreamError(dst []byte, _ *Stream, e Error) []byte {
-	return sse.AppendErrorEvent(dst, e.Message, e.Type, e.Code)
+	return appendChatErrorEvent(dst, e.Message, e.Type, e.Code)
 }
 
 func (chatAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendOpenAIError(dst, e) }
@@ -96,11 +109,14 @@ type noneAPI struct {
 	anthropic bool
 }
 
-func (noneAPI) Name() string                              { return "none" }
-func (noneAPI) ParseRequest(body []byte) (Request, error) { return parseChat(body) }
-func (noneAPI) OutputLimitFields() []string               { return nil }
-func (noneAPI) InjectsUsage() bool                        { return false }
-func (noneAPI) InspectBody(body []byte) Usage             { return Chat.InspectBody(body) }
+func (noneAPI) Name() string { return "none" }
+func (noneAPI) ParseRequest(body []byte) (Request, error) {
+	return parseRequest(body, famNone, new(Layout))
+}
+func (noneAPI) family() int                   { return famNone }
+func (noneAPI) OutputLimitFields() []string   { return nil }
+func (noneAPI) InjectsUsage() bool            { return false }
+func (noneAPI) InspectBody(body []byte) Usage { return Chat.InspectBody(body) }
 
 func (noneAPI) Inspect(st *Stream, ev sse.Event) Class {
 	if !ev.HasData {
@@ -116,7 +132,7 @@ func (n noneAPI) AppendStreamError(dst []byte, st *Stream, e Error) []byte {
 	if n.anthropic {
 		return Messages.AppendStreamError(dst, st, e)
 	}
-	return sse.AppendErrorEvent(dst, e.Message, e.Type, e.Code)
+	return appendChatErrorEvent(dst, e.Message, e.Type, e.Code)
 }
 
 func (n noneAPI) AppendErrorBody(dst []byte, e Error) []byte {

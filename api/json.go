@@ -2,27 +2,66 @@ package api
 
 import (
 	"bytes"
-	"unsafe"
 
-	"github.com/tidwall/gjson"
+	"github.com/llmproxy/caddy-llm-proxy/internal/jsonscan"
 )
 
-// str views b as a string without copying, for gjson: the string must not
-// outlive b's current contents (every use here ends before Inspect
-// returns, or copies).
-func str(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
+// The readers of Responses' and Messages' events: a member by its path,
+// found by a loose walk (the first occurrence of each key; an event that
+// stops making sense has no more members), without allocating.
 
-// get returns the value at path in the JSON data; a plain string's Str
-// aliases data (gjson copies only strings with escapes).
-func get(data []byte, path string) gjson.Result { return gjson.Get(str(data), path) }
+// field returns the raw value at path (nested object members) in data,
+// nil when it is absent or data is malformed before it.
+func field(data []byte, path ...string) []byte {
+	for _, name := range path {
+		it, ok := jsonscan.Object(data, 0, false)
+		if !ok {
+			return nil
+		}
+		data = nil
+		for data == nil {
+			raw, ok := it.NextKey()
+			if !ok {
+				return nil
+			}
+			v, ok := it.Value()
+			if !ok {
+				return nil
+			}
+			if jsonscan.KeyIs(raw, name) {
+				data = v
+			}
+		}
+	}
+	return data
+}
 
-// countOf returns the integer member key of the object r.
-func countOf(r gjson.Result, key string) (n int, ok bool) {
-	v := r.Get(key)
-	if v.Type != gjson.Number {
+// isObject reports whether the raw value v is an object.
+func isObject(v []byte) bool { return len(v) > 0 && v[0] == '{' }
+
+// isNumber reports whether the raw value v is a number.
+func isNumber(v []byte) bool { return len(v) > 0 && (v[0] == '-' || v[0] >= '0' && v[0] <= '9') }
+
+// view returns the value of the raw string v without copying when it has
+// no escape (to be compared, not kept), decoded when it has one; "" when v
+// is not a string.
+func view(v []byte) string {
+	if len(v) < 2 || v[0] != '"' {
+		return ""
+	}
+	if in := v[1 : len(v)-1]; bytes.IndexByte(in, '\\') < 0 {
+		return str(in)
+	}
+	return jsonscan.String(v)
+}
+
+// countOf returns the integer member key of the object u.
+func countOf(u []byte, key string) (n int, ok bool) {
+	v := field(u, key)
+	if !isNumber(v) {
 		return 0, false
 	}
-	return parseCount(v.Raw), true
+	return jsonscan.Count(v), true
 }
 
 // eventType is an event's type: its SSE event name when it has one (vLLM,
@@ -32,7 +71,7 @@ func eventType(name, data []byte) string {
 	if len(name) > 0 {
 		return str(name)
 	}
-	return get(data, "type").Str
+	return view(field(data, "type"))
 }
 
 // lastSequence reads the last "sequence_number" in data without walking
@@ -53,7 +92,3 @@ func lastSequence(data []byte) (n int64, ok bool) {
 	}
 	return n, k > j
 }
-
-// copyStr returns a copy of s (a gjson string that may alias an event's
-// buffer).
-func copyStr(s string) string { return string([]byte(s)) }

@@ -1,9 +1,9 @@
 package api
 
 import (
-	"github.com/tidwall/gjson"
-
+	"github.com/llmproxy/caddy-llm-proxy/internal/jsonscan"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
+	"slices"
 )
 
 // messagesAPI is Anthropic Messages (/v1/messages), as Anthropic, vLLM and
@@ -36,9 +36,13 @@ type messagesAPI struct{}
 
 func (messagesAPI) Name() string { return "messages" }
 
-func (messagesAPI) ParseRequest(body []byte) (Request, error) { return parseMessages(body) }
+func (messagesAPI) ParseRequest(body []byte) (Request, error) {
+	return parseRequest(body, famMessages, new(Layout))
+}
 
-func (messagesAPI) OutputLimitFields() []string { return []string{"max_tokens"} }
+func (messagesAPI) family() int { return famMessages }
+
+func (messagesAPI) OutputLimitFields() []string { return slices.Clone(maxTokensLimit) }
 
 func (messagesAPI) InjectsUsage() bool { return false }
 
@@ -55,30 +59,31 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		// token of the estimate when the stream reports no usage.
 		return Lifecycle
 	case "message_start":
-		messagesUsage(st, ev.Data, "message.usage", false)
+		messagesUsage(st, field(ev.Data, "message", "usage"), false)
 		if !st.Generated {
 			return Lifecycle
 		}
 	case "content_block_start":
 		if !st.Generated {
-			b := get(ev.Data, "content_block")
-			switch b.Get("type").Str {
+			b := field(ev.Data, "content_block")
+			switch view(field(b, "type")) {
 			case "text":
-				if b.Get("text").Str == "" {
+				if view(field(b, "text")) == "" {
 					return Lifecycle
 				}
 			case "thinking":
-				if b.Get("thinking").Str == "" {
+				if view(field(b, "thinking")) == "" {
 					return Lifecycle
 				}
 			}
 		}
 	case "message_delta":
-		messagesUsage(st, ev.Data, "usage", true)
+		u := field(ev.Data, "usage")
+		messagesUsage(st, u, true)
 		// message_start counted the prompt, not the answer: usage is
 		// reported once a message_delta carries it.
-		st.Usage.Reported = st.Usage.Reported || get(ev.Data, "usage").IsObject()
-		if r := get(ev.Data, "delta.stop_reason"); r.Exists() && r.Type != gjson.Null {
+		st.Usage.Reported = st.Usage.Reported || isObject(u)
+		if r := field(ev.Data, "delta", "stop_reason"); r != nil && string(r) != "null" {
 			st.stopReason = true
 		}
 	case "message_stop":
@@ -102,14 +107,13 @@ func (messagesAPI) Inspect(st *Stream, ev sse.Event) Class {
 	return Generated
 }
 
-// messagesUsage records the usage object at path of data. A message_delta
+// messagesUsage records the usage object u, if it is one. A message_delta
 // (delta) updates only the counts it carries as numbers (absent or null
 // keeps the last one, as the Anthropic SDK's accumulator does): the input,
 // cache creation and cache read counts of message_start stay unless it
 // repeats them, and its output_tokens replaces the last (cumulative).
-func messagesUsage(st *Stream, data []byte, path string, delta bool) {
-	u := get(data, path)
-	if !u.IsObject() {
+func messagesUsage(st *Stream, u []byte, delta bool) {
+	if !isObject(u) {
 		return
 	}
 	for i, key := range [...]string{"input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"} {
@@ -125,12 +129,12 @@ func messagesUsage(st *Stream, data []byte, path string, delta bool) {
 
 // messagesError parses an Anthropic error event's data.
 func messagesError(data []byte) InbandError {
-	e := get(data, "error")
-	typ, msg := e.Get("type").String(), e.Get("message").String()
-	if !e.IsObject() {
+	e := field(data, "error")
+	typ, msg := jsonText(field(e, "type")), jsonText(field(e, "message"))
+	if !isObject(e) {
 		typ, msg = "api_error", "upstream sent an error event"
 	}
-	return InbandError{Message: copyStr(msg), Type: copyStr(typ), Status: AnthropicErrorStatus(typ)}
+	return InbandError{Message: msg, Type: typ, Status: AnthropicErrorStatus(typ)}
 }
 
 // AnthropicErrorStatus maps an Anthropic error type to the HTTP status
@@ -184,8 +188,9 @@ func AnthropicErrorType(status int) string {
 
 func (messagesAPI) InspectBody(body []byte) Usage {
 	var st Stream
-	messagesUsage(&st, body, "usage", false)
-	st.Usage.Reported = get(body, "usage").IsObject()
+	u := field(body, "usage")
+	messagesUsage(&st, u, false)
+	st.Usage.Reported = isObject(u)
 	return st.Usage
 }
 
@@ -207,8 +212,8 @@ func (messagesAPI) AppendErrorBody(dst []byte, e Error) []byte { return appendAn
 
 func appendAnthropicError(dst []byte, e Error) []byte {
 	dst = append(dst, `{"type":"error","error":{"type":`...)
-	dst = sse.AppendJSONString(dst, AnthropicErrorType(e.Status))
+	dst = jsonscan.AppendString(dst, AnthropicErrorType(e.Status))
 	dst = append(dst, `,"message":`...)
-	dst = sse.AppendJSONString(dst, e.Message)
+	dst = jsonscan.AppendString(dst, e.Message)
 	return append(dst, "}}"...)
 }

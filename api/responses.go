@@ -1,9 +1,11 @@
 package api
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/jsonscan"
 	"github.com/llmproxy/caddy-llm-proxy/sse"
 )
 
@@ -30,9 +32,13 @@ type responsesAPI struct{}
 
 func (responsesAPI) Name() string { return "responses" }
 
-func (responsesAPI) ParseRequest(body []byte) (Request, error) { return parseResponses(body) }
+func (responsesAPI) ParseRequest(body []byte) (Request, error) {
+	return parseRequest(body, famResponses, new(Layout))
+}
 
-func (responsesAPI) OutputLimitFields() []string { return []string{"max_output_tokens"} }
+func (responsesAPI) family() int { return famResponses }
+
+func (responsesAPI) OutputLimitFields() []string { return slices.Clone(responsesLimit) }
 
 func (responsesAPI) InjectsUsage() bool { return false }
 
@@ -56,29 +62,29 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 		}
 	case "response.output_item.added":
 		if !st.Generated {
-			switch get(ev.Data, "item.type").Str {
+			switch view(field(ev.Data, "item", "type")) {
 			case "message", "reasoning":
 				return Lifecycle
 			}
 		}
 	case "response.completed", "response.incomplete":
 		st.Finished = true
-		responsesUsage(st, ev.Data, "response.usage")
+		responsesUsage(st, field(ev.Data, "response", "usage"))
 		return End
 	case "response.failed":
-		responsesUsage(st, ev.Data, "response.usage")
-		e := get(ev.Data, "response.error")
-		st.Err = responsesError(e.Get("code").String(), e.Get("message").String(), "")
+		responsesUsage(st, field(ev.Data, "response", "usage"))
+		e := field(ev.Data, "response", "error")
+		st.Err = responsesError(jsonText(field(e, "code")), jsonText(field(e, "message")), "")
 		if st.Err.Message == "" {
 			st.Err.Message = "upstream response failed"
 		}
 		return ErrorEvent
 	case "error":
-		d := get(ev.Data, "@this")
-		if e := d.Get("error"); e.IsObject() {
+		d := ev.Data
+		if e := field(d, "error"); isObject(e) {
 			d = e
 		}
-		st.Err = responsesError(d.Get("code").String(), d.Get("message").String(), d.Get("type").String())
+		st.Err = responsesError(jsonText(field(d, "code")), jsonText(field(d, "message")), jsonText(field(d, "type")))
 		return ErrorEvent
 	default:
 		switch ev.Kind() {
@@ -98,10 +104,9 @@ func (responsesAPI) Inspect(st *Stream, ev sse.Event) Class {
 	return Generated
 }
 
-// responsesUsage records the usage object at path of data, if any.
-func responsesUsage(st *Stream, data []byte, path string) {
-	u := get(data, path)
-	if !u.IsObject() {
+// responsesUsage records the usage object u, if it is one.
+func responsesUsage(st *Stream, u []byte) {
+	if !isObject(u) {
 		return
 	}
 	in, _ := countOf(u, "input_tokens")
@@ -117,7 +122,7 @@ func responsesUsage(st *Stream, data []byte, path string) {
 // 400; the rest (server_error, vector_store_timeout, vLLM's internal
 // errors) 500.
 func responsesError(code, message, typ string) InbandError {
-	status := sse.ErrorStatus(typ, code)
+	status := errorStatus(typ, code)
 	if status == 500 {
 		s := strings.ToLower(code + " " + typ)
 		for _, w := range [...]string{"invalid", "not_found", "too_large", "image", "policy", "residency"} {
@@ -127,12 +132,12 @@ func responsesError(code, message, typ string) InbandError {
 			}
 		}
 	}
-	return InbandError{Message: copyStr(message), Type: copyStr(typ), Code: copyStr(code), Status: status}
+	return InbandError{Message: message, Type: typ, Code: code, Status: status}
 }
 
 func (responsesAPI) InspectBody(body []byte) Usage {
 	var st Stream
-	responsesUsage(&st, body, "usage")
+	responsesUsage(&st, field(body, "usage"))
 	return st.Usage
 }
 
@@ -149,9 +154,9 @@ func (responsesAPI) AppendStreamError(dst []byte, st *Stream, e Error) []byte {
 		next = st.seq + 1
 	}
 	dst = append(dst, "event: error\ndata: {\"type\":\"error\",\"code\":"...)
-	dst = sse.AppendJSONString(dst, e.Code)
+	dst = jsonscan.AppendString(dst, e.Code)
 	dst = append(dst, `,"message":`...)
-	dst = sse.AppendJSONString(dst, e.Message)
+	dst = jsonscan.AppendString(dst, e.Message)
 	dst = append(dst, `,"param":null,"sequence_number":`...)
 	dst = strconv.AppendInt(dst, next, 10)
 	return append(dst, "}\n\n"...)

@@ -125,6 +125,9 @@ type Body struct {
 	info     RequestInfo
 	parseErr error
 	parsedAs api.API
+	// layout is where info's parse found the body's fields (info.Layout
+	// points here: a parse allocates nothing for it).
+	layout api.Layout
 
 	budget   *BodyBudget
 	charged  int64
@@ -159,7 +162,7 @@ func (b *Body) untouched() bool { return b.off == 0 }
 // it as another API than the matcher did).
 func (b *Body) Parse(a api.API) (RequestInfo, error) {
 	if b.parsedAs != a {
-		b.info, b.parseErr = a.ParseRequest(b.b)
+		b.info, b.parseErr = api.ParseInto(a, b.b, &b.layout)
 		b.parsedAs = a
 	}
 	return b.info, b.parseErr

@@ -14,8 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tidwall/sjson"
-
 	"github.com/llmproxy/caddy-llm-proxy/api"
 	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
@@ -278,46 +276,6 @@ func TestBufferedBodyIsNotReadTwice(t *testing.T) {
 	}
 	cancel()
 	budgetSettles(t, budget)
-}
-
-// FuzzRequestUsageMatchesSjson: the in-place edit of stream_options gives
-// the bytes sjson.SetBytes gives (its former implementation), with or
-// without room after the body.
-func FuzzRequestUsageMatchesSjson(f *testing.F) {
-	for _, s := range []string{
-		"{ \"model\" : \"m\",\n  \"stream\": true, \"messages\":[{\"role\":\"user\",\"content\":\"h\\u00e9 🙂\"}] }\n",
-		`{"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":false},"n":1}`,
-		`{"stream_options":{ },"stream":true}`,
-		`{"stream":true,"stream_options":null,"x":[1, 2]}`,
-		`{"stream":true}`, `{}`, `{"stream":true,"stream_options":{"a":{"include_usage":1}}}`,
-		`{"s":"stream_options","stream":true}`, `{"stream_options":{"include_usage":null}} `,
-	} {
-		f.Add([]byte(s))
-	}
-	f.Fuzz(func(t *testing.T, body []byte) {
-		if _, err := ParseRequest(body); err != nil || len(body) == 0 {
-			return
-		}
-		end := len(body)
-		for end > 0 && isJSONSpace(body[end-1]) {
-			end--
-		}
-		start := skipSpace(body, 0)
-		want, err := sjson.SetBytes(bytes.Clone(body[start:end]), "stream_options.include_usage", true)
-		if err != nil {
-			return
-		}
-		// sjson drops the space before the object; the edit keeps it.
-		want = append(append(bytes.Clone(body[:start]), want...), body[end:]...)
-		for _, room := range []int{0, usageSlack} {
-			in := make([]byte, len(body), len(body)+room)
-			copy(in, body)
-			got, ok := requestUsage(in)
-			if ok && !bytes.Equal(got, want) {
-				t.Fatalf("room %d: edit of %q\ngot  %q\nwant %q", room, body, got, want)
-			}
-		}
-	})
 }
 
 // A request that ends while its body waits for the budget is answered as

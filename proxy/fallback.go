@@ -9,9 +9,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/tidwall/gjson"
-	"github.com/tidwall/sjson"
-
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/api"
 )
@@ -133,111 +130,51 @@ func (f *Fallback) Clamp(info RequestInfo) (maxTokens int, set, fits bool) {
 	return limit, true, true
 }
 
-// rewriteBody returns body, a request of API a, as f's upstreams get it:
-// "model" replaced by model when set, and a's output-limit fields
-// (a.OutputLimitFields: Chat's max_completion_tokens and max_tokens,
-// whichever the client sent, max_tokens when it sent neither; Responses'
+// rewriteBody returns body, a request of API a parsed as info, as f's
+// upstreams get it, and the Request that describes it: "model" replaced
+// by model when set, and a's output-limit fields (api.Request.
+// SetOutputLimit: Chat's max_completion_tokens and max_tokens, whichever
+// the client sent, max_tokens when it sent neither; Responses'
 // max_output_tokens; Messages' and Completions' max_tokens) set to
 // maxTokens when setMax (an API without one, api.None, is not clamped).
-// A Messages request's extended thinking is kept below the new max_tokens
-// (see clampThinking). Every other byte is as the client sent it.
+// A Messages request's extended thinking is kept below the new
+// max_tokens (api.Request.ClampThinking). Every other byte is as the
+// client sent it; an empty body is left empty. The edits go where info's
+// parse found the fields, without walking the body again.
 //
 // note is what the clamp changed, for the X-LLM-Proxy-Degraded header:
 // "<field>=<n>" naming the field the server reads (the first of a's
 // fields that was set: max_completion_tokens when a Chat client sent it),
 // then "; thinking_budget=<n>" or "; thinking=off" when the thinking
 // budget was lowered or removed; "" when setMax is false.
-func rewriteBody(body []byte, a api.API, model string, maxTokens int, setMax bool) (out []byte, note string, err error) {
-	fields := a.OutputLimitFields()
-	setMax = setMax && len(fields) > 0
-	if model == "" && !setMax {
-		return body, "", nil
+func rewriteBody(body []byte, info RequestInfo, a api.API, model string, maxTokens int, setMax bool) (out []byte, rinfo RequestInfo, note string, err error) {
+	setMax = setMax && len(a.OutputLimitFields()) > 0
+	if (model == "" && !setMax) || len(body) == 0 {
+		return body, info, "", nil
 	}
-	end := len(body)
-	for end > 0 && isJSONSpace(body[end-1]) {
-		end--
-	}
-	out = body[:end:end]
+	out = body
 	if model != "" {
-		if out, err = sjson.SetBytes(out, "model", model); err != nil {
-			return nil, "", err
+		if out, err = info.SetModel(out, model); err != nil {
+			return nil, info, "", err
 		}
 	}
 	if setMax {
-		keys := make([]string, 0, len(fields))
-		for _, k := range fields {
-			if v := gjson.GetBytes(out, k); v.Exists() && v.Type != gjson.Null {
-				keys = append(keys, k)
-			}
+		var field string
+		if out, field, err = info.SetOutputLimit(out, a, maxTokens); err != nil {
+			return nil, info, "", err
 		}
-		if len(keys) == 0 {
-			keys = append(keys, fields[len(fields)-1])
-		}
-		for _, k := range keys {
-			if out, err = sjson.SetBytes(out, k, maxTokens); err != nil {
-				return nil, "", err
-			}
-		}
-		note = keys[0] + "=" + strconv.Itoa(maxTokens)
+		note = field + "=" + strconv.Itoa(maxTokens)
 		if a == api.Messages {
 			var th string
-			if out, th, err = clampThinking(out, maxTokens); err != nil {
-				return nil, "", err
+			if out, th, err = info.ClampThinking(out, maxTokens); err != nil {
+				return nil, info, "", err
 			}
 			if th != "" {
 				note += "; " + th
 			}
 		}
 	}
-	return append(out, body[end:]...), note, nil
-}
-
-// minThinkingBudget is the least thinking.budget_tokens Anthropic's
-// Messages API accepts, which also requires budget_tokens < max_tokens
-// (docs.anthropic.com/en/docs/build-with-claude/extended-thinking).
-const minThinkingBudget = 1024
-
-// clampThinking keeps the extended thinking of a Messages request body
-// valid for its clamped maxTokens: when "thinking" is
-// {"type":"enabled","budget_tokens":b} with b >= maxTokens, budget_tokens
-// becomes maxTokens-1 if that is at least minThinkingBudget (note
-// "thinking_budget=<n>"), else the "thinking" field is removed (note
-// "thinking=off"): the answer is degraded anyway, and an
-// Anthropic-compatible upstream would refuse the request with 400. Any
-// other thinking (disabled, adaptive, a budget already below maxTokens, a
-// budget that is not a number) is left as sent; note is "" then.
-func clampThinking(body []byte, maxTokens int) (out []byte, note string, err error) {
-	th := gjson.GetBytes(body, "thinking")
-	if !th.IsObject() || th.Get("type").Str != "enabled" {
-		return body, "", nil
-	}
-	if b := th.Get("budget_tokens"); b.Type != gjson.Number || b.Num < float64(maxTokens) {
-		return body, "", nil
-	}
-	budget := maxTokens - 1
-	if budget < minThinkingBudget {
-		if out, err = sjson.DeleteBytes(body, "thinking"); err != nil {
-			return nil, "", err
-		}
-		return out, "thinking=off", nil
-	}
-	// Rebuilt member by member: every budget_tokens (a repeated one too,
-	// which a server may read instead of the first) gives way to one.
-	obj := []byte{'{'}
-	th.ForEach(func(k, v gjson.Result) bool {
-		if k.Str != "budget_tokens" {
-			obj = append(append(append(obj, k.Raw...), ':'), v.Raw...)
-			obj = append(obj, ',')
-		}
-		return true
-	})
-	obj = append(obj, `"budget_tokens":`...)
-	obj = strconv.AppendInt(obj, int64(budget), 10)
-	obj = append(obj, '}')
-	if out, err = sjson.SetRawBytes(body, "thinking", obj); err != nil {
-		return nil, "", err
-	}
-	return out, "thinking_budget=" + strconv.Itoa(budget), nil
+	return out, info, note, nil
 }
 
 // degradedHeader is the X-LLM-Proxy-Degraded value of a request sent to f
@@ -347,14 +284,7 @@ func (x *exchange) degrade(why string) bool {
 				x.client.info.PromptTokens, f.ContextWindow))
 			continue
 		}
-		info := x.client.info
-		if f.Model != "" {
-			info.Model = f.Model
-		}
-		if setMax {
-			info.MaxTokens, info.MaxTokensSet = maxTokens, true
-		}
-		body, note, err := rewriteBody(x.client.body, x.api, f.Model, maxTokens, setMax)
+		body, info, note, err := rewriteBody(x.client.body, x.client.info, x.api, f.Model, maxTokens, setMax)
 		if err != nil {
 			x.refuseFallback(f, "the request body cannot be rewritten: "+err.Error())
 			continue

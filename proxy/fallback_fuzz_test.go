@@ -46,12 +46,19 @@ func FuzzRewriteBody(f *testing.F) {
 		if json.Unmarshal([]byte(body), &before) != nil || before == nil {
 			return // read refuses what is not one JSON object
 		}
-		if _, err := a.ParseRequest([]byte(body)); err != nil {
+		info, err := a.ParseRequest([]byte(body))
+		if err != nil {
 			return
 		}
-		out, note, err := rewriteBody([]byte(body), a, model, maxTokens, setMax)
+		out, rinfo, note, err := rewriteBody([]byte(body), info, a, model, maxTokens, setMax)
 		if err != nil {
 			return // the fallback is passed over, the client's body untouched
+		}
+		// The Request that describes the rewritten body finds its prompt
+		// where a parse of that body finds it (one that parses: a fuzzed
+		// maxTokens may be negative).
+		if again, err := a.ParseRequest(out); err == nil && !slices.Equal(promptOf(&rinfo, out), promptOf(&again, out)) {
+			t.Fatalf("rewritten %s: prompt %q, a new parse's %q", out, promptOf(&rinfo, out), promptOf(&again, out))
 		}
 		var after map[string]json.RawMessage
 		if err := json.Unmarshal(out, &after); err != nil {
@@ -84,7 +91,7 @@ func FuzzRewriteBody(f *testing.F) {
 				if err := json.Unmarshal(th, &v); err != nil {
 					t.Fatalf("thinking %s: %v", th, err)
 				}
-				if b, err := v.Budget.Int64(); err != nil || b >= int64(maxTokens) || b < minThinkingBudget {
+				if b, err := v.Budget.Int64(); err != nil || b >= int64(maxTokens) || b < 1024 { // Anthropic's least budget_tokens
 					t.Fatalf("budget_tokens %s with max_tokens %d: %s", v.Budget, maxTokens, out)
 				}
 			}
@@ -103,4 +110,11 @@ func FuzzRewriteBody(f *testing.F) {
 			}
 		}
 	})
+}
+
+// promptOf returns info's PromptText of body.
+func promptOf(info *RequestInfo, body []byte) []string {
+	var out []string
+	info.PromptText(body, func(s string) bool { out = append(out, s); return true })
+	return out
 }

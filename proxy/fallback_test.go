@@ -73,7 +73,7 @@ func TestRewriteBodyTouchesOnlyModelAndMaxTokens(t *testing.T) {
 		{"model only", `{"model":"big","max_tokens":3}`, "small", 0, false, `{"model":"small","max_tokens":3}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, _, err := rewriteBody([]byte(tc.in), api.Chat, tc.model, tc.max, tc.set)
+			got, _, err := rewriteParsed([]byte(tc.in), api.Chat, tc.model, tc.max, tc.set)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -106,7 +106,7 @@ func TestRewriteBodySetsTheAPIsOutputLimit(t *testing.T) {
 		{"none", api.None, `{"model":"big","input":"x"}`, `{"model":"small","input":"x"}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, _, err := rewriteBody([]byte(tc.in), tc.a, "small", 100, true)
+			got, _, err := rewriteParsed([]byte(tc.in), tc.a, "small", 100, true)
 			if err != nil || string(got) != tc.want {
 				t.Fatalf("got %s (%v), want %s", got, err, tc.want)
 			}
@@ -668,4 +668,14 @@ func TestLadderOf503sSaysTheEarliestRetry(t *testing.T) {
 		!strings.Contains(e.Message, "the primary pool: no upstream available: all 2 upstream(s) have open breakers") {
 		t.Fatalf("error %+v, want circuit_open naming both pools", e)
 	}
+}
+
+// rewriteParsed parses body as a's request and rewrites it (rewriteBody).
+func rewriteParsed(body []byte, a api.API, model string, maxTokens int, setMax bool) ([]byte, string, error) {
+	info, err := a.ParseRequest(body)
+	if err != nil {
+		return nil, "", err
+	}
+	out, _, note, err := rewriteBody(body, info, a, model, maxTokens, setMax)
+	return out, note, err
 }

@@ -1,7 +1,5 @@
 package proxy
 
-import "github.com/llmproxy/caddy-llm-proxy/api"
-
 // pick is step 4: the Balancer chooses the upstream for the next attempt.
 // Candidate filtering (breakers, saturation, already tried) and the permit
 // are the Balancer's; the proxy tells it what was tried and whether this is
@@ -12,8 +10,8 @@ func (rc *race) pick(hedge bool) (Upstream, error) {
 }
 
 // prompt yields the prompt text of the body the attempt sends, as its API
-// reads it.
-func (x *exchange) prompt(yield func(string) bool) { api.PromptText(x.api, x.body, yield) }
+// reads it, where the request's parse found it.
+func (x *exchange) prompt(yield func(string) bool) { x.result.Info.PromptText(x.body, yield) }
 
 // release gives back an upstream that was picked but not used (a retry
 // that backs off first): its permit and in-flight count are not held

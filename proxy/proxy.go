@@ -95,7 +95,7 @@ type PickRequest struct {
 	// Hedge is true for a backup attempt: only upstreams whose breaker is
 	// closed qualify (never hedge into a sick fleet).
 	Hedge bool
-	// Prompt yields the request's prompt text in order (api.PromptText of
+	// Prompt yields the request's prompt text in order (Info.PromptText of
 	// the body sent), for policies that route by prompt prefix.
 	Prompt func(yield func(string) bool)
 }

@@ -8,8 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/tidwall/gjson"
-
 	"github.com/llmproxy/caddy-llm-proxy/api"
 )
 
@@ -63,91 +61,17 @@ func (x *exchange) read() bool {
 		}
 		x.result.Info = info
 		if x.p.cfg.RequestUsage && x.api.InjectsUsage() && info.Stream && !info.IncludeUsage {
-			if edited, ok := requestUsage(x.body); ok {
+			// The upstream then reports the stream's real usage in a
+			// usage-only chunk, which relay reads and keeps from the
+			// client that did not ask for it. A read body keeps
+			// usageSlack bytes of room, so the edit is made in place.
+			if edited, ok := x.result.Info.SetIncludeUsage(x.body); ok {
 				x.body, x.stripUsage = edited, true
 			}
 		}
 	}
 	return true
 }
-
-// requestUsage returns body with stream_options.include_usage set to true,
-// every other byte as the client sent it: the upstream then reports the
-// stream's real usage in a usage-only chunk, which relay reads and keeps
-// from the client that did not ask for it. The edit is made in place when
-// body has the room after it (a read body keeps usageSlack bytes), else in
-// a copy. ok is false when the body cannot be edited (it is then sent
-// unchanged).
-func requestUsage(body []byte) (edited []byte, ok bool) {
-	at, del, ins, ok := usageEdit(body)
-	if !ok {
-		return body, false
-	}
-	n := len(body) - del + len(ins)
-	var out []byte
-	if n <= cap(body) {
-		out = body[:n]
-	} else {
-		out = make([]byte, n)
-		copy(out, body[:at])
-	}
-	copy(out[at+len(ins):], body[at+del:])
-	copy(out[at:], ins)
-	return out, true
-}
-
-// usageEdit finds the edit that sets stream_options.include_usage to true,
-// as sjson.SetBytes would make it: replace body[at:at+del] with ins. A
-// missing member is appended at the end of its object; a stream_options
-// that is not an object (null) is replaced by one. ok is false when body is
-// not an object or a value cannot be located.
-func usageEdit(body []byte) (at, del int, ins string, ok bool) {
-	end := len(body)
-	for end > 0 && isJSONSpace(body[end-1]) {
-		end--
-	}
-	if end == 0 || body[end-1] != '}' || firstNonSpace(body) != '{' {
-		return 0, 0, "", false
-	}
-	so := gjson.GetBytes(body[:end], "stream_options")
-	switch {
-	case !so.Exists():
-		ins = `"stream_options":{"include_usage":true}`
-		if hasMembers(body[skipSpace(body, 0):end]) {
-			ins = "," + ins
-		}
-		return end - 1, 0, ins, true
-	case so.Index <= 0:
-		return 0, 0, "", false
-	case so.IsObject():
-		iu := so.Get("include_usage")
-		if iu.Exists() {
-			if iu.Index <= 0 {
-				return 0, 0, "", false
-			}
-			return iu.Index, len(iu.Raw), "true", true // Result.Get indexes the whole body
-		}
-		ins = `"include_usage":true`
-		if hasMembers([]byte(so.Raw)) {
-			ins = "," + ins
-		}
-		return so.Index + len(so.Raw) - 1, 0, ins, true
-	}
-	return so.Index, len(so.Raw), `{"include_usage":true}`, true
-}
-
-// hasMembers reports whether the JSON object obj (braces included, no
-// space around them) has a member.
-func hasMembers(obj []byte) bool {
-	for _, c := range obj[1 : len(obj)-1] {
-		if !isJSONSpace(c) {
-			return true
-		}
-	}
-	return false
-}
-
-func isJSONSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\r' || c == '\n' }
 
 // DefaultMaxRequestBody is the request body limit when none is configured:
 // 16 MiB holds a 128K-token prompt with room to spare.
@@ -179,22 +103,6 @@ type RequestInfo = api.Request
 // body: api.Chat.ParseRequest. Every other API is parsed by its own
 // api.API.
 func ParseRequest(body []byte) (RequestInfo, error) { return api.Chat.ParseRequest(body) }
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && isJSONSpace(b[i]) {
-		i++
-	}
-	return i
-}
-
-func firstNonSpace(b []byte) byte {
-	for _, c := range b {
-		if !isJSONSpace(c) {
-			return c
-		}
-	}
-	return 0
-}
 
 // isJSONRequest reports whether the request body should be parsed as JSON:
 // OpenAI's completion endpoints take JSON whatever the client labels it

@@ -314,7 +314,7 @@ func TestLadderClampKeepsAMessagesThinkingBudgetBelowMaxTokens(t *testing.T) {
 			"max_tokens=100"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			out, note, err := rewriteBody([]byte(tc.in), api.Messages, "small", tc.max, true)
+			out, note, err := rewriteParsed([]byte(tc.in), api.Messages, "small", tc.max, true)
 			if err != nil {
 				t.Fatal(err)
 			}

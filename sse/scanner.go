@@ -1,8 +1,8 @@
-// Package sse splits a Server-Sent Events stream into events and inspects
-// them the way an LLM gateway needs: which events carry data, which end the
-// stream ([DONE]), which are in-band errors, and whether an OpenAI chat
-// completion chunk carries a finish_reason, and its token usage. The hot path (Next,
-// Event.Kind, InspectChunk) does not allocate in steady state.
+// Package sse is Server-Sent Events framing: a scanner that splits a stream
+// into events whatever the reads' boundaries, the events' fields, and their
+// kind (comment, data, the [DONE] marker, an in-band error). What an event
+// means to a streaming API is package api's. The hot path (Next,
+// Event.Kind) does not allocate in steady state.
 package sse
 
 import (
