@@ -108,8 +108,8 @@ func (adminAPI) pools(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
 	views := []upstream.PoolStatus{}
-	if app := newestApp(); app != nil {
-		for _, p := range app.pools {
+	if c := shared.live.Newest(); c != nil {
+		for _, p := range c.Pools {
 			views = append(views, p.Status())
 		}
 	}

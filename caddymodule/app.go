@@ -3,7 +3,6 @@ package caddymodule
 import (
 	"fmt"
 	"strconv"
-	"sync"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -11,6 +10,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
+	"github.com/llmproxy/caddy-llm-proxy/internal/live"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
@@ -92,9 +92,11 @@ type App struct {
 	gates []adoptedGate
 	// gateSeq counts the gates of this config by pool identity (gateKey).
 	gateSeq map[string]int
-	logger  *zap.Logger
-	events  *caddyevents.App
-	ctx     caddy.Context
+	// live is what the config put in force at Start (shared.live).
+	live   *live.Config
+	logger *zap.Logger
+	events *caddyevents.App
+	ctx    caddy.Context
 }
 
 // CaddyModule returns the Caddy module information.
@@ -201,103 +203,78 @@ func (a *App) adoptGate(g *admission.Gate, want *admission.GateSettings) {
 // goroutine, so pools needs no lock.
 func (a *App) adopt(p *upstream.Pool) { a.pools = append(a.pools, p) }
 
-// Start makes this config's settings the live ones: its pools' breaker
-// settings and probers apply to the shared entries, and breaker transitions
+// Start makes this config's settings the live ones (shared.live): its
+// pools' breaker settings and probers apply to the shared entries, its
+// gates' capacities and its tenants' tiers apply, and breaker transitions
 // are logged and emitted through this config's logger and events app. With
-// a fleet, it takes the connection (opening it, in local mode if Redis is
-// away: that never fails the config).
+// a fleet, it takes the connection first (opening it, in local mode if
+// Redis is away: that never fails the config).
 func (a *App) Start() error {
-	if a.tenancy != nil {
-		if err := a.tenancy.start(); err != nil {
-			return err
-		}
-	}
-	shared.running.push(a)
-	shared.liveBodies.Store(a.bodies)
-	// After push: the connection logs through the newest config's logger.
 	if err := a.startFleet(); err != nil {
-		_ = a.Stop() // Caddy does not stop an app whose Start failed
+		a.stopFleet()
 		return err
 	}
-	shared.upstreams.SetBreakerStore(a.breakerStore())
-	if a.tenancy != nil {
-		// Tenant breakers are shared by the fleet as the upstreams' are.
-		a.tenancy.ctl.SetBreakerStore(a.breakerStore())
-	}
-	for _, p := range a.pools {
-		p.Activate()
-	}
-	for _, g := range a.gates {
-		g.g.SetSettings(*g.want)
+	a.live = a.liveConfig()
+	if err := shared.live.Start(a.live); err != nil {
+		a.stopFleet() // Caddy does not stop an app whose Start failed
+		return err
 	}
 	return nil
 }
 
-// Stop hands the shared entries back to the newest config still running
-// (a reload's new config has started already; after a failed start, the old
-// one). The pools' references are released by the handlers' Cleanup. It
-// drops the config's fleet connection, which closes when no running config
-// wants it.
+// Stop hands the live settings back to the newest config still running
+// (a reload's new config has started already; after a failed start, the
+// old one). The pools' references are released by the handlers' Cleanup.
+// It drops the config's fleet connection, which closes when no running
+// config wants it.
 func (a *App) Stop() error {
-	for _, p := range a.pools {
-		p.Deactivate()
-	}
-	shared.running.pop(a)
-	// The breakers go back to the newest running config's store (none
-	// without a fleet) before this config's connection may close.
-	shared.upstreams.SetBreakerStore(newestApp().breakerStore())
-	if prev := newestApp(); a.tenancy != nil && prev != nil && prev.tenancy != nil {
-		prev.tenancy.ctl.SetBreakerStore(prev.breakerStore())
-	} else if a.tenancy != nil && prev == nil {
-		a.tenancy.ctl.SetBreakerStore(nil)
+	var err error
+	if a.live != nil {
+		// Before the connection may close: the breakers go back to the
+		// newest running config's store first.
+		err = shared.live.Stop(a.live)
 	}
 	a.stopFleet()
-	// This config's tiers may have been applied by its Start: hand the
-	// controller back to the newest config still running (after a failed
-	// start, the old one).
-	if prev := newestApp(); prev != nil {
-		for _, g := range prev.gates {
-			g.g.SetSettings(*g.want)
-		}
-		if a.tenancy != nil && prev.tenancy != nil {
-			return prev.tenancy.start()
-		}
+	return err
+}
+
+// liveConfig is what this config puts in force while it is the newest
+// started, once its fleet connection is open.
+func (a *App) liveConfig() *live.Config {
+	c := &live.Config{
+		Logger:       a.logger,
+		Pools:        a.pools,
+		BreakerStore: a.breakerStore(),
+		Bodies:       a.bodies,
+		TenantLabels: a.MetricsTenantLabel,
 	}
-	return nil
-}
-
-// appStack holds the running apps, newest last: breaker listeners outlive
-// the config that created their breaker and log through the newest.
-type appStack struct {
-	sync.Mutex
-	apps []*App
-}
-
-func (c *appStack) push(a *App) {
-	c.Lock()
-	defer c.Unlock()
-	c.apps = append(c.apps, a)
-}
-
-func (c *appStack) pop(a *App) {
-	c.Lock()
-	defer c.Unlock()
-	for i, x := range c.apps {
-		if x == a {
-			c.apps = append(c.apps[:i], c.apps[i+1:]...)
-			return
-		}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
 	}
+	if a.events != nil {
+		ev, ctx := a.events, a.ctx
+		c.Emit = func(name string, data map[string]any) { ev.Emit(ctx, name, data) }
+	}
+	if a.fleet != nil {
+		c.Fleet = a.fleet.Load()
+	}
+	for _, g := range a.gates {
+		c.Gates = append(c.Gates, live.Gate{Gate: g.g, Settings: *g.want})
+	}
+	if t := a.tenancy; t != nil {
+		c.Tenants = &live.Tenants{Controller: t.ctl, Config: t.cfg, Limits: t.limits}
+	}
+	return c
 }
 
-// newestApp returns the newest running app, nil before any started.
-func newestApp() *App {
-	shared.running.Lock()
-	defer shared.running.Unlock()
-	if len(shared.running.apps) == 0 {
-		return nil
+// liveChanged exports the objectives of the tiers in force (none when no
+// config with tenants is the newest).
+func liveChanged(c *live.Config) {
+	var tiers []admission.Tier
+	if c != nil && c.Tenants != nil {
+		tiers = c.Tenants.Config.Tiers
 	}
-	return shared.running.apps[len(shared.running.apps)-1]
+	setObjectives(tiers)
 }
 
 // Interface guards

@@ -11,7 +11,7 @@ var bodyMemory = []prometheus.Collector{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "buffered_body_bytes",
 		Help: "Bytes of request bodies held in memory now, charged to max_buffered_bodies (the newest config's budget).",
 	}, func() float64 {
-		if b := shared.liveBodies.Load(); b != nil {
+		if b := shared.live.Bodies(); b != nil {
 			return float64(b.InUse())
 		}
 		return 0
@@ -20,7 +20,7 @@ var bodyMemory = []prometheus.Collector{
 		Namespace: "caddy", Subsystem: "llm_proxy", Name: "buffered_body_limit_bytes",
 		Help: "max_buffered_bodies of the newest started config, in bytes.",
 	}, func() float64 {
-		if b := shared.liveBodies.Load(); b != nil {
+		if b := shared.live.Bodies(); b != nil {
 			return float64(b.Size())
 		}
 		return 0

@@ -194,8 +194,8 @@ func (a *App) stopFleet() {
 // liveFleet is the connection of the newest running config, nil when that
 // config has no fleet (or none runs).
 func liveFleet() *fleet.Client {
-	if app := newestApp(); app != nil && app.fleet != nil {
-		return app.fleet.Load()
+	if c := shared.live.Newest(); c != nil {
+		return c.Fleet
 	}
 	return nil
 }
@@ -233,8 +233,8 @@ func fleetLogger() *zap.Logger {
 type newestCore struct{ fields []zapcore.Field }
 
 func (newestCore) target() zapcore.Core {
-	if app := newestApp(); app != nil && app.logger != nil {
-		return app.logger.Core()
+	if l := shared.live.Logger(); l != nil {
+		return l.Core()
 	}
 	return caddy.Log().Core()
 }

@@ -251,12 +251,16 @@ func TestFleetLogsThroughTheNewestConfig(t *testing.T) {
 	newCore, newLogs := observer.New(zapcore.InfoLevel)
 	older := &App{logger: zap.New(oldCore)}
 	newer := &App{logger: zap.New(newCore)}
-	shared.running.push(older)
-	defer shared.running.pop(older)
+	if err := older.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer older.Stop()
 	l := fleetLogger().With(zap.String("instance_id", "gw-1"))
 	l.Warn("first")
-	shared.running.push(newer)
-	defer shared.running.pop(newer)
+	if err := newer.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer newer.Stop()
 	l.Warn("second")
 	l.Debug("not enabled")
 	if got := oldLogs.All(); len(got) != 1 || got[0].Message != "first" {

@@ -92,15 +92,15 @@ func (c tenantBreakerCollector) Collect(ch chan<- prometheus.Metric) {
 // runningTenants is the controller and tier names of the newest running
 // config with tenants.
 func runningTenants() (*admission.Controller, []string) {
-	a := newestApp()
-	if a == nil || a.tenancy == nil {
+	c := shared.live.Newest()
+	if c == nil || c.Tenants == nil {
 		return nil, nil
 	}
 	var tiers []string
-	for _, ti := range a.tenancy.cfg.Tiers {
+	for _, ti := range c.Tenants.Config.Tiers {
 		tiers = append(tiers, ti.Name)
 	}
-	return a.tenancy.ctl, tiers
+	return c.Tenants.Controller, tiers
 }
 
 // breakerStateCollector is caddy_llm_proxy_breaker_state{pool,upstream,model}:
@@ -151,15 +151,7 @@ func (c breakerStateCollector) Collect(ch chan<- prometheus.Metric) {
 
 // runningPools returns the pools of every running config, newest config
 // first.
-func runningPools() []*upstream.Pool {
-	shared.running.Lock()
-	defer shared.running.Unlock()
-	var out []*upstream.Pool
-	for i := len(shared.running.apps) - 1; i >= 0; i-- {
-		out = append(out, shared.running.apps[i].pools...)
-	}
-	return out
-}
+func runningPools() []*upstream.Pool { return shared.live.Pools() }
 
 // poolLabel is the pool label of a pool's key: its sorted dial addresses
 // joined by commas ("fallback <name> " before a fallback's), with a

@@ -314,15 +314,15 @@ func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
 func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transition) {
 	initMetrics()
 	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
-	app := newestApp()
-	if app == nil {
+	cfg := shared.live.Newest()
+	if cfg == nil {
 		return
 	}
 	level := zapcore.InfoLevel
 	if tr.To == breaker.Open {
 		level = zapcore.WarnLevel
 	}
-	if ce := app.logger.Check(level, "circuit breaker "+tr.To.String()); ce != nil {
+	if ce := cfg.Logger.Check(level, "circuit breaker "+tr.To.String()); ce != nil {
 		fields := []zap.Field{
 			zap.String("breaker", tr.Key),
 			zap.String("upstream", addr),
@@ -337,8 +337,8 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 		}
 		ce.Write(fields...)
 	}
-	if app.events != nil {
-		app.events.Emit(app.ctx, "llm_proxy_breaker_"+tr.To.String(), map[string]any{
+	if cfg.Emit != nil {
+		cfg.Emit("llm_proxy_breaker_"+tr.To.String(), map[string]any{
 			"breaker":  tr.Key,
 			"upstream": addr,
 			"model":    key,
@@ -372,15 +372,15 @@ func (upstreamObserver) SignalUpdated(addr string, sig saturation.Signal, last s
 	if state == prev {
 		return
 	}
-	app := newestApp()
-	if app == nil {
+	logger := shared.live.Logger()
+	if logger == nil {
 		return
 	}
 	level := zapcore.WarnLevel
 	if state == saturation.SignalFresh {
 		level = zapcore.InfoLevel
 	}
-	if ce := app.logger.Check(level, "saturation signal "+state.String()); ce != nil {
+	if ce := logger.Check(level, "saturation signal "+state.String()); ce != nil {
 		fields := []zap.Field{
 			zap.String("upstream", addr),
 			zap.String("signal", name),
@@ -411,7 +411,7 @@ func (upstreamObserver) ScraperGone(addr string) {
 type admissionObserver struct{}
 
 func tenantLabel(tenant string) string {
-	if shared.tenantLabels.Load() {
+	if shared.live.TenantLabels() {
 		return tenant
 	}
 	return ""
@@ -441,12 +441,12 @@ func (admissionObserver) Tokens(tenant, tier, api, kind, source string, n int) {
 func (admissionObserver) TenantBreaker(tenant, tier string, tr breaker.Transition) {
 	// caddy_llm_proxy_tenant_breaker_state is counted from the breakers
 	// at each scrape (tenantBreakerCollector): here, only the log line.
-	if app := newestApp(); app != nil {
+	if logger := shared.live.Logger(); logger != nil {
 		level := zapcore.InfoLevel
 		if tr.To == breaker.Open {
 			level = zapcore.WarnLevel
 		}
-		if ce := app.logger.Check(level, "tenant circuit breaker "+tr.To.String()); ce != nil {
+		if ce := logger.Check(level, "tenant circuit breaker "+tr.To.String()); ce != nil {
 			ce.Write(zap.String("tenant", tenant), zap.String("tier", tier), zap.String("from", tr.From.String()),
 				zap.String("to", tr.To.String()), zap.String("reason", tr.Reason))
 		}

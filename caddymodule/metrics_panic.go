@@ -68,15 +68,15 @@ var _ upstream.PanicObserver = upstreamObserver{}
 // whole, and its re-admission by a probe, are logged (a warning, then an
 // info), as a breaker's transitions are.
 func (upstreamObserver) PoolFailed(pool string, on bool, reason string) {
-	app := newestApp()
-	if app == nil {
+	logger := shared.live.Logger()
+	if logger == nil {
 		return
 	}
 	level, msg := zapcore.InfoLevel, "pool re-admitted by a probe's success"
 	if on {
 		level, msg = zapcore.WarnLevel, "pool failed as a whole: 503 but for probes"
 	}
-	if ce := app.logger.Check(level, msg); ce != nil {
+	if ce := logger.Check(level, msg); ce != nil {
 		fields := []zap.Field{zap.String("pool", poolLabel(pool))}
 		if reason != "" {
 			fields = append(fields, zap.String("reason", reason))

@@ -292,7 +292,15 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		for _, f := range fallbacks {
 			srcs = append(srcs, proxy.ModelSource{Name: f.Name, Balancer: f.Balancer})
 		}
-		h.models = &proxy.Models{Sources: srcs, Transport: h.transport}
+		// The list outlives the config while the next one lists the same
+		// pools (shared.live.Models).
+		cache, err := shared.live.Models.Acquire(h.claims, proxy.ModelsKey(srcs), func() (*proxy.ModelCache, error) {
+			return new(proxy.ModelCache), nil
+		}, nil)
+		if err != nil {
+			return err
+		}
+		h.models = &proxy.Models{Sources: srcs, Transport: h.transport, Cache: cache}
 	}
 	return nil
 }

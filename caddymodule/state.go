@@ -1,10 +1,9 @@
 package caddymodule
 
 import (
-	"sync/atomic"
-
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
+	"github.com/llmproxy/caddy-llm-proxy/internal/live"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
@@ -47,13 +46,10 @@ type sharedState struct {
 	fleets        *registry.Table[*fleet.Client]
 	fleetBreakers *registry.Table[*fleet.Breakers]
 	fleetLimits   *registry.Table[*fleet.Limits]
-	// running are the started apps, newest last (Start pushes, Stop
-	// pops): logs, events and the live settings come from the newest.
-	running appStack
-	// tenantLabels is metrics_tenant_label of the newest started config.
-	tenantLabels atomic.Bool
-	// liveBodies is the body budget of the newest started config.
-	liveBodies atomic.Pointer[proxy.BodyBudget]
+	// live is what the newest started config puts in force (gate
+	// settings, tenants, breaker store, body budget, logger, pools) and
+	// the handlers' model lists: Start and Stop hand it over.
+	live *live.Owner
 	// series decides when per-upstream series go (series.go).
 	series seriesLife
 }
@@ -68,6 +64,7 @@ func newSharedState() *sharedState {
 		fleetBreakers: registry.NewTable(func(_ string, bs *fleet.Breakers) { bs.Close() }),
 		fleetLimits:   registry.NewTable[*fleet.Limits](nil), // they stop with their connection
 	}
+	s.live = live.New(s.upstreams, liveChanged)
 	s.series.entries = s.upstreams.Entries
 	return s
 }

@@ -18,8 +18,6 @@ type tenancy struct {
 	header  string
 	trusted []netip.Prefix
 	unknown string
-	// tenantLabel is metrics_tenant_label.
-	tenantLabel bool
 	// ctl is the process-wide controller (tenants' windows and breakers
 	// survive reloads).
 	ctl *admission.Controller
@@ -63,7 +61,7 @@ func newTenancy(a *App) (*tenancy, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &tenancy{cfg: cfg, dir: dir, header: a.Tenants.Header, trusted: trusted, unknown: cfg.UnknownTier, tenantLabel: a.MetricsTenantLabel}
+	t := &tenancy{cfg: cfg, dir: dir, header: a.Tenants.Header, trusted: trusted, unknown: cfg.UnknownTier}
 	if a.fleet != nil {
 		t.limits = newFleetLimits(a.fleet, a.fleetCfg)
 	}
@@ -77,18 +75,4 @@ func newTenancy(a *App) (*tenancy, error) {
 	}
 	t.ctl = ctl
 	return t, nil
-}
-
-// start applies the config's tiers and tenants to the live controller, and
-// its limit store: with a fleet, tenants' limits are counted fleet-wide in
-// Redis from now on (requests admitted before settle where they were
-// admitted); without, in this process, exactly as before.
-func (t *tenancy) start() error {
-	if err := t.ctl.SetConfig(t.cfg); err != nil {
-		return fmt.Errorf("llm_proxy: applying tenants: %w", err)
-	}
-	t.ctl.SetLimitStore(t.limits)
-	shared.tenantLabels.Store(t.tenantLabel)
-	setObjectives(t.cfg.Tiers)
-	return nil
 }

@@ -3,16 +3,19 @@ package proxy
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/internal/h1"
 )
 
@@ -264,5 +267,116 @@ func TestConnectionDyingAfterTheUpstreamWorkedIsNotResent(t *testing.T) {
 	}
 	if got := strings.Join(obs.outcomes(), " "); got != addr+"=success "+addr+"=connect_error" {
 		t.Fatalf("attempt reports %q, want success then connect_error", got)
+	}
+}
+
+// abortBalancer panics with http.ErrAbortHandler on every pick.
+type abortBalancer struct{}
+
+func (abortBalancer) Pick(http.ResponseWriter, *http.Request, PickRequest) (Upstream, error) {
+	panic(http.ErrAbortHandler)
+}
+
+// A step's http.ErrAbortHandler, raised on the step worker, still aborts
+// the client's connection through net/http (it must reach net/http from
+// ServeHTTP, on the handler's goroutine), and the process survives.
+func TestAbortHandlerFromAStepAbortsTheConnection(t *testing.T) {
+	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: abortBalancer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { p.ServeHTTP(w, r) }))
+	defer front.Close()
+	resp, err := http.Post(front.URL+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"m"}`))
+	if err == nil {
+		resp.Body.Close()
+		t.Fatalf("status %d: the connection was not aborted", resp.StatusCode)
+	}
+	if !errors.Is(err, io.EOF) && !strings.Contains(err.Error(), "EOF") {
+		t.Logf("client error: %v", err)
+	}
+}
+
+// panicEvery panics on every third pick, else picks addr.
+type panicEvery struct {
+	addr string
+	n    atomic.Int64
+}
+
+func (b *panicEvery) Pick(http.ResponseWriter, *http.Request, PickRequest) (Upstream, error) {
+	if b.n.Add(1)%3 == 0 {
+		panic("pick bug")
+	}
+	return Upstream{Addr: b.addr, Closed: true}, nil
+}
+
+// Many concurrent requests, streamed and not, some panicking before
+// commit, some with their client gone: every ServeHTTP returns (or
+// re-raises) and the workers settle (each path marks done exactly once: a
+// miss hangs here, a double Done panics the process).
+func TestConcurrentMixedPathsAllReturn(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: &panicEvery{addr: up.addr()},
+		StreamTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var panics atomic.Int64
+	for i := range 120 {
+		wg.Go(func() {
+			body := `{"model":"m","stream":true}`
+			if i%2 == 0 {
+				body = `{"model":"m"}`
+			}
+			r := post(body)
+			if i%5 == 0 {
+				ctx, cancel := contextWithCancel(r)
+				cancel()
+				r = r.WithContext(ctx)
+			}
+			defer func() {
+				if recover() != nil {
+					panics.Add(1)
+				}
+			}()
+			p.ServeHTTP(httptest.NewRecorder(), r)
+		})
+	}
+	ok := make(chan struct{})
+	go func() { wg.Wait(); close(ok) }()
+	select {
+	case <-ok:
+	case <-time.After(20 * time.Second):
+		t.Fatal("a ServeHTTP never returned")
+	}
+	if panics.Load() == 0 {
+		t.Fatal("no panic was re-raised")
+	}
+	_ = p.Close()
+	waitFor(t, "the workers exit after Close", func() bool { return p.steps.live.Load() == 0 })
+}
+
+func contextWithCancel(r *http.Request) (context.Context, context.CancelFunc) {
+	return context.WithCancel(r.Context())
+}
+
+// stream_timeout's timer is stopped once ServeHTTP returns, on every kind of
+// request.
+func TestStreamTimeoutTimerStoppedAtReturn(t *testing.T) {
+	up := newUpstream(t, sseUpstream(chunkA, chunkEnd, done))
+	clk := clocktest.New(time.Time{})
+	const st = 7 * time.Minute
+	p, err := New(Config{Transport: schemeTransport{http.DefaultTransport}, Balancer: addrBalancer{up.addr()}, Clock: clk, StreamTimeout: st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for _, body := range []string{`{"model":"m","stream":true}`, `{"model":"m"}`, `not json`} {
+		p.ServeHTTP(httptest.NewRecorder(), post(body))
+		if clk.ArmedFor(st) {
+			t.Fatalf("%s: the stream_timeout timer is still armed after ServeHTTP returned", body)
+		}
 	}
 }

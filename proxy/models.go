@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -63,7 +64,19 @@ type Models struct {
 	Timeout time.Duration
 	// Clock is the source of time; nil is the real clock.
 	Clock clock.Clock
+	// Cache holds the merged list and each source's last answer; nil
+	// keeps them in m. Handlers over the same Sources (a reload's old and
+	// new config) share one (see ModelsKey), so a reload neither asks the
+	// pools again within TTL nor forgets a pool that cannot answer now.
+	Cache *ModelCache
 
+	own ModelCache
+}
+
+// ModelCache is what Models remembers between requests: the merged list
+// and when it was made, and each source's last answer. The zero value is
+// empty and ready. Safe for concurrent use.
+type ModelCache struct {
 	// flight runs one refresh at a time.
 	flight singleflight.Group
 	mu     sync.Mutex // guards body and at
@@ -72,6 +85,29 @@ type Models struct {
 	// answers holds each source's last list, by index in Sources; only
 	// the running refresh reads or writes it.
 	answers [][]json.RawMessage
+}
+
+// ModelsKey identifies srcs for a shared ModelCache: each source's name
+// and, for a Balancer with a Key method (an upstream pool's identity),
+// its key, in order.
+func ModelsKey(srcs []ModelSource) string {
+	var b strings.Builder
+	for _, s := range srcs {
+		b.WriteString(s.Name)
+		b.WriteByte('\x00')
+		if k, ok := s.Balancer.(interface{ Key() string }); ok {
+			b.WriteString(k.Key())
+		}
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+func (m *Models) cache() *ModelCache {
+	if m.Cache != nil {
+		return m.Cache
+	}
+	return &m.own
 }
 
 // IsModelsRequest reports whether r asks for the model list (GET …/v1/models).
@@ -120,13 +156,14 @@ func (m *Models) list(r *http.Request) ([]byte, error) {
 	if ttl <= 0 {
 		ttl = DefaultModelsTTL
 	}
-	m.mu.Lock()
-	body, at := m.body, m.at
-	m.mu.Unlock()
+	c := m.cache()
+	c.mu.Lock()
+	body, at := c.body, c.at
+	c.mu.Unlock()
 	if body != nil && m.clock().Now().Sub(at) < ttl {
 		return body, nil
 	}
-	ch := m.flight.DoChan("list", func() (any, error) { return m.refresh(r) })
+	ch := c.flight.DoChan("list", func() (any, error) { return m.refresh(r, c) })
 	select {
 	case res := <-ch:
 		if res.Err != nil {
@@ -141,23 +178,24 @@ func (m *Models) list(r *http.Request) ([]byte, error) {
 // refresh asks the pools under a context of its own (r's values, not its
 // cancellation) and caches the merged list; when no pool answers it
 // returns the last list, if any.
-func (m *Models) refresh(r *http.Request) ([]byte, error) {
+func (m *Models) refresh(r *http.Request, c *ModelCache) ([]byte, error) {
 	r = r.WithContext(context.WithoutCancel(r.Context()))
-	body, err := m.merge(r)
-	m.mu.Lock()
-	defer m.mu.Unlock()
+	body, err := m.merge(r, c)
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if err != nil {
-		if m.body != nil {
-			return m.body, nil
+		if c.body != nil {
+			return c.body, nil
 		}
 		return nil, err
 	}
-	m.body, m.at = body, m.clock().Now()
+	c.body, c.at = body, m.clock().Now()
 	return body, nil
 }
 
-// merge asks every pool and merges their lists.
-func (m *Models) merge(r *http.Request) ([]byte, error) {
+// merge asks every pool and merges their lists, remembering each
+// pool's answer in c.
+func (m *Models) merge(r *http.Request, c *ModelCache) ([]byte, error) {
 	type entry struct {
 		raw   []byte
 		pools []string
@@ -166,20 +204,20 @@ func (m *Models) merge(r *http.Request) ([]byte, error) {
 	byID := map[string]*entry{}
 	var lastErr error
 	answered := 0
-	if len(m.answers) != len(m.Sources) {
-		m.answers = make([][]json.RawMessage, len(m.Sources))
+	if len(c.answers) != len(m.Sources) {
+		c.answers = make([][]json.RawMessage, len(m.Sources))
 	}
 	for i, src := range m.Sources {
 		data, err := m.ask(r, src)
 		switch {
 		case err == nil:
-			m.answers[i] = data
-		case m.answers[i] != nil:
+			c.answers[i] = data
+		case c.answers[i] != nil:
 			// A pool that cannot be asked now (its breakers open, its
 			// upstreams down) still serves its models through the
 			// ladder: its last list stands, or SDKs listing models see
 			// a route vanish and come back with its breakers.
-			data = m.answers[i]
+			data = c.answers[i]
 		default:
 			lastErr = fmt.Errorf("%s: %w", src.Name, err)
 			continue

@@ -151,3 +151,42 @@ func TestModelsKeepAPoolThatCannotBeAsked(t *testing.T) {
 		t.Fatalf("with the small pool's breakers open (primary asked %d times): body\n%s\nwant\n%s", big.calls.Load(), got, want)
 	}
 }
+
+// TestModelsSharingACacheSurviveAReload: a reload's new handler over the
+// same pools (sharing the old one's ModelCache) serves the cached list
+// without asking the pools within TTL, and after the TTL a pool that cannot
+// answer is still listed with the answer it gave the old handler.
+func TestModelsSharingACacheSurviveAReload(t *testing.T) {
+	big := modelsUpstream(t, "llama-70b")
+	small := modelsUpstream(t, "llama-8b")
+	clk := clocktest.New(time.Time{})
+	srcs := []ModelSource{
+		{Name: "primary", Balancer: &listBalancer{addrs: []string{big.addr()}}},
+		{Name: "small", Balancer: &listBalancer{addrs: []string{small.addr()}}},
+	}
+	cache := new(ModelCache)
+	handler := func() *Models {
+		return &Models{Sources: srcs, Transport: schemeTransport{http.DefaultTransport}, Clock: clk, Cache: cache}
+	}
+	get := func(m *Models) string {
+		w := httptest.NewRecorder()
+		m.ServeHTTP(w, httptest.NewRequest("GET", "/v1/models", nil), nil)
+		if w.Code != 200 {
+			t.Fatalf("status %d body %s", w.Code, w.Body)
+		}
+		return w.Body.String()
+	}
+	want := get(handler())
+	reloaded := handler()
+	if got := get(reloaded); got != want || big.calls.Load() != 1 || small.calls.Load() != 1 {
+		t.Fatalf("after a reload within the TTL: calls %d/%d, body %s", big.calls.Load(), small.calls.Load(), got)
+	}
+	small.Close()
+	clk.Advance(DefaultModelsTTL)
+	if got := get(reloaded); got != want {
+		t.Fatalf("a pool that cannot answer after the reload lost its models:\n%s\nwant\n%s", got, want)
+	}
+	if big.calls.Load() != 2 {
+		t.Fatalf("after the TTL the answering pool is asked again: %d calls", big.calls.Load())
+	}
+}

@@ -179,6 +179,10 @@ func TestReloadsLeaveNoStateOrGoroutinesBehind(t *testing.T) {
 			return fmt.Sprintf("%d body budgets", shared.bodies.Len())
 		case shared.tenants.Len() != 0:
 			return fmt.Sprintf("%d tenant controllers", shared.tenants.Len())
+		case shared.live.Models.Len() != 0:
+			return fmt.Sprintf("%d model lists", shared.live.Models.Len())
+		case shared.live.Newest() != nil:
+			return "a config still in force"
 		case len(runningPools()) != 0:
 			return fmt.Sprintf("%d running pools", len(runningPools()))
 		}
