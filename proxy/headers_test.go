@@ -3,6 +3,7 @@ package proxy
 import (
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -333,5 +334,35 @@ func TestHeaderUpOncePerPoolWithRetries(t *testing.T) {
 	}
 	if calls != 1 {
 		t.Errorf("header_up ran %d times, want once", calls)
+	}
+}
+
+// TestModelsListSendsEachPoolsHeaderUp: the gateway's own GET /v1/models
+// to each pool carries that pool's header_up (a key-protected vLLM
+// answers it), never the caller's key.
+func TestModelsListSendsEachPoolsHeaderUp(t *testing.T) {
+	keyed := func(want string) *upstream {
+		return newUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("Authorization") != want {
+				http.Error(w, "bad key", http.StatusUnauthorized)
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(`{"object":"list","data":[{"id":"m-` + r.Host + `"}]}`))
+		})
+	}
+	primary, hosted := keyed("Bearer sk-vllm"), keyed("Bearer sk-hosted")
+	m := &Models{Sources: []ModelSource{
+		{Name: "primary", Balancer: &listBalancer{addrs: []string{primary.addr()}}, Header: setHeader("Authorization", "Bearer sk-vllm")},
+		{Name: "hosted", Balancer: &listBalancer{addrs: []string{hosted.addr()}},
+			Header: setHeader("Authorization", "Bearer sk-hosted", "Host", "api.example.com")},
+	}, Transport: schemeTransport{http.DefaultTransport}}
+	r := httptest.NewRequest("GET", "/v1/models", nil)
+	r.Header.Set("Authorization", "Bearer sk-tenant")
+	w := httptest.NewRecorder()
+	m.ServeHTTP(w, r, nil)
+	body := w.Body.String()
+	if w.Code != 200 || !strings.Contains(body, `"m-`+primary.addr()+`"`) || !strings.Contains(body, `"m-api.example.com"`) {
+		t.Fatalf("status %d body %s: want both pools listed, the hosted one asked with its Host", w.Code, body)
 	}
 }

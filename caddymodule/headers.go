@@ -1,0 +1,45 @@
+package caddymodule
+
+import (
+	"fmt"
+	"net/http"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
+
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// poolHeaders provisions a pool's header operations (header_up and
+// header_down, reverse_proxy's headers.Handler) and returns them as the
+// proxy's Headers, with forward as its ForwardKeys. owner names the pool
+// in errors.
+func poolHeaders(ctx caddy.Context, owner string, hh *headers.Handler, forward bool) (proxy.Headers, error) {
+	out := proxy.Headers{ForwardKeys: forward}
+	if hh == nil {
+		return out, nil
+	}
+	if err := hh.Provision(ctx); err != nil {
+		return out, fmt.Errorf("%s: provisioning headers: %w", owner, err)
+	}
+	if up := hh.Request; up != nil {
+		out.Request = func(r *http.Request, h http.Header) { up.ApplyTo(h, replacerOf(r)) }
+	}
+	if down := hh.Response; down != nil && down.HeaderOps != nil {
+		out.Response = func(r *http.Request, status int, h http.Header) {
+			if down.Require == nil || down.Require.Match(status, h) {
+				down.ApplyTo(h, replacerOf(r))
+			}
+		}
+	}
+	return out, nil
+}
+
+// replacerOf returns the request's Caddy replacer, or a new one (global
+// placeholders such as {env.*} only) for a request that has none.
+func replacerOf(r *http.Request) *caddy.Replacer {
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		return repl
+	}
+	return caddy.NewReplacer()
+}
