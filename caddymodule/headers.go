@@ -3,6 +3,7 @@ package caddymodule
 import (
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
@@ -21,6 +22,9 @@ func poolHeaders(ctx caddy.Context, owner string, hh *headers.Handler, forward b
 	}
 	if err := hh.Provision(ctx); err != nil {
 		return out, fmt.Errorf("%s: provisioning headers: %w", owner, err)
+	}
+	if err := checkUpstreamPlaceholders(hh.Request); err != nil {
+		return out, fmt.Errorf("%s: header_up: %w", owner, err)
 	}
 	if up := hh.Request; up != nil {
 		out.Request = func(r *http.Request, h http.Header) { up.ApplyTo(h, replacerOf(r)) }
@@ -42,4 +46,42 @@ func replacerOf(r *http.Request) *caddy.Replacer {
 		return repl
 	}
 	return caddy.NewReplacer()
+}
+
+// upstreamPlaceholder is the prefix of reverse_proxy's per-upstream
+// placeholders ({upstream_hostport} in the Caddyfile).
+const upstreamPlaceholder = "{http.reverse_proxy.upstream."
+
+// checkUpstreamPlaceholders refuses reverse_proxy's per-upstream
+// placeholders in request header operations: llm_proxy sets a pool's
+// request headers once per request, before an upstream is picked, so they
+// would reach the upstream unexpanded. (header_up -Host sends the
+// upstream's dial address.)
+func checkUpstreamPlaceholders(ops *headers.HeaderOps) error {
+	if ops == nil {
+		return nil
+	}
+	check := func(field, v string) error {
+		if strings.Contains(v, upstreamPlaceholder) {
+			return fmt.Errorf("%s: %q: the {upstream_*} placeholders are not available in llm_proxy (headers are set once per pool, before an upstream is picked); header_up -Host sends the upstream's address", field, v)
+		}
+		return nil
+	}
+	for _, h := range []http.Header{ops.Set, ops.Add} {
+		for field, vs := range h {
+			for _, v := range vs {
+				if err := check(field, v); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	for field, rs := range ops.Replace {
+		for _, r := range rs {
+			if err := check(field, r.Replace); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
