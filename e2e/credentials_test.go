@@ -351,3 +351,40 @@ func TestSDKsWithTenantsAndOperatorKey(t *testing.T) {
 	}
 	up.checkNeverSaw(t, "the upstream", tenant)
 }
+
+// TestForwardTenantKeysSendsTheClientsKey: forward_tenant_keys keeps the
+// tenant's key on requests to its pool (backends that check the same
+// keys), while a fallback without it does not get the key.
+func TestForwardTenantKeysSendsTheClientsKey(t *testing.T) {
+	t.Parallel()
+	tenant := newKey("acme")
+	fleet := startFleet(t, mockllm.FleetConfig{Replicas: 2, Behavior: mockllm.Behavior{TTFT: mockllm.Fixed(time.Millisecond), Tokens: 2, TokenInterval: mockllm.NoDelay}})
+	same := newKeyedUpstream(t, fleet.Addrs()[0], map[string]string{"Authorization": "Bearer " + tenant})
+	other := newKeyedUpstream(t, fleet.Addrs()[1], nil)
+	gw := startTenantGateway(t, gatewayOptions{
+		Globals: tenantsGlobal(tenant),
+		Site: fmt.Sprintf(`	llm_proxy %s {
+		max_attempts 1
+		forward_tenant_keys
+		fallback other {
+			to %s
+		}
+	}`, same.addr(), other.addr()),
+	}, tenant)
+	c := newClient(t)
+	ctx := testContext(t, 30*time.Second)
+	if s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("hello", true), bearer(tenant)); s.Status != http.StatusOK {
+		t.Fatalf("status %d: the primary did not get the tenant's key", s.Status)
+	}
+	same.mu.Lock()
+	same.status = http.StatusServiceUnavailable // now the fallback serves
+	same.mu.Unlock()
+	s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("hello", true), bearer(tenant))
+	if s.Status != http.StatusOK || !strings.HasPrefix(s.Header.Get("X-LLM-Proxy-Degraded"), "fallback=other") {
+		t.Fatalf("status %d, degraded %q: want the fallback's answer", s.Status, s.Header.Get("X-LLM-Proxy-Degraded"))
+	}
+	if n := len(other.requests()); n != 1 {
+		t.Fatalf("the fallback got %d requests, want 1", n)
+	}
+	other.checkNeverSaw(t, "the fallback without forward_tenant_keys", tenant)
+}
