@@ -170,19 +170,24 @@ func TestPoolHeadersExpandPlaceholders(t *testing.T) {
 
 // TestHeaderUpRefusesUpstreamPlaceholders: {upstream_hostport} and the
 // other per-upstream placeholders would reach the upstream unexpanded (a
-// pool's headers are made before an upstream is picked): the config is
-// refused with a message that names the way to send the upstream's
+// pool's headers are made before an upstream is picked): a fallback's is
+// refused by the Caddyfile at its line, the handler's when the config
+// loads, each with a message that names the way to send the upstream's
 // address.
 func TestHeaderUpRefusesUpstreamPlaceholders(t *testing.T) {
 	for _, line := range []string{"header_up Host {upstream_hostport}", "header_up +X-Up {http.reverse_proxy.upstream.host}",
 		"header_up X-Up ^(.*)$ {upstream_hostport}"} {
-		out, err := adapt(t, ":8080 {\n\tllm_proxy 10.0.0.1:8000 {\n\t\tfallback f {\n\t\t\tto 10.0.1.1:8000\n\t\t\t"+line+"\n\t\t}\n\t}\n}")
+		_, err := adapt(t, ":8080 {\n\tllm_proxy 10.0.0.1:8000 {\n\t\tfallback f {\n\t\t\tto 10.0.1.1:8000\n\t\t\t"+line+"\n\t\t}\n\t}\n}")
+		if err == nil || !strings.Contains(err.Error(), "fallback f: header_up") || !strings.Contains(err.Error(), "header_up -Host") {
+			t.Errorf("fallback %s: error %v, want it refused", line, err)
+		}
+		out, err := adapt(t, ":8080 {\n\tllm_proxy 10.0.0.1:8000 {\n\t\t"+line+"\n\t}\n}")
 		if err != nil {
 			t.Fatalf("%s: adapt: %v", line, err)
 		}
 		err = caddy.Validate(mustConfig(t, out))
-		if err == nil || !strings.Contains(err.Error(), "fallback f: header_up") || !strings.Contains(err.Error(), "header_up -Host") {
-			t.Errorf("%s: error %v, want the fallback's header_up refused", line, err)
+		if err == nil || !strings.Contains(err.Error(), "llm_proxy: header_up") || !strings.Contains(err.Error(), "header_up -Host") {
+			t.Errorf("handler %s: error %v, want it refused at load", line, err)
 		}
 	}
 }

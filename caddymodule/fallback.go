@@ -109,6 +109,9 @@ func (fc *FallbackConfig) check() error {
 	case fc.Capacity > 0 && fc.PerUpstream > 0:
 		return fmt.Errorf("llm_proxy: fallback %s: use capacity or per_upstream, not both", fc.Name)
 	}
+	if err := checkUpstreamPlaceholders(fc.Headers); err != nil {
+		return fmt.Errorf("llm_proxy: fallback %s: %w", fc.Name, err)
+	}
 	_, err := fc.when()
 	return err
 }

@@ -23,9 +23,6 @@ func poolHeaders(ctx caddy.Context, owner string, hh *headers.Handler, forward b
 	if err := hh.Provision(ctx); err != nil {
 		return out, fmt.Errorf("%s: provisioning headers: %w", owner, err)
 	}
-	if err := checkUpstreamPlaceholders(hh.Request); err != nil {
-		return out, fmt.Errorf("%s: header_up: %w", owner, err)
-	}
 	if up := hh.Request; up != nil {
 		out.Request = func(r *http.Request, h http.Header) { up.ApplyTo(h, replacerOf(r)) }
 	}
@@ -53,17 +50,18 @@ func replacerOf(r *http.Request) *caddy.Replacer {
 const upstreamPlaceholder = "{http.reverse_proxy.upstream."
 
 // checkUpstreamPlaceholders refuses reverse_proxy's per-upstream
-// placeholders in request header operations: llm_proxy sets a pool's
+// placeholders in request header operations (header_up): llm_proxy sets a pool's
 // request headers once per request, before an upstream is picked, so they
 // would reach the upstream unexpanded. (header_up -Host sends the
 // upstream's dial address.)
-func checkUpstreamPlaceholders(ops *headers.HeaderOps) error {
-	if ops == nil {
+func checkUpstreamPlaceholders(hh *headers.Handler) error {
+	if hh == nil || hh.Request == nil {
 		return nil
 	}
+	ops := hh.Request
 	check := func(field, v string) error {
 		if strings.Contains(v, upstreamPlaceholder) {
-			return fmt.Errorf("%s: %q: the {upstream_*} placeholders are not available in llm_proxy (headers are set once per pool, before an upstream is picked); header_up -Host sends the upstream's address", field, v)
+			return fmt.Errorf("header_up %s %q: the {upstream_*} placeholders are not available in llm_proxy (headers are set once per pool, before an upstream is picked); header_up -Host sends the upstream's address", field, v)
 		}
 		return nil
 	}

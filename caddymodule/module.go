@@ -444,6 +444,9 @@ func (h *Handler) check() error {
 	if err := h.Admission.validate(); err != nil {
 		return err
 	}
+	if err := checkUpstreamPlaceholders(h.Headers); err != nil {
+		return fmt.Errorf("llm_proxy: %w", err)
+	}
 	names := map[string]bool{}
 	for _, fc := range h.Fallbacks {
 		if err := fc.check(); err != nil {
