@@ -45,6 +45,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    stream_timeout <duration>
 //	    max_attempts <n>
 //	    api auto|chat|completions|responses|messages|none
+//	    header_up   [+|-]<field> [<value|regexp> [<replacement>]]
+//	    header_down [+|-]<field> [<value|regexp> [<replacement>]]
+//	    forward_tenant_keys
 //	    retries {
 //	        ratio <ratio>
 //	        window <duration>
@@ -91,6 +94,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        when unavailable|saturated ...
 //	        tiers <names...>
 //	        capacity <n> | per_upstream <n>
+//	        header_up   [+|-]<field> [<value|regexp> [<replacement>]]
+//	        header_down [+|-]<field> [<value|regexp> [<replacement>]]
+//	        forward_tenant_keys
 //	    }
 //	    saturation {
 //	        metrics_path <path>
@@ -117,7 +123,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // prefix_cache, whose optional block sets its block size, its blocks
 // remembered per upstream and its load factor (see PrefixCacheConfig). "saturation"
 // without a block takes every default. Sizes accept units ("16MiB",
-// "512KB").
+// "512KB"). header_up and header_down are reverse_proxy's, for the primary
+// pool; each fallback has its own (not inherited). forward_tenant_keys
+// keeps the client's Authorization, api-key and x-api-key on requests to
+// that pool when tenants are configured (they stay at the gateway by
+// default).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
 	// The handler's name in the admin API, unless a name subdirective
@@ -358,6 +368,17 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 			}
 			h.Fallbacks = append(h.Fallbacks, fc)
+
+		case "header_up", "header_down":
+			if err := parseHeaderOp(d, &h.Headers); err != nil {
+				return err
+			}
+
+		case "forward_tenant_keys":
+			if err := parseFlag(d); err != nil {
+				return err
+			}
+			h.ForwardTenantKeys = true
 
 		case "breaker":
 			if h.Breaker != nil {

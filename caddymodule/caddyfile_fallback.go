@@ -19,10 +19,15 @@ import (
 //	    when unavailable|saturated ...
 //	    tiers <names...>
 //	    capacity <n> | per_upstream <n>
+//	    header_up   [+|-]<field> [<value|regexp> [<replacement>]]
+//	    header_down [+|-]<field> [<value|regexp> [<replacement>]]
+//	    forward_tenant_keys
 //	}
 //
 // Its upstreams use the handler's transport, so their scheme must be the
-// handler's (schemes is appended to for that check).
+// handler's (schemes is appended to for that check). header_up,
+// header_down and forward_tenant_keys are the fallback pool's own: the
+// handler's do not apply to it.
 func parseFallback(d *caddyfile.Dispenser, schemes *[]string) (*FallbackConfig, error) {
 	if !d.NextArg() {
 		return nil, d.Err("fallback needs a name: fallback <name> { ... }")
@@ -34,7 +39,7 @@ func parseFallback(d *caddyfile.Dispenser, schemes *[]string) (*FallbackConfig, 
 	seen := map[string]bool{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		name := d.Val()
-		if name != "to" && seen[name] {
+		if name != "to" && name != "header_up" && name != "header_down" && seen[name] {
 			return nil, d.Errf("fallback %s: %s already specified", fc.Name, name)
 		}
 		seen[name] = true
@@ -109,6 +114,15 @@ func parseFallback(d *caddyfile.Dispenser, schemes *[]string) (*FallbackConfig, 
 				return nil, d.ArgErr()
 			}
 			fc.Tiers = args
+		case "header_up", "header_down":
+			if err := parseHeaderOp(d, &fc.Headers); err != nil {
+				return nil, err
+			}
+		case "forward_tenant_keys":
+			if err := parseFlag(d); err != nil {
+				return nil, err
+			}
+			fc.ForwardTenantKeys = true
 		default:
 			return nil, d.Errf("fallback %s: unrecognized option %q", fc.Name, name)
 		}

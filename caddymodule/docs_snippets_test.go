@@ -341,11 +341,6 @@ func TestDocSnippetRules(t *testing.T) {
 	}
 }
 
-// pendingDocs are pages linked from the docs that another change is
-// writing at the same time; a link to one is not an error while it is
-// missing. Remove an entry once its page has landed.
-var pendingDocs = map[string]bool{"docs/upstream-credentials.md": true}
-
 // markdownLink matches an inline link's target: [text](target).
 var markdownLink = regexp.MustCompile(`\]\(([^)\s]+)\)`)
 
@@ -428,10 +423,6 @@ func TestDocLinksResolve(t *testing.T) {
 				}
 				full := fromRoot(rel)
 				if _, err := os.Stat(full); err != nil {
-					if pendingDocs[rel] {
-						t.Logf("%s:%d: %s is not written yet (pendingDocs)", f, i+1, rel)
-						continue
-					}
 					t.Errorf("%s:%d: link to %s: %v", f, i+1, target, err)
 					continue
 				}

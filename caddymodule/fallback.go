@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -73,6 +74,20 @@ type FallbackConfig struct {
 	// upstream whose breaker is closed. Default: 0.
 	PerUpstream int `json:"per_upstream,omitempty"`
 
+	// Headers edits the headers of this fallback's requests and of the
+	// responses it answers, as the handler's headers do for the primary
+	// (header_up, header_down): a fallback pool has its own credentials,
+	// e.g. {"request": {"set": {"X-Api-Key": ["{env.ANTHROPIC_API_KEY}"],
+	// "Anthropic-Version": ["2023-06-01"]}}}. The handler's own headers
+	// do not apply here. Default: none.
+	Headers *headers.Handler `json:"headers,omitempty"`
+
+	// ForwardTenantKeys keeps sending the client's Authorization, api-key
+	// and x-api-key headers to this fallback's upstreams when tenants are
+	// configured, as the handler's forward_tenant_keys does for the
+	// primary (not inherited from it). Default: false.
+	ForwardTenantKeys bool `json:"forward_tenant_keys,omitempty"`
+
 	pool *upstream.Pool
 }
 
@@ -93,6 +108,9 @@ func (fc *FallbackConfig) check() error {
 		return fmt.Errorf("llm_proxy: fallback %s: negative context_window, max_output_tokens, capacity or per_upstream", fc.Name)
 	case fc.Capacity > 0 && fc.PerUpstream > 0:
 		return fmt.Errorf("llm_proxy: fallback %s: use capacity or per_upstream, not both", fc.Name)
+	}
+	if err := checkUpstreamPlaceholders(fc.Headers); err != nil {
+		return fmt.Errorf("llm_proxy: fallback %s: %w", fc.Name, err)
 	}
 	_, err := fc.when()
 	return err
@@ -170,10 +188,14 @@ func (h *Handler) provisionFallbacks(ctx caddy.Context, app *App, sel upstream.S
 			app.adoptGate(sg, want)
 			g = sg
 		}
+		hdrs, err := poolHeaders(ctx, "llm_proxy: fallback "+fc.Name, fc.Headers, fc.ForwardTenantKeys)
+		if err != nil {
+			return nil, err
+		}
 		when, _ := fc.when()
 		out = append(out, proxy.Fallback{
 			Name:            fc.Name,
-			Pool:            proxy.Pool{Balancer: pool, Retries: pool.Retries(), Hedging: pool.Hedging(), Gate: g},
+			Pool:            proxy.Pool{Balancer: pool, Retries: pool.Retries(), Hedging: pool.Hedging(), Gate: g, Headers: hdrs},
 			Model:           fc.Model,
 			ContextWindow:   fc.ContextWindow,
 			MaxOutputTokens: fc.MaxOutputTokens,

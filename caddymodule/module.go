@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/headers"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -152,6 +153,32 @@ type Handler struct {
 	// settings. Default: none.
 	Fallbacks []*FallbackConfig `json:"fallbacks,omitempty"`
 
+	// Headers edits the headers of the requests sent to the primary pool's
+	// upstreams ("request": header_up) and of the responses they answer
+	// ("response": header_down, with its optional "require" of status
+	// codes and headers), with reverse_proxy's operations (set, add,
+	// delete, replace; placeholders, {env.*} included), e.g.
+	// {"request": {"set": {"Authorization": ["Bearer {env.VLLM_API_KEY}"]}}}.
+	// Request edits run once per request and pool, after the tenant is
+	// identified and after the gateway's own headers (X-Forwarded-*,
+	// X-LLM-Proxy-Tenant/-Tier, the tenant's keys removed), so they may
+	// replace any of them; "Host" sets the outbound Host. Response edits
+	// run once at commit, on the headers alone (no event is held for
+	// them), after the gateway's own headers, and on upstream error
+	// answers passed through; the gateway's own error responses are not
+	// edited. Fallbacks do not inherit them (each has its own). Default:
+	// none.
+	Headers *headers.Handler `json:"headers,omitempty"`
+
+	// ForwardTenantKeys keeps sending the client's Authorization, api-key
+	// and x-api-key headers to the primary pool's upstreams when tenants
+	// are configured (the global option's tenants block checks them), for
+	// backends that check the same keys. Without tenants the gateway
+	// checks no key and those headers are forwarded whatever this says.
+	// Fallbacks do not inherit it. Default: false (a tenant's credential
+	// stays at the gateway).
+	ForwardTenantKeys bool `json:"forward_tenant_keys,omitempty"`
+
 	// Saturation scrapes each upstream's Prometheus /metrics for its queue
 	// depth and KV-cache usage, routes by them (least_queue), keeps
 	// saturated upstreams out of the candidates, trips breakers on
@@ -263,7 +290,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
+	hdrs, err := poolHeaders(ctx, "llm_proxy", h.Headers, h.ForwardTenantKeys)
+	if err != nil {
+		return err
+	}
 	p, err := proxy.New(proxy.Config{
+		Headers:           hdrs,
 		Fallbacks:         fallbacks,
 		Identifier:        identifier,
 		Admitter:          admitter,
@@ -288,9 +320,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.proxy = p
 	if len(fallbacks) > 0 {
-		srcs := []proxy.ModelSource{{Name: "primary", Balancer: h.pool}}
+		srcs := []proxy.ModelSource{{Name: "primary", Balancer: h.pool, Header: hdrs.Request}}
 		for _, f := range fallbacks {
-			srcs = append(srcs, proxy.ModelSource{Name: f.Name, Balancer: f.Balancer})
+			srcs = append(srcs, proxy.ModelSource{Name: f.Name, Balancer: f.Balancer, Header: f.Headers.Request})
 		}
 		// The list outlives the config while the next one lists the same
 		// pools (shared.live.Models).
@@ -426,6 +458,9 @@ func (h *Handler) check() error {
 	}
 	if err := h.Admission.validate(); err != nil {
 		return err
+	}
+	if err := checkUpstreamPlaceholders(h.Headers); err != nil {
+		return fmt.Errorf("llm_proxy: %w", err)
 	}
 	names := map[string]bool{}
 	for _, fc := range h.Fallbacks {

@@ -22,6 +22,7 @@ import (
 // then the retry budget, then hedging.
 func (x *exchange) attempt() *attempt {
 	pool := x.rung.pool
+	x.rungHeader()
 	rc := &race{x: x, pool: pool}
 	rc.tried, rc.running = rc.firstTried[:0:1], rc.firstRunning[:0:1]
 	if x.rc != nil {

@@ -87,10 +87,14 @@ func (x *exchange) commit(a *attempt) bool {
 	if losers == 0 {
 		x.outHeader = nil
 	}
+	if x.hdr != nil {
+		x.hdr.base = nil
+	}
 	x.setAdmissionHeader(h)
 	if !a.isSSE {
 		res.ResponseBytes = len(a.head)
 		h.Set("Content-Length", strconv.Itoa(len(a.head)))
+		x.headerDown(a.status, h)
 		x.w.WriteHeader(a.status)
 		if _, err := x.w.Write(a.head); err != nil {
 			a.writeFailed, a.writeErr = true, err
@@ -102,6 +106,7 @@ func (x *exchange) commit(a *attempt) bool {
 	streamHeaders := []string{"no-cache", "no"} // one allocation for both
 	h["Cache-Control"] = streamHeaders[0:1:1]
 	h["X-Accel-Buffering"] = streamHeaders[1:2:2]
+	x.headerDown(a.status, h)
 	x.w.WriteHeader(a.status)
 	x.out = *http.NewResponseController(x.w)
 	sent := x.send(a.head, a.headEvents)

@@ -28,6 +28,10 @@ type Pool struct {
 	Hedging Hedging
 	// Gate is the pool's capacity and priority queue; nil is none.
 	Gate *admission.Gate
+	// Headers is what the pool's attempts change in the request and
+	// response headers (header_up, header_down, the client's keys); the
+	// zero value changes nothing but removing the keys.
+	Headers Headers
 }
 
 // FallbackWhen says which failures of the pools above a Fallback send

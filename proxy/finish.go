@@ -434,7 +434,7 @@ func (a *attempt) endAs(model string) {
 }
 
 // passThrough sends an upstream's error response to the client unchanged
-// (status, headers, body).
+// (status, headers, body), but for its pool's header_down.
 //
 // When the degradation ladder passed over fallbacks for reasons of their
 // own, the client gets the same status with the gateway's error body
@@ -459,6 +459,7 @@ func (x *exchange) passThrough(a *attempt) {
 	x.setAdmissionHeader(h)
 	h.Set("Content-Length", strconv.Itoa(len(a.errBody)))
 	x.result.Status = a.resp.StatusCode
+	x.headerDown(a.resp.StatusCode, h)
 	x.w.WriteHeader(a.resp.StatusCode)
 	_, _ = x.w.Write(a.errBody)
 }

@@ -87,7 +87,8 @@ var noUserAgent = []string{""}
 
 // prepareHeader computes the outbound header once per exchange: hop-by-hop
 // headers removed, X-Forwarded-* set by the trusted-proxy rule, client
-// copies of our tenant headers replaced by ours.
+// copies of our tenant headers replaced by ours; then the primary pool's
+// edits (poolHeader), before redactKeys hides the client's keys.
 func (x *exchange) prepareHeader() {
 	h := x.r.Header.Clone()
 	removeHopHeaders(h)
@@ -115,5 +116,9 @@ func (x *exchange) prepareHeader() {
 	out := &http.Request{Header: h}
 	trusted := x.p.cfg.TrustedProxy != nil && x.p.cfg.TrustedProxy(x.r)
 	setForwarded(out, x.r, trusted)
-	x.outHeader = h
+	keep := len(x.p.cfg.Fallbacks) > 0
+	if keep {
+		x.hdr = &headerState{base: h}
+	}
+	x.poolHeader(h, keep, &x.p.primary, -1)
 }

@@ -11,12 +11,13 @@ func (keyOnly) Lookup(key string) (string, string, bool) { return "acme", "gold"
 
 // TestKeyHeadersAreRedactedForTheAccessLog: after identify, the client's
 // request (which Caddy's access log records) no longer holds the key in
-// api-key or x-api-key, while the upstream still gets it.
+// api-key or x-api-key, while a pool that forwards keys still gets it.
 func TestKeyHeadersAreRedactedForTheAccessLog(t *testing.T) {
 	for _, h := range []string{"X-Api-Key", "Api-Key"} {
 		for _, key := range []string{"sk-secret", "sk-unknown"} {
 			p, err := New(Config{Transport: schemeTransport{nil}, Balancer: &listBalancer{addrs: []string{"u:1"}},
-				Identifier: &KeyIdentifier{Keys: keyOnly{}, Resolve: func(_, tier string) (string, bool) { return tier, true }}})
+				Identifier: &KeyIdentifier{Keys: keyOnly{}, Resolve: func(_, tier string) (string, bool) { return tier, true }},
+				Headers:    Headers{ForwardKeys: true}})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -35,6 +35,10 @@ type ModelSource struct {
 	Name string
 	// Balancer picks the upstream to ask (breakers respected).
 	Balancer Balancer
+	// Header, when set, edits the header of the request to the pool (its
+	// Headers.Request: header_up, the pool's credentials), as for a
+	// completion; r is the caller's request. Default: none.
+	Header func(r *http.Request, h http.Header)
 }
 
 // Models answers GET /v1/models with the union of the models that a
@@ -277,7 +281,7 @@ func (m *Models) ask(r *http.Request, src ModelSource) ([]json.RawMessage, error
 			break
 		}
 		tried = append(tried, up.Addr)
-		data, err := m.fetch(r, up, timeout)
+		data, err := m.fetch(r, src, up, timeout)
 		release(up)
 		if err == nil {
 			return data, nil
@@ -287,19 +291,31 @@ func (m *Models) ask(r *http.Request, src ModelSource) ([]json.RawMessage, error
 	return nil, lastErr
 }
 
-func (m *Models) fetch(r *http.Request, up Upstream, timeout time.Duration) ([]json.RawMessage, error) {
+func (m *Models) fetch(r *http.Request, src ModelSource, up Upstream, timeout time.Duration) ([]json.RawMessage, error) {
 	ctx, cancel := context.WithTimeout(r.Context(), timeout)
 	defer cancel()
 	if up.Context != nil {
 		ctx = up.Context(ctx)
 	}
-	// A request of the gateway's own: no client header (keys) goes along.
+	// A request of the gateway's own: no client header (keys) goes along,
+	// only the pool's header_up.
 	out, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+up.Addr+"/v1/models", nil)
 	if err != nil {
 		return nil, err
 	}
 	out.URL.Scheme = "" // the transport sets its own (https for TLS upstreams)
 	out.Header.Set("Accept", "application/json")
+	if src.Header != nil {
+		// As for a completion: Host in the header on entry, the last
+		// value left there the request's.
+		out.Header["Host"] = []string{out.Host}
+		src.Header(r, out.Header)
+		out.Host = ""
+		if vs := out.Header["Host"]; len(vs) > 0 {
+			out.Host = vs[len(vs)-1]
+		}
+		delete(out.Header, "Host")
+	}
 	resp, err := m.Transport.RoundTrip(out)
 	if err != nil {
 		return nil, fmt.Errorf("upstream %s: %w", up.Addr, err)

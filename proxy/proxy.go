@@ -344,6 +344,10 @@ type Config struct {
 	// it on when tenants are configured, so that token limits settle on
 	// real usage.
 	RequestUsage bool
+	// Headers is what the primary pool's attempts change in the request
+	// and response headers (header_up, header_down, the client's keys);
+	// each Fallback has its own. Default: the zero Headers.
+	Headers Headers
 	// TrustedProxy reports whether the request's peer is a trusted proxy,
 	// whose X-Forwarded-* headers are kept and extended. Nil trusts nobody.
 	TrustedProxy func(*http.Request) bool
@@ -473,7 +477,7 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	cfg.Fallbacks = slices.Clone(cfg.Fallbacks)
 	p := &Proxy{cfg: cfg, clock: cfg.Clock, obs: cfg.Observer, log: cfg.Logger, steps: newStepPool(cfg.Clock)}
-	p.primary = Pool{Balancer: cfg.Balancer, Retries: cfg.Retries, Hedging: cfg.Hedging}
+	p.primary = Pool{Balancer: cfg.Balancer, Retries: cfg.Retries, Hedging: cfg.Hedging, Headers: cfg.Headers}
 	for i := range p.cfg.Fallbacks {
 		p.saturatedRungs = p.saturatedRungs || p.cfg.Fallbacks[i].when()&WhenSaturated != 0
 	}
@@ -555,12 +559,18 @@ type exchange struct {
 	discardAfter bool
 	// readGone: the client was gone when reading failed (readErr).
 	readGone bool
+	// headerRung is the rung index (-1 the primary) whose pool outHeader
+	// was made for.
+	headerRung int16
 	// held is the body read (and charged) by read, given back by finish;
 	// nil when the matcher read it.
 	held *Body
-	// outHeader is the outbound request header, prepared once and shared
-	// (read-only) by every attempt.
+	// outHeader is the outbound request header of the pool of rung
+	// headerRung, prepared once per pool and shared (read-only) by its
+	// attempts; hdr holds what only some requests need besides it (nil
+	// for most).
 	outHeader http.Header
+	hdr       *headerState
 
 	// ctx is the request's context, bounded by stream_timeout when set.
 	ctx context.Context

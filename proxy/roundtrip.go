@@ -292,11 +292,15 @@ func (a *attempt) request(trace *httptrace.ClientTrace) *http.Request {
 	out.RequestURI = ""
 	// Shared by every attempt, not cloned: a RoundTripper must not modify
 	// the request (net/http keeps the headers it adds in a map of its
-	// own), and nothing writes outHeader once identify has prepared it
-	// (commit lets go of it only when no other attempt runs). The
+	// own), and nothing writes outHeader while an attempt of its pool may
+	// run (commit lets go of it only when no other attempt runs; the
+	// ladder prepares the next pool's once every attempt has ended). The
 	// transport holds the request for the whole stream, so a clone cost
 	// every open stream its own copy.
 	out.Header = x.outHeader
+	if host, ok := x.outHost(); ok {
+		out.Host = host // header_up Host
+	}
 	out.Trailer = nil
 	out.Close = false
 	out.ContentLength = int64(len(a.body))
