@@ -262,6 +262,8 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		"llm_proxy 127.0.0.1:9000 {\n fallback a {\n  dynamic a small.internal 8000\n }\n fallback b {\n  to 127.0.0.1:9002\n }\n}",
 		"llm_proxy 127.0.0.1:9000 127.0.0.1:9001 {\n breaker {\n  max_ejection 0.5\n  panic_threshold off\n }\n}",
 		"llm_proxy 127.0.0.1:9000 {\n breaker {\n  panic_threshold 0.25\n }\n}",
+		"llm_proxy 127.0.0.1:9000 {\n header_up Authorization \"Bearer {env.K}\"\n header_up +X-A 1\n header_up -X-B\n header_up X-C ^a(.*)$ b$1\n header_down -Server\n forward_tenant_keys\n}",
+		"llm_proxy 127.0.0.1:9000 {\n fallback h {\n  to 127.0.0.1:9001\n  header_up x-api-key {env.K}\n  header_up Host {upstream_hostport}\n  header_down ?X-D v\n  forward_tenant_keys\n }\n}",
 	}
 	for _, s := range seeds {
 		f.Add(s)
