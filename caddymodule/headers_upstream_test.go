@@ -73,3 +73,21 @@ func TestUpstreamPlaceholdersOtherThanHostRefusedAtProvision(t *testing.T) {
 		}
 	}
 }
+
+// TestHeaderUpWildcardDeleteDropsTenantHeaders: the docs' `header_up
+// -X-Llm-Proxy-*` on a hosted fallback removes the tenant and tier headers
+// that the gateway set, so tenants' names do not reach the third party.
+func TestHeaderUpWildcardDeleteDropsTenantHeaders(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	ph, err := poolHeaders(ctx, "llm_proxy: fallback hosted",
+		&headers.Handler{Request: &headers.HeaderOps{Delete: []string{"X-Llm-Proxy-*"}}}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := http.Header{"X-Llm-Proxy-Tenant": {"acme"}, "X-Llm-Proxy-Tier": {"gold"}, "Content-Type": {"application/json"}}
+	ph.Request(httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil), h)
+	if len(h) != 1 || h.Get("Content-Type") == "" {
+		t.Errorf("after header_up -X-Llm-Proxy-*: %v, want Content-Type alone", h)
+	}
+}
