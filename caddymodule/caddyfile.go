@@ -158,7 +158,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	seen := map[string]bool{}
 	for d.NextBlock(0) {
 		switch name := d.Val(); name {
-		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts", "api", "name":
+		case "max_request_body", "first_byte_timeout", "stream_idle_timeout", "stream_timeout", "max_attempts", "api", "name", "forward_tenant_keys":
 			if seen[name] {
 				return d.Errf("%s already specified", name)
 			}

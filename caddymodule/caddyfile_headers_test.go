@@ -103,6 +103,7 @@ func TestHeaderOpsCaddyfileErrors(t *testing.T) {
 		{"header_up A b c d", "after 'd', at Caddyfile:3"},
 		{"header_down", "after 'header_down', at Caddyfile:3"},
 		{"forward_tenant_keys yes", "after 'yes', at Caddyfile:3"},
+		{"forward_tenant_keys\nforward_tenant_keys", "forward_tenant_keys already specified"},
 		{"fallback a {\n to 10.0.1.1:8000\n header_up\n}", "after 'header_up', at Caddyfile:5"},
 		{"fallback a {\n to 10.0.1.1:8000\n forward_tenant_keys on\n}", "after 'on', at Caddyfile:5"},
 		{"fallback a {\n to 10.0.1.1:8000\n forward_tenant_keys\n forward_tenant_keys\n}", "forward_tenant_keys already specified"},

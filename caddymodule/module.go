@@ -162,12 +162,15 @@ type Handler struct {
 	// Request edits run once per request and pool, after the tenant is
 	// identified and after the gateway's own headers (X-Forwarded-*,
 	// X-LLM-Proxy-Tenant/-Tier, the tenant's keys removed), so they may
-	// replace any of them; "Host" sets the outbound Host. Response edits
-	// run once at commit, on the headers alone (no event is held for
-	// them), after the gateway's own headers, and on upstream error
-	// answers passed through; the gateway's own error responses are not
-	// edited. Fallbacks do not inherit them (each has its own). Default:
-	// none.
+	// replace any of them; "Host" sets the outbound Host (deleting it, or
+	// setting it to {http.reverse_proxy.upstream.hostport}, sends the
+	// upstream's dial address; no other {http.reverse_proxy.upstream.*}
+	// placeholder has a value here, and a config using one fails to
+	// load). Response edits run once at commit, on the headers alone (no
+	// event is held for them), after the gateway's own headers, and on
+	// upstream error answers passed through; the gateway's own error
+	// responses are not edited. Fallbacks do not inherit them (each has
+	// its own). Default: none.
 	Headers *headers.Handler `json:"headers,omitempty"`
 
 	// ForwardTenantKeys keeps sending the client's Authorization, api-key

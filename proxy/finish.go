@@ -154,7 +154,10 @@ func (x *exchange) answerFailure(f *failure) Outcome {
 	a := f.last
 	switch a.outcome {
 	case AttemptHTTP4xx:
-		res.TenantFault = tenantFaultStatus(a.status)
+		// Without the client's key, an upstream's 401 or 403 refused the
+		// operator's credentials (header_up): not the tenant's fault.
+		res.TenantFault = tenantFaultStatus(a.status) &&
+			!(x.withholdsKeys(x.rung.pool) && (a.status == http.StatusUnauthorized || a.status == http.StatusForbidden))
 		x.passThrough(a)
 		return OutcomeClientError
 	case AttemptHTTP429:

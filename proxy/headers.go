@@ -137,8 +137,7 @@ type headerState struct {
 // edited in place. No attempt may be running: they share outHeader.
 func (x *exchange) poolHeader(base http.Header, keep bool, pool *Pool, rung int) {
 	h := base
-	_, nop := x.p.cfg.Identifier.(nopIdentifier)
-	strip := !nop && !pool.Headers.ForwardKeys
+	strip := x.withholdsKeys(pool)
 	edit := pool.Headers.Request
 	if keep && (strip || edit != nil) {
 		h = h.Clone()
@@ -167,6 +166,14 @@ func (x *exchange) poolHeader(base http.Header, keep bool, pool *Pool, rung int)
 		}
 	}
 	x.outHeader, x.headerRung = h, int16(rung)
+}
+
+// withholdsKeys reports whether the client's keys stay at the gateway on
+// pool's requests: an Identifier checks them and pool does not forward
+// them.
+func (x *exchange) withholdsKeys(pool *Pool) bool {
+	_, nop := x.p.cfg.Identifier.(nopIdentifier)
+	return !nop && !pool.Headers.ForwardKeys
 }
 
 // rungHeader makes outHeader the current rung's, when the ladder moved

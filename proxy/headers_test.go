@@ -366,3 +366,40 @@ func TestModelsListSendsEachPoolsHeaderUp(t *testing.T) {
 		t.Fatalf("status %d body %s: want both pools listed, the hosted one asked with its Host", w.Code, body)
 	}
 }
+
+// TestUpstreamRefusingOperatorKeyIsNotTenantsFault: with tenants, the
+// upstream never sees the tenant's key, so its 401 or 403 (the operator's
+// key wrong or rotated) is not the tenant's fault: its tenant breaker must
+// not count it, or every tenant is locked out by the operator's mistake.
+// When the pool forwards the tenant's key, the upstream judged that key,
+// and the 401 stays the tenant's.
+func TestUpstreamRefusingOperatorKeyIsNotTenantsFault(t *testing.T) {
+	for _, tc := range []struct {
+		status  int
+		forward bool
+		fault   bool
+	}{
+		{http.StatusUnauthorized, false, false},
+		{http.StatusForbidden, false, false},
+		{http.StatusUnauthorized, true, true},
+		{http.StatusBadRequest, false, true},
+	} {
+		up := newUpstream(t, func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(tc.status)
+			_, _ = w.Write([]byte(`{"error":"Unauthorized"}`))
+		})
+		p, _, _ := newTestProxy(t, Config{Identifier: tenantKeys(),
+			Headers: Headers{Request: setHeader("Authorization", "Bearer sk-stale"), ForwardKeys: tc.forward}}, up)
+		r := post(`{"model":"m","stream":true}`)
+		r.Header.Set("Authorization", "Bearer sk-secret")
+		w := httptest.NewRecorder()
+		res := p.ServeHTTP(w, r)
+		if w.Code != tc.status {
+			t.Errorf("%d forward %v: status %d, want the upstream's passed through", tc.status, tc.forward, w.Code)
+		}
+		if res.TenantFault != tc.fault {
+			t.Errorf("%d forward %v: tenant fault %v, want %v", tc.status, tc.forward, res.TenantFault, tc.fault)
+		}
+	}
+}
