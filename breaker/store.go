@@ -26,7 +26,7 @@ import (
 // own calls, so every gateway of a fleet discovers an outage by its own
 // failures, and the number of requests that discover it grows with the
 // fleet (docs/benchmarks.md, the outage discovery simulation). A Store that
-// is also a Fleet shares the counts as well (DESIGN §9, issue 10): the
+// is also a Fleet shares the counts as well (DESIGN §9): the
 // breaker reports each closed-state failure, and the success that ends a
 // fleet run, and the fleet decides and pushes its verdicts back (Adopt,
 // AdoptClose). In fleet mode a trip by the breaker's own rules stays local

@@ -12,7 +12,7 @@ import (
 
 // Breakers is the fleet's breaker store on Redis: a breaker.Fleet, so the
 // breakers of every gateway built WithStore of it trip once for the whole
-// fleet, on the fleet's failures (DESIGN §9, issue 10). It is the Redis
+// fleet, on the fleet's failures (DESIGN §9). It is the Redis
 // twin of breakertest.SharedMemory (breaker/breakertest), with the same semantics, and follows the
 // contract of breaker.Fleet:
 //
@@ -53,7 +53,7 @@ import (
 //     adopt them. A write that fails is kept (the newest per key) and tried
 //     again every Refresh, and after local mode; such a replay is dropped
 //     if the fleet's record was set after the write was made.
-//   - One gateway probes (DESIGN §9, issue 10 item 3): the breakers here
+//   - One gateway probes (DESIGN §9): the breakers here
 //     adopt a fleet open until its end plus the key's probe lease time
 //     (LeaseTTL), so none half-opens on its own at the end; then one
 //     instance takes the key's probe lease and its breakers half-open, the

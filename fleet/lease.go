@@ -11,7 +11,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 )
 
-// The probe lease (DESIGN §9, issue 10 item 3): while a key is open in the
+// The probe lease (DESIGN §9): while a key is open in the
 // fleet, one gateway per lease time probes it — the half-open user probe or
 // the active prober — and the others keep refusing until the result is
 // published. Without it, every gateway's breakers half-open at the end of

@@ -2,7 +2,7 @@ package fleet
 
 import "github.com/redis/go-redis/v9"
 
-// The tenant-limit scripts (DESIGN §9, issue 10). Every key of a tenant
+// The tenant-limit scripts (DESIGN §9). Every key of a tenant
 // carries its hash tag, {tenant:<id>}, so each script touches one Redis
 // Cluster slot:
 //

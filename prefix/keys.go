@@ -1,5 +1,5 @@
-// Package prefix is the prompt-prefix index behind lb_policy prefix_cache
-// (issue 21): a prompt's text cut into fixed-size blocks, each keyed by a
+// Package prefix is the prompt-prefix index behind lb_policy prefix_cache:
+// a prompt's text cut into fixed-size blocks, each keyed by a
 // hash chained over the blocks before it (Keyer), a bounded
 // least-recently-used set of such keys per upstream (Index), and the
 // rendezvous weight that lets independent gateways agree on a new

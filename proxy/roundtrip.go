@@ -159,7 +159,7 @@ const (
 // done when startAttempt returns: without hedging nothing else runs beside
 // an attempt, and a goroutine of its own would cost two scheduler hand-offs
 // before the first byte, which at saturated cores is where the tail of
-// time to first token came from (issue 22). Everything that must
+// time to first token came from. Everything that must
 // interrupt it (the client leaving, stream_timeout, first_byte_timeout)
 // does so through its context, as in its own goroutine.
 func (x *exchange) startAttempt(up Upstream, results chan<- *attempt) *attempt {

@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// Defaults of Saturation (issue 9; DESIGN §7).
+// Defaults of Saturation (DESIGN §7).
 const (
 	// DefaultMetricsPath is the path scraped on each upstream.
 	DefaultMetricsPath = "/metrics"

@@ -1,7 +1,7 @@
 package saturation
 
 // PrefixHitObserver is implemented by an Observer that wants each scraped
-// upstream's own prefix-cache hit ratio (issue 21: shown next to lb_policy
+// upstream's own prefix-cache hit ratio (shown next to lb_policy
 // prefix_cache's guess). The scraper checks for it with a type assertion,
 // so Observers without it are unaffected.
 type PrefixHitObserver interface {

@@ -2,7 +2,7 @@ package saturation
 
 import "time"
 
-// Saturation scoring (issue 9 items 3, 4 and 6). The score of an upstream
+// Saturation scoring. The score of an upstream
 // is max(waiting / queue_threshold, kv_usage / kv_threshold): 1 is
 // saturated. waiting is the effective queue:
 //
@@ -100,7 +100,7 @@ func (s *Scraper) Score(now time.Time, cfg *Saturation, model string) (score flo
 // queues or sheds on it): Score's estimates steer selection, where
 // spreading a burst costs nothing, but a gate that read them would admit a
 // burst from idle at the scraped running batch plus queue_threshold per
-// scrape, in front of servers that queue nothing (issue 22). cfg nil or
+// scrape, in front of servers that queue nothing. cfg nil or
 // a stale scrape: unknown (0, false). It allocates nothing.
 func (s *Scraper) Reported(now time.Time, cfg *Saturation) (score float64, known bool) {
 	if cfg == nil {

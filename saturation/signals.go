@@ -15,7 +15,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 )
 
-// This file is the pure part of saturation (DESIGN §7, issue 9 items 1–2):
+// This file is the pure part of saturation (DESIGN §7):
 // the names of an inference server's load signals, the parse of one
 // /metrics scrape into a Sample, staleness, and the recent quantile of a
 // histogram from the difference of two scrapes. It does no I/O: the

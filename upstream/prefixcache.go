@@ -20,7 +20,7 @@ import (
 const DefaultPrefixLoadFactor = 2.0
 
 // PrefixCache is the prefix-cache-aware selection policy (lb_policy
-// prefix_cache, issue 21; DESIGN §7): it sends a request to the upstream
+// prefix_cache; DESIGN §7): it sends a request to the upstream
 // most likely to hold its prompt's prefix in its KV cache, as this gateway
 // remembers it, unless that upstream is loaded well beyond the least
 // loaded candidate (consistent hashing with bounded loads, Mirrokni,

@@ -8,7 +8,7 @@ import (
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
-// Selection by saturation score (issue 9 items 3, 4 and 6): the scores
+// Selection by saturation score: the scores
 // themselves are the scrapers' (saturation.Scraper.Score); here the pool
 // ranks its candidates by them, drops the saturated, and sums them into
 // the pool signal.

@@ -1,7 +1,6 @@
 // Package bodyburst sends a burst of concurrent requests with large bodies
 // to a gateway and measures what they cost the gateway's process in memory
-// (issue 12 item 4: a burst of large prompts must not take a small box
-// down). It is shared by cmd/bodyburst (scripts/bench-bodies.sh) and the
+// (a burst of large prompts must not take a small box down). It is shared by cmd/bodyburst (scripts/bench-bodies.sh) and the
 // end-to-end test of the body budget.
 package bodyburst
 
