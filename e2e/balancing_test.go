@@ -65,11 +65,13 @@ func TestLeastConnReleasesEveryAttempt(t *testing.T) {
 	if t.Failed() {
 		return
 	}
-	// A reset on a reused keep-alive connection is resent once on a fresh
-	// one (the upstream may just have closed it): replica 0 sees those too.
+	// Each of the 18 requests asks replica 0 first (lb_policy first) and
+	// never twice: one written onto a kept connection that replica 0 had
+	// closed fails as stale_connection (it may not have reached the mock)
+	// and only the retry rules send it again, to the next replica.
 	stale, _ := metricValue(gw.scrapeMetrics(), "caddy_llm_proxy_stale_connection_retries_total", map[string]string{"upstream": fleet.Replica(0).Addr()})
-	if r := fleet.Replica(0).Stats(); r.Requests != 18+int64(stale) {
-		t.Fatalf("replica 0 got %d requests, want 18 (lb_policy first) + %v resent after a reset on a reused connection", r.Requests, stale)
+	if r := fleet.Replica(0).Stats(); r.Requests > 18 || r.Requests < 18-int64(stale) {
+		t.Fatalf("replica 0 got %d requests, want 18 (lb_policy first), less at most the %v that failed as stale_connection", r.Requests, stale)
 	}
 	gw.reload(site("")) // default: least_conn
 
