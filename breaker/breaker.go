@@ -183,6 +183,7 @@ type Breaker struct {
 	lastProbe     uint64
 	successes     int
 	probeFails    int // failed probes tolerated in this half-open
+	probeDowns    int // refused or reset probes in a row in this half-open
 	lastFailure   string
 	lastFailureAt time.Time
 	pending       []Transition
@@ -338,7 +339,7 @@ func (b *Breaker) allowSlow(w uint64, synthetic bool) (Permit, bool) {
 // halfOpenLocked moves an open breaker whose cooldown is over to HalfOpen.
 func (b *Breaker) halfOpenLocked(now time.Time) {
 	b.forced = false
-	b.probeFails = 0
+	b.probeFails, b.probeDowns = 0, 0
 	b.toLocked(HalfOpen, now, fmt.Sprintf("cooldown over after %s", now.Sub(b.openedAt)))
 }
 
@@ -588,7 +589,19 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 	// connections (see breakRun) is judged as any other failed probe.
 	// So is one that follows a probe success of this half-open: the
 	// server answers some connections.
-	down := o == Down && b.successes == 0 && !b.runBrokenWithin(now, c.s.RatioWindow)
+	//
+	// But ConsecutiveFailures refused or reset probes in a row, with no
+	// success between them, are a dead server whatever its pool does: the
+	// hard-evidence rule, so that a server that dies in a pool failing
+	// (nearly) everything, or alone in its pool, is not routed to until
+	// maxProbeFailures probes have failed.
+	if o == Down {
+		b.probeDowns++
+	} else if o != Neutral {
+		b.probeDowns = 0
+	}
+	deadRun := c.s.ConsecutiveFailures > 0 && b.probeDowns >= c.s.ConsecutiveFailures
+	down := o == Down && (deadRun || b.successes == 0 && !b.runBrokenWithin(now, c.s.RatioWindow))
 	switch {
 	case o == Neutral:
 	case down || (synthetic && (o == Failure || o == Down || slow)):
@@ -807,7 +820,7 @@ func (b *Breaker) closeLocked(now time.Time, reason string, reset, publish bool)
 	b.reopens = 0
 	b.probes = b.probes[:0]
 	b.successes = 0
-	b.probeFails = 0
+	b.probeFails, b.probeDowns = 0, 0
 	b.forced, b.forever = false, false
 	b.local = false
 	b.observed.Store(false)

@@ -502,3 +502,39 @@ func TestPardon(t *testing.T) {
 		}
 	})
 }
+
+// A half-open upstream that refuses or resets ConsecutiveFailures probes in
+// a row, with no success between them, is dead whatever its pool does: it
+// re-opens on hard evidence at the third, even after a probe success in
+// this half-open and in a pool that fails everything (whose ratio would
+// otherwise tolerate maxProbeFailures failed probes, and panic route over
+// it). Fewer in a row stay tolerated like the pool's failures.
+func TestRefusedProbesInARowAreHardEvidenceWhateverThePool(t *testing.T) {
+	f := newFixture(t, breaker.Settings{})
+	f.calls(bad, bad, bad)
+	f.wantState(breaker.Open)
+	probe := func(o breaker.Outcome, why string) {
+		t.Helper()
+		p := f.probe()
+		p.Done(o, 0, why)
+	}
+	f.b.SetPeerRatio(1) // the pool (or the upstream alone in it) fails everything
+	f.clk.Advance(f.openFor())
+	probe(ok, "") // a sign of life: the run of refusals is not
+	for i := range 2 {
+		probe(down, "connect_error")
+		if s := f.b.State(); s != breaker.HalfOpen {
+			t.Fatalf("after %d refused probes: %v, want half-open (tolerated like the pool)", i+1, s)
+		}
+	}
+	probe(bad, "http 503") // an answer breaks the run
+	for range 2 {
+		probe(down, "connect_error")
+	}
+	f.wantState(breaker.HalfOpen)
+	probe(down, "connect_error")
+	f.wantState(breaker.Open)
+	if e := f.b.Evidence(); e != breaker.Hard {
+		t.Fatalf("re-opened on %q evidence after three refused probes in a row, want hard (%+v)", e, f.b.Snapshot())
+	}
+}
