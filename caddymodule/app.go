@@ -10,8 +10,8 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/admission"
 	"github.com/llmproxy/caddy-llm-proxy/fleet"
-	"github.com/llmproxy/caddy-llm-proxy/live"
 	"github.com/llmproxy/caddy-llm-proxy/internal/registry"
+	"github.com/llmproxy/caddy-llm-proxy/live"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/upstream"
 )
