@@ -6,6 +6,7 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // BenchmarkClosedAllowDone measures the hot path, a permit and a successful
@@ -71,11 +72,11 @@ func BenchmarkOpenAllow(b *testing.B) {
 }
 
 // BenchmarkSystemClockNow is the floor under the all_rules case and
-// BenchmarkOpenAllow: one SystemClock.Now per operation. It depends on the
+// BenchmarkOpenAllow: one clock.Real.Now per operation. It depends on the
 // host (vDSO clock_gettime: ~20 ns on bare metal; several times that in
 // some VMs).
 func BenchmarkSystemClockNow(b *testing.B) {
-	var c breaker.Clock = breaker.SystemClock{}
+	var c clock.Reader = clock.Real
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
 		var t time.Time

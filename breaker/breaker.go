@@ -7,28 +7,30 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // Option configures a Breaker (New).
 type Option func(*options)
 
 type options struct {
-	clock    Clock
+	clock    clock.Reader
 	rand     func() float64
 	listener func(Transition)
 	store    Store
 }
 
 func buildOptions(opts []Option) options {
-	o := options{clock: SystemClock{}, rand: rand.Float64}
+	o := options{clock: clock.Real, rand: rand.Float64}
 	for _, opt := range opts {
 		opt(&o)
 	}
 	return o
 }
 
-// WithClock sets the clock (default SystemClock). Tests pass a fake one.
-func WithClock(c Clock) Option {
+// WithClock sets the clock (default clock.Real). Tests pass a fake one.
+func WithClock(c clock.Reader) Option {
 	return func(o *options) {
 		if c != nil {
 			o.clock = c
@@ -155,7 +157,7 @@ type Breaker struct {
 
 	key      string
 	base     time.Time // the clock at creation; gate and busyUntil count from it
-	clock    Clock
+	clock    clock.Reader
 	rand     func() float64
 	listener func(Transition)
 	store    Store

@@ -2,24 +2,18 @@ package breaker_test
 
 import (
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // t0 is the fake clock's start.
 var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 
-// fakeClock is a Clock moved by hand.
-type fakeClock struct{ ns atomic.Int64 }
-
-func newClock() *fakeClock { return new(fakeClock) }
-
-func (c *fakeClock) Now() time.Time          { return t0.Add(time.Duration(c.ns.Load())) }
-func (c *fakeClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
-func (c *fakeClock) Since() time.Duration    { return time.Duration(c.ns.Load()) }
+// newClock returns a fake clock at t0.
+func newClock() *clocktest.Fake { return clocktest.New(t0) }
 
 // noJitter makes cooldowns exact.
 var noJitter = breaker.WithRand(func() float64 { return 0 })
@@ -45,7 +39,7 @@ func (r *recorder) all() []breaker.Transition {
 type fixture struct {
 	t   *testing.T
 	b   *breaker.Breaker
-	clk *fakeClock
+	clk *clocktest.Fake
 	rec *recorder
 }
 

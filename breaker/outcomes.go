@@ -1,6 +1,10 @@
 package breaker
 
-import "time"
+import (
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
+)
 
 // Outcomes is an upstream's record of its attempts' outcomes over a
 // rolling window, free of any handler's settings: every attempt on the
@@ -11,7 +15,7 @@ import "time"
 type Outcomes struct {
 	w     *window
 	d     time.Duration
-	clock Clock
+	clock clock.Reader
 }
 
 // OutcomeCounts are the sums of an Outcomes window: Requests counts every
@@ -25,10 +29,10 @@ type OutcomeCounts struct {
 }
 
 // NewOutcomes returns an empty record over a window of d (10 buckets; d
-// below 10ms counts as 10ms), read on clock c (nil: SystemClock).
-func NewOutcomes(d time.Duration, c Clock) *Outcomes {
+// below 10ms counts as 10ms), read on clock c (nil: clock.Real).
+func NewOutcomes(d time.Duration, c clock.Reader) *Outcomes {
 	if c == nil {
-		c = SystemClock{}
+		c = clock.Real
 	}
 	return &Outcomes{w: newWindow(c.Now(), d), d: d, clock: c}
 }

@@ -10,13 +10,14 @@ import (
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
 	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // fleetFixture is n simulated gateways sharing one SharedMemory, each with
 // its own breaker for key "up1", on one fake clock.
 type fleetFixture struct {
 	t   *testing.T
-	clk *fakeClock
+	clk *clocktest.Fake
 	sm  *breakertest.SharedMemory
 	gw  []*fixture // gw[i].b is gateway i's breaker
 }
@@ -437,16 +438,16 @@ func TestSharedMemoryPushesNoMoreToABreakerThatLeft(t *testing.T) {
 func TestFleetLocalTripThenAFleetWideVerdict(t *testing.T) {
 	tests := []struct {
 		name string
-		act  func(b *breaker.Breaker, clk *fakeClock)
+		act  func(b *breaker.Breaker, clk *clocktest.Fake)
 	}{
-		{"Retry-After while open", func(b *breaker.Breaker, _ *fakeClock) { b.ExtendOpen(time.Minute, "http 503") }},
-		{"Retry-After answers its probe", func(b *breaker.Breaker, clk *fakeClock) {
+		{"Retry-After while open", func(b *breaker.Breaker, _ *clocktest.Fake) { b.ExtendOpen(time.Minute, "http 503") }},
+		{"Retry-After answers its probe", func(b *breaker.Breaker, clk *clocktest.Fake) {
 			clk.Advance(10 * time.Second)
 			p, _ := b.Allow()
 			b.ExtendOpen(time.Minute, "http 503")
 			p.Done(breaker.Failure, 0, "http 503")
 		}},
-		{"TripObserved once its cooldown is over", func(b *breaker.Breaker, clk *fakeClock) {
+		{"TripObserved once its cooldown is over", func(b *breaker.Breaker, clk *clocktest.Fake) {
 			clk.Advance(10 * time.Second)
 			b.TripObserved("saturation")
 		}},

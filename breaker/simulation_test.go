@@ -99,7 +99,7 @@ func simulate(t *testing.T, instances int, mode simMode, seed uint64) simResult 
 		if len(queue) > 0 && queue[0].ends <= next {
 			a := queue[0]
 			queue = queue[1:]
-			clk.Advance(a.ends - clk.Since())
+			clk.Advance(a.ends - clk.Elapsed())
 			if a.down {
 				a.p.Done(breaker.Down, 0, "connection refused")
 			} else {
@@ -111,12 +111,12 @@ func simulate(t *testing.T, instances int, mode simMode, seed uint64) simResult 
 						r.inflight++
 					}
 				}
-				r.took = clk.Since() - simWarmup
+				r.took = clk.Elapsed() - simWarmup
 				return r
 			}
 			continue
 		}
-		clk.Advance(next - clk.Since())
+		clk.Advance(next - clk.Elapsed())
 		down := next >= simWarmup
 		if !down && next+simLatency > simWarmup {
 			// The last successes end before the outage, so that none

@@ -111,7 +111,7 @@ type Registry struct {
 	breakerOpts []breaker.Option
 	// clock is the time of picks, retry budgets and, through breakerOpts,
 	// breakers (UseClock); clock.Real by default.
-	clock breaker.Clock
+	clock clock.Reader
 	// timers paces the probe and scrape loops (UseClock with a
 	// clock.Clock); clock.Real by default.
 	timers clock.Clock
@@ -172,7 +172,7 @@ func NewRegistry(obs Observer) *Registry {
 // interval, the /metrics scrape interval and each scrape's timeout;
 // scrapes are stamped with c's time either way. Call it before building pools; it is not safe for
 // concurrent use with them.
-func (r *Registry) UseClock(c breaker.Clock) {
+func (r *Registry) UseClock(c clock.Reader) {
 	r.clock = c
 	r.breakerOpts = append(r.breakerOpts, breaker.WithClock(c))
 	if tc, ok := c.(clock.Clock); ok {

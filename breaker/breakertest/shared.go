@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 )
 
 // SharedMemory is an in-process breaker.Fleet: the fleet-shared state of several
@@ -55,7 +56,7 @@ import (
 // The zero value is not usable; use NewSharedMemory. Safe for concurrent
 // use.
 type SharedMemory struct {
-	clock        breaker.Clock
+	clock        clock.Reader
 	minReporters int
 
 	mu     sync.Mutex
@@ -109,14 +110,14 @@ type sharedPush struct {
 }
 
 // NewSharedMemory returns an empty SharedMemory that reads time from clock
-// (nil: breaker.SystemClock) and opens a key fleet-wide only on failures from at
+// (nil: clock.Real) and opens a key fleet-wide only on failures from at
 // least minReporters distinct gateways (the fleet's min_reporters; below 1
 // means 1).
-func NewSharedMemory(clock breaker.Clock, minReporters int) *SharedMemory {
-	if clock == nil {
-		clock = breaker.SystemClock{}
+func NewSharedMemory(clk clock.Reader, minReporters int) *SharedMemory {
+	if clk == nil {
+		clk = clock.Real
 	}
-	return &SharedMemory{clock: clock, minReporters: max(minReporters, 1), keys: make(map[string]*sharedKey)}
+	return &SharedMemory{clock: clk, minReporters: max(minReporters, 1), keys: make(map[string]*sharedKey)}
 }
 
 // Instance returns gateway id's view of the fleet, the breaker.Fleet its breakers
