@@ -6,14 +6,15 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
 // ejectionPool is a pool of n upstreams at the default breaker settings on
 // a fake clock.
-func ejectionPool(t *testing.T, n int, ej Ejection) (*Registry, *Pool, []string, *simClock) {
+func ejectionPool(t *testing.T, n int, ej Ejection) (*Registry, *Pool, []string, *clocktest.Fake) {
 	t.Helper()
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	addrs := make([]string, n)
@@ -159,7 +160,7 @@ func TestStatusShowsProbation(t *testing.T) {
 // routed over one, but the pool showed "ejected 2 of 1" and both breakers
 // open, which fired a pool-unavailable alert while the pool served.
 func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	addrs := []string{"10.19.8.1:8000", "10.19.8.2:8000"}
@@ -194,7 +195,7 @@ func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
 // its open), and must see that place taken. Before, both passed the
 // check and the pool showed "ejected 2 of 1" again.
 func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	var during func()
@@ -235,7 +236,7 @@ func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
 // one). Before, b's cap alone was asked, and a's pool showed "ejected 2 of
 // 1" with both its breakers open.
 func TestOwnRatioTripsWithinEveryPoolsCap(t *testing.T) {
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	s := breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -22,7 +23,7 @@ type shapeSim struct {
 	reg   *Registry
 	p     *Pool
 	addrs []string
-	clk   *simClock
+	clk   *clocktest.Fake
 	// ok per request; attempts per request; upstream attempts per second.
 	ok       []bool
 	attempts []int
@@ -42,7 +43,7 @@ type shapeSim struct {
 
 func runShapeSim(t *testing.T, n int, seed uint64, dur time.Duration, ej Ejection, outcome simOutcome) *shapeSim {
 	t.Helper()
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(rand.New(rand.NewPCG(seed, 7)).Float64))
@@ -437,7 +438,7 @@ func TestEjectionCapInPoolsOfOneAndTwo(t *testing.T) {
 // The panic rule under least_queue and prefix_cache-like selectors: the
 // selector still chooses among every upstream not held by hard evidence.
 func TestPanicRoutesOverEjectedUnderLeastQueue(t *testing.T) {
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	addrs := []string{"10.19.8.1:8000", "10.19.8.2:8000", "10.19.8.3:8000"}

@@ -77,7 +77,7 @@ func saturatedPool(tb testing.TB) (*Pool, []Candidate) {
 	}
 	tb.Cleanup(p.Release)
 	p.Activate()
-	clk.awaitTickers(tb, len(addrs)) // each loop's first, failing, scrape is done
+	awaitTickers(tb, clk, len(addrs)) // each loop's first, failing, scrape is done
 	now := clk.Now()
 	var cs []Candidate
 	for i, a := range addrs {

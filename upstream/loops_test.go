@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 )
 
 // TestProbeLoopRunsOnlyForAStartedConfig: background loops start and stop
@@ -27,13 +28,13 @@ func TestProbeLoopRunsOnlyForAStartedConfig(t *testing.T) {
 		t.Fatalf("a minute later, before the config started: %d probes, %d loops; want none", n, loops)
 	}
 	p.Activate()
-	clk.step(t, reg, 5*time.Millisecond)
+	step(t, clk, reg, 5*time.Millisecond)
 	if n := probes(); n != 1 {
 		t.Fatalf("%d probes in the first interval after the config started, want 1", n)
 	}
 	p.Deactivate()
-	clk.step(t, reg, 5*time.Millisecond) // the loop wakes and sees no started config
-	settle(t, "the probe loop outlived its config's stop", func() bool { return reg.ProbeLoops() == 0 })
+	step(t, clk, reg, 5*time.Millisecond) // the loop wakes and sees no started config
+	clocktest.Settle(t, "the probe loop outlived its config's stop", func() bool { return reg.ProbeLoops() == 0 })
 	n := probes()
 	clk.Advance(time.Minute)
 	if m := probes(); m != n {

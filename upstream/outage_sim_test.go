@@ -4,11 +4,11 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -22,14 +22,7 @@ import (
 //
 //	go test -run TestPartialOutageSimulation -v ./upstream/
 
-// simClock is the fake clock of the simulation; safe for concurrent use.
-type simClock struct{ ns atomic.Int64 }
-
 var simT0 = time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)
-
-func (c *simClock) Now() time.Time          { return simT0.Add(time.Duration(c.ns.Load())) }
-func (c *simClock) Advance(d time.Duration) { c.ns.Add(int64(d)) }
-func (c *simClock) Elapsed() time.Duration  { return time.Duration(c.ns.Load()) }
 
 const (
 	simRate        = 30 // requests per second, open loop
@@ -72,7 +65,7 @@ func (r simResult) amplification() float64 {
 
 func runOutageSim(t *testing.T, n int, seed uint64, outcome simOutcome) simResult {
 	t.Helper()
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(rand.New(rand.NewPCG(seed, 7)).Float64))

@@ -130,7 +130,7 @@ func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
 		if i == 40 {
 			t.Fatalf("probes after 40 intervals: /a %d, /b %d; want 2 each", probesTo("/a"), probesTo("/b"))
 		}
-		clk.step(t, reg, 5*time.Millisecond)
+		step(t, clk, reg, 5*time.Millisecond)
 	}
 	if n := reg.ProbeLoops(); n != 1 {
 		t.Fatalf("%d probe loops for one upstream, want 1", n)

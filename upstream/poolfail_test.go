@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -40,7 +41,7 @@ type poolSim struct {
 // default retry budget) on a fake clock, each attempt decided by outcome.
 func runPoolSim(t *testing.T, n, rate int, dur time.Duration, cfg Config, outcome func(i int, at time.Duration) proxy.AttemptOutcome) *poolSim {
 	t.Helper()
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(rand.New(rand.NewPCG(uint64(n), 3)).Float64))
@@ -244,7 +245,7 @@ func (o *poolFailEvents) PoolFailed(pool string, on bool, reason string) {
 // older attempt that ends well does not.
 func TestPoolFailureReportedAndReadmittedByAProbeOnly(t *testing.T) {
 	obs := &poolFailEvents{}
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(obs)
 	reg.UseClock(clk)
 	addrs := []string{"10.29.8.1:8000", "10.29.8.2:8000"}

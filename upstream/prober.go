@@ -64,7 +64,7 @@ func (p *Prober) interval() time.Duration {
 var errProbeTimeout = errors.New("probe timeout")
 
 // send runs one probe against addr: success is a 2xx with a complete body
-// within Timeout, as clk counts it (the registry's timers). It ends early
+// within Timeout, as clk counts it (the registry's clock). It ends early
 // when ctx does (the entry was released).
 func (p *Prober) send(ctx context.Context, clk clock.Clock, addr string) error {
 	timeout := p.Timeout
@@ -183,7 +183,7 @@ func (e *Entry) probeLoop() {
 		}
 		p := e.proberLocked()
 		e.mu.Unlock()
-		t := e.reg.timers.NewTimer(min(p.interval(), probePoll))
+		t := e.reg.clock.NewTimer(min(p.interval(), probePoll))
 		select {
 		case <-e.ctx.Done():
 			t.Stop()
@@ -223,7 +223,7 @@ func (e *Entry) probeLoop() {
 		}
 		last = e.reg.now()
 		for pr, permits := range byProber {
-			err := pr.send(e.ctx, e.reg.timers, e.addr)
+			err := pr.send(e.ctx, e.reg.clock, e.addr)
 			for i := range permits {
 				switch {
 				case e.ctx.Err() != nil:

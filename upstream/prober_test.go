@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -71,7 +72,7 @@ func TestActiveProbesCloseBreakerAndStop(t *testing.T) {
 			// One probe per interval: the first half-opens the breaker,
 			// the second closes it, and the loop stops.
 			for i := 1; i <= 2; i++ {
-				clk.step(t, reg, tc.prober.Interval)
+				step(t, clk, reg, tc.prober.Interval)
 				if n := probes.Load(); n != int64(i) {
 					t.Fatalf("%d probes after %d intervals, want %d", n, i, i)
 				}
@@ -79,7 +80,7 @@ func TestActiveProbesCloseBreakerAndStop(t *testing.T) {
 			if st := p.BreakerState(addr, ""); st != "closed" {
 				t.Fatalf("two successful probes left the breaker %s, want closed", st)
 			}
-			settle(t, "the probe loop outlived the open breaker", func() bool { return reg.ProbeLoops() == 0 })
+			clocktest.Settle(t, "the probe loop outlived the open breaker", func() bool { return reg.ProbeLoops() == 0 })
 			clk.Advance(time.Minute)
 			if n := probes.Load(); n != 2 {
 				t.Fatalf("%d probes after the breaker closed, want none", n-2)
@@ -109,7 +110,7 @@ func TestReloadEnablingProbeRecoversOpenBreaker(t *testing.T) {
 	ns := s
 	ns.ActiveProbing = true
 	next := reload(t, old, Config{Static: targets(addr), Breaker: &ns, Prober: testProber("/")})
-	clk.awaitTickers(t, 1) // the new config started a probe loop
+	awaitTickers(t, clk, 1) // the new config started a probe loop
 	if _, err := pickModel(next, ""); err == nil {
 		t.Fatal("a user request was let onto the open breaker")
 	}
@@ -123,7 +124,7 @@ func TestReloadEnablingProbeRecoversOpenBreaker(t *testing.T) {
 		if _, err := pickModel(next, ""); err == nil {
 			t.Fatalf("a user request was let onto the %s breaker after %d ticks", next.BreakerState(addr, ""), i)
 		}
-		clk.step(t, reg, 5*time.Millisecond)
+		step(t, clk, reg, 5*time.Millisecond)
 	}
 	if n := probes(); n != breaker.DefaultRecoverySuccesses {
 		t.Fatalf("%d active probes closed the breaker, want %d", n, breaker.DefaultRecoverySuccesses)
@@ -174,16 +175,16 @@ func TestActiveProbeInFlightIsCancelledWhenEntryReleased(t *testing.T) {
 	pr.Timeout = time.Hour // on the fake clock, which does not move: only the release can end the probe
 	p := startPool(t, reg, Config{Static: targets(addr), Breaker: activeProbing(), Prober: pr})
 	fail(mustPick(t, p, ""))
-	clk.awaitTickers(t, 1)
+	awaitTickers(t, clk, 1)
 	clk.Advance(pr.Interval) // the probe is sent, and hangs
-	settle(t, "no active probe was sent", func() bool { return hanging.Load() == 1 })
+	clocktest.Settle(t, "no active probe was sent", func() bool { return hanging.Load() == 1 })
 	if n := cancelled.Load(); n != 0 {
 		t.Fatalf("%d probes cancelled before the release", n)
 	}
 	p.Deactivate()
 	p.Release()
-	settle(t, "the probe in flight was not cancelled by its entry's release", func() bool { return cancelled.Load() == 1 })
-	settle(t, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
+	clocktest.Settle(t, "the probe in flight was not cancelled by its entry's release", func() bool { return cancelled.Load() == 1 })
+	clocktest.Settle(t, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
 }
 
 // One probe loop runs per upstream however many pools hold it, and a
@@ -216,7 +217,7 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 			if i == 20 {
 				t.Fatalf("%d probes to %s after 20 intervals, want %d", probesTo(path), path, n)
 			}
-			clk.step(t, reg, 5*time.Millisecond)
+			step(t, clk, reg, 5*time.Millisecond)
 		}
 	}
 	oldCfg := Config{Static: targets(addr), Breaker: activeProbing(), Prober: testProber("/old")}
@@ -271,7 +272,7 @@ func TestOneProbeLoopPerUpstreamHandedOverAcrossReload(t *testing.T) {
 	}
 	next.Deactivate()
 	next.Release()
-	settle(t, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
+	clocktest.Settle(t, "the probe loop outlived its entry", func() bool { return reg.ProbeLoops() == 0 })
 }
 
 // A reload that turns active probing off stops the loop.
@@ -285,7 +286,7 @@ func TestReloadDisablingProbeStopsLoop(t *testing.T) {
 	if n := reg.ProbeLoops(); n != 1 {
 		t.Fatalf("%d probe loops for an open breaker, want 1", n)
 	}
-	clk.step(t, reg, 5*time.Millisecond)
+	step(t, clk, reg, 5*time.Millisecond)
 	if n := probes(); n != 1 {
 		t.Fatalf("%d probes in the first interval, want 1", n)
 	}
@@ -294,8 +295,8 @@ func TestReloadDisablingProbeStopsLoop(t *testing.T) {
 	reload(t, old, Config{Static: targets(addr), Breaker: s})
 	// The loop wakes at the tick it armed before the reload; that tick
 	// may still send the probe it was armed for, then the loop stops.
-	clk.step(t, reg, time.Second)
-	settle(t, "the probe loop outlived active probing", func() bool { return reg.ProbeLoops() == 0 })
+	step(t, clk, reg, time.Second)
+	clocktest.Settle(t, "the probe loop outlived active probing", func() bool { return reg.ProbeLoops() == 0 })
 	n := probes()
 	if n > 2 {
 		t.Fatalf("%d probes at the first tick after active probing was turned off, want at most 1", n-1)

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -50,7 +51,7 @@ func TestResettingReplicaWithLongStreamsDrawsNoTraffic(t *testing.T) {
 		stream = 20 * time.Second // streams started before resets last this long
 		end    = 40 * time.Second
 	)
-	clk := new(simClock)
+	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	addrs := []string{"10.29.7.1:8000", "10.29.7.2:8000", "10.29.7.3:8000"}
@@ -66,7 +67,7 @@ func TestResettingReplicaWithLongStreamsDrawsNoTraffic(t *testing.T) {
 	served, requests, onResetting := 0, 0, 0
 	hardSeen := false
 	for now := time.Duration(0); now < end; now += time.Second / rate {
-		clk.ns.Store(int64(now))
+		clk.Set(now)
 		kept := streams[:0]
 		for _, h := range streams {
 			if h.end <= now {

@@ -104,17 +104,15 @@ type Registry struct {
 	gen atomic.Uint64
 	// loops counts the probe loops running.
 	loops atomic.Int64
-	// scrapers are the entries' /metrics scrapers (their clock is the
-	// registry's, see scrapeClock) and the count of their loops.
+	// scrapers are the entries' /metrics scrapers (on the registry's
+	// clock) and the count of their loops.
 	scrapers *saturation.Scrapers
 	// breakerOpts are added to every breaker's options (tests inject a clock).
 	breakerOpts []breaker.Option
-	// clock is the time of picks, retry budgets and, through breakerOpts,
-	// breakers (UseClock); clock.Real by default.
-	clock clock.Reader
-	// timers paces the probe and scrape loops (UseClock with a
-	// clock.Clock); clock.Real by default.
-	timers clock.Clock
+	// clock is the time of picks, retry budgets, the probe and scrape
+	// loops and, through breakerOpts, breakers (UseClock); clock.Real by
+	// default.
+	clock clock.Clock
 	// store is the breaker store of the breakers created now (nil: none);
 	// storeMu serializes SetBreakerStore.
 	store   atomic.Pointer[storeBox]
@@ -158,26 +156,23 @@ func NewRegistry(obs Observer) *Registry {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: clock.Real, timers: clock.Real}
-	r.scrapers = saturation.NewScrapers(scrapeClock{r}, obs)
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: clock.Real}
+	r.scrapers = saturation.NewScrapers(r.clock, obs)
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)
 	return r
 }
 
 // UseClock makes c the clock of picks, of the retry budgets of pools built
-// from now on, and of the breakers created from now on, so that tests and
-// simulations run on a fake clock. When c is also a clock.Clock (it makes
-// timers), it paces the background loops too: the active prober's
-// interval, the /metrics scrape interval and each scrape's timeout;
-// scrapes are stamped with c's time either way. Call it before building pools; it is not safe for
-// concurrent use with them.
-func (r *Registry) UseClock(c clock.Reader) {
+// from now on, of the breakers created from now on and of the background
+// loops (the active prober's interval, the /metrics scrape interval and
+// each scrape's timeout and stamp), so that tests and simulations run on a
+// fake clock. Call it before building pools; it is not safe for concurrent
+// use with them.
+func (r *Registry) UseClock(c clock.Clock) {
 	r.clock = c
 	r.breakerOpts = append(r.breakerOpts, breaker.WithClock(c))
-	if tc, ok := c.(clock.Clock); ok {
-		r.timers = tc
-	}
+	r.scrapers = saturation.NewScrapers(c, r.obs)
 }
 
 // now is the registry clock's time.

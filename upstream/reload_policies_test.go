@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
@@ -147,10 +148,10 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.97
 				pa, pb = pb, pa
 			}
 			for range 10 {
-				clk.awaitTickers(t, 1) // scraped, waiting for the next tick
+				awaitTickers(t, clk, 1) // scraped, waiting for the next tick
 				clk.Advance(interval)
 			}
-			clk.awaitTickers(t, 1)
+			awaitTickers(t, clk, 1)
 			if st := pa.BreakerState(m.addr, ""); st != "open" {
 				t.Errorf("site A (trip kv_usage 0.9) breaker %q with KV usage 0.97 for 10 intervals, want open", st)
 			}
@@ -288,7 +289,7 @@ func TestReloadChangingOneSitesThresholdsKeepsTheOthersOpenUntil(t *testing.T) {
 		{"changed site becomes the open site's twin", 2, 10, 2, "a", "b"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			clk := new(simClock)
+			clk := clocktest.New(simT0)
 			reg := NewRegistry(nil)
 			reg.UseClock(clk)
 			pools := reloadAll(t, reg, nil,

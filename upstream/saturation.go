@@ -3,7 +3,6 @@ package upstream
 import (
 	"time"
 
-	"github.com/llmproxy/caddy-llm-proxy/internal/clock"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
 
@@ -90,19 +89,6 @@ func (e *Entry) policySatLocked(pol string) *saturation.Saturation {
 		}
 	}
 	return nil
-}
-
-// scrapeClock is the registry's clock as the scrapers' (see UseClock):
-// scrapes are stamped with the registry's time, and paced and timed out
-// by its timers.
-type scrapeClock struct{ r *Registry }
-
-func (c scrapeClock) Now() time.Time { return c.r.now() }
-
-func (c scrapeClock) NewTimer(d time.Duration) clock.Timer { return c.r.timers.NewTimer(d) }
-
-func (c scrapeClock) AfterFunc(d time.Duration, f func()) clock.Timer {
-	return c.r.timers.AfterFunc(d, f)
 }
 
 // startAttempt counts an attempt against the current scrape epoch and

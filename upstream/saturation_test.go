@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"github.com/llmproxy/caddy-llm-proxy/saturation"
 )
@@ -48,7 +49,7 @@ func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
 	}
 	// Wait for the loop's first (failing) scrape, so it cannot land after
 	// ours: it runs as the loop starts, and the next is an Interval away.
-	settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
+	clocktest.Settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
 	return &feeder{t: t, e: e, cfg: p.sat, now: time.Now()}
 }
 
@@ -312,7 +313,7 @@ func TestScopeModelScoresTheModelsSeries(t *testing.T) {
 	p := startPool(t, reg, Config{Key: "sat-model", Static: targets("10.9.6.1:8000"), Breaker: &s, ScopeModel: true,
 		Saturation: &saturation.Saturation{Transport: refusingTransport{}, Interval: time.Hour, StaleAfter: 3 * time.Hour, Window: 2 * time.Hour}})
 	e, _ := reg.Entry("10.9.6.1:8000")
-	settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
+	clocktest.Settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
 	body := `# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="big"} 10
 vllm:num_requests_waiting{model_name="small"} 1
@@ -540,12 +541,12 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	// A loop starts (and scrapes) synchronously with the config's start
 	// (the entry's reconcile configures its scraper): none may exist
 	// before it.
-	if n, _ := m.counts(); n != 0 || reg.ScrapeLoops() != 0 || clk.Armed() != 0 {
-		t.Fatalf("a config that has not started scraped %d times (%d loops, %d timers)", n, reg.ScrapeLoops(), clk.Armed())
+	if n, _ := m.counts(); n != 0 || reg.ScrapeLoops() != 0 || armed(clk) != 0 {
+		t.Fatalf("a config that has not started scraped %d times (%d loops, %d timers)", n, reg.ScrapeLoops(), armed(clk))
 	}
 	p.Activate()
 	e, _ := reg.Entry(m.addr)
-	clk.awaitTickers(t, 1) // the first scrape is done, the next one waits
+	awaitTickers(t, clk, 1) // the first scrape is done, the next one waits
 	if published, ok := e.scraper.Scraped(); !published || !ok {
 		t.Fatal("no snapshot after the first scrape")
 	}
@@ -565,13 +566,13 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	// Ten intervals: one loop scrapes exactly ten times, one at a time.
 	before, _ := m.counts()
 	for i := range 10 {
-		clk.awaitTickers(t, 1)
-		if n := clk.Armed(); n != 1 {
+		awaitTickers(t, clk, 1)
+		if n := armed(clk); n != 1 {
 			t.Fatalf("interval %d: %d scrape timers armed, want 1 (one loop)", i, n)
 		}
 		clk.Advance(interval)
 	}
-	clk.awaitTickers(t, 1)
+	awaitTickers(t, clk, 1)
 	after, maxIn := m.counts()
 	if n := after - before; n != 10 {
 		t.Fatalf("%d scrapes in 10 intervals, want 10", n)
@@ -581,11 +582,11 @@ func TestScrapeLoopOnePerUpstreamAcrossReloads(t *testing.T) {
 	}
 	q.Deactivate()
 	clk.Advance(interval) // the loop wakes, and sees no started config
-	settle(t, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
+	clocktest.Settle(t, "the loop stops with its config", func() bool { return reg.ScrapeLoops() == 0 })
 	n, _ := m.counts()
 	clk.Advance(time.Minute)
-	if n2, _ := m.counts(); n2 != n || clk.Armed() != 0 {
-		t.Fatalf("%d scrapes (%d timers armed) after the loop stopped", n2-n, clk.Armed())
+	if n2, _ := m.counts(); n2 != n || armed(clk) != 0 {
+		t.Fatalf("%d scrapes (%d timers armed) after the loop stopped", n2-n, armed(clk))
 	}
 }
 
@@ -619,17 +620,17 @@ func TestScrapeThatHangsIsUnknownAndScoredOnInflight(t *testing.T) {
 		if i > 0 {
 			clk.Advance(interval) // the next tick: the next scrape
 		}
-		settle(t, "the scrape reaches /metrics and hangs", func() bool { return m.hanging() == 1 && clk.Armed() == 1 })
+		clocktest.Settle(t, "the scrape reaches /metrics and hangs", func() bool { return m.hanging() == 1 && armed(clk) == 1 })
 		clk.Advance(timeout - time.Millisecond)
 		if n, pub := scrapeErrs(), scraped(e); n != i || pub != (i > 0) || m.hanging() != 1 {
 			t.Fatalf("scrape %d, 1ms before its timeout: %d failed scrapes, snapshot %v, %d hanging; want %d, %v, 1", i+1, n, pub, m.hanging(), i, i > 0)
 		}
 		clk.Advance(time.Millisecond) // the timeout fires
-		settle(t, "the scrape fails at its timeout and the loop waits for its next tick", func() bool {
-			return scrapeErrs() == i+1 && clk.Tickers() == 1
+		clocktest.Settle(t, "the scrape fails at its timeout and the loop waits for its next tick", func() bool {
+			return scrapeErrs() == i+1 && tickers(clk) == 1
 		})
 	}
-	settle(t, "the server sees the scrapes go", func() bool { return m.hanging() == 0 })
+	clocktest.Settle(t, "the server sees the scrapes go", func() bool { return m.hanging() == 0 })
 	up := mustPick(t, p, "")
 	if s, known := e.Score(clk.Now(), p.sat, ""); known || s != 1.0/5 {
 		t.Fatalf("score with a hanging /metrics = %v known=%v, want 0.2 (in-flight) unknown", s, known)
@@ -651,7 +652,7 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	on := Config{Key: "off", Static: targets(m.addr), Saturation: &saturation.Saturation{Transport: httpTransport{}, Interval: interval, Timeout: 20 * time.Millisecond}}
 	p := startPool(t, reg, on)
 	e, _ := reg.Entry(m.addr)
-	clk.awaitTickers(t, 1) // the first scrape is done
+	awaitTickers(t, clk, 1) // the first scrape is done
 	if published, ok := e.scraper.Scraped(); !published || !ok {
 		t.Fatal("no snapshot after the first scrape")
 	}
@@ -659,7 +660,7 @@ func TestReloadTurningSaturationOffForgetsTheSnapshot(t *testing.T) {
 	off.Saturation = nil
 	reload(t, p, off)
 	clk.Advance(interval) // the loop wakes and sees saturation off
-	settle(t, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
+	clocktest.Settle(t, "the loop stops", func() bool { return reg.ScrapeLoops() == 0 })
 	if scraped(e) || obs.countPrefix("scraper gone "+m.addr) != 1 {
 		t.Fatalf("snapshot kept (%v) or series not dropped once (%d)", scraped(e), obs.countPrefix("scraper gone "+m.addr))
 	}
