@@ -38,7 +38,7 @@ type feeder struct {
 	t   *testing.T
 	e   *Entry
 	cfg *saturation.Saturation
-	now time.Time
+	clk *clocktest.Fake
 }
 
 func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
@@ -50,18 +50,19 @@ func newFeeder(t *testing.T, p *Pool, addr string) *feeder {
 	// Wait for the loop's first (failing) scrape, so it cannot land after
 	// ours: it runs as the loop starts, and the next is an Interval away.
 	clocktest.Settle(t, "first scrape", func() bool { published, _ := e.scraper.Scraped(); return published })
-	return &feeder{t: t, e: e, cfg: p.sat, now: time.Now()}
+	return &feeder{t: t, e: e, cfg: p.sat, clk: clocktest.New(time.Now())}
 }
 
 // scrape applies a successful scrape of r taken d after the previous one.
 func (f *feeder) scrape(d time.Duration, r saturation.Readings) {
-	f.now = f.now.Add(d)
-	f.e.scraper.Apply(f.cfg, saturation.Scrape{Server: saturation.NewSample(f.now, r)}, nil, f.now, time.Millisecond)
+	f.clk.Advance(d)
+	now := f.clk.Now()
+	f.e.scraper.Apply(f.cfg, saturation.Scrape{Server: saturation.NewSample(now, r)}, nil, now, time.Millisecond)
 }
 
 func (f *feeder) fail(d time.Duration) {
-	f.now = f.now.Add(d)
-	f.e.scraper.Apply(f.cfg, saturation.Scrape{}, http.ErrHandlerTimeout, f.now, f.cfg.Timeout)
+	f.clk.Advance(d)
+	f.e.scraper.Apply(f.cfg, saturation.Scrape{}, http.ErrHandlerTimeout, f.clk.Now(), f.cfg.Timeout)
 }
 
 func idle() saturation.Readings {
@@ -81,16 +82,16 @@ func TestScoreUnknownReadsInflightNeverIdle(t *testing.T) {
 		t.Fatalf("unscraped score = %v known=%v, want %v unknown", s, known, 3.0/saturation.DefaultQueueThreshold)
 	}
 	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(1), Running: saturation.Known(3), KVUsage: saturation.Known(0.2)})
-	if s, known := f.e.Score(f.now, p.sat, ""); !known || s != max(1.0/5, 0.2/0.8) {
+	if s, known := f.e.Score(f.clk.Now(), p.sat, ""); !known || s != max(1.0/5, 0.2/0.8) {
 		t.Fatalf("fresh score = %v known=%v, want 0.25 known", s, known)
 	}
 	// Stale: past stale_after the value is unknown, not idle.
-	if s, known := f.e.Score(f.now.Add(p.sat.StaleAfter+time.Nanosecond), p.sat, ""); known || s != 3.0/5 {
+	if s, known := f.e.Score(f.clk.Now().Add(p.sat.StaleAfter+time.Nanosecond), p.sat, ""); known || s != 3.0/5 {
 		t.Fatalf("stale score = %v known=%v, want 0.6 unknown", s, known)
 	}
 	// A failed scrape makes every signal unknown at once.
 	f.fail(time.Second)
-	if s, known := f.e.Score(f.now, p.sat, ""); known || s != 3.0/5 {
+	if s, known := f.e.Score(f.clk.Now(), p.sat, ""); known || s != 3.0/5 {
 		t.Fatalf("score after a failed scrape = %v known=%v, want 0.6 unknown", s, known)
 	}
 	for _, up := range ups {
@@ -104,12 +105,12 @@ func TestScoreDropsUnknownKVAndMissingQueue(t *testing.T) {
 	f := newFeeder(t, p, "10.9.0.2:8000")
 	// KV unknown (a TGI server): the queue alone.
 	f.scrape(time.Second, saturation.Readings{Waiting: saturation.Known(4), Running: saturation.Known(0)})
-	if s, _ := f.e.Score(f.now, p.sat, ""); s != 4.0/5 {
+	if s, _ := f.e.Score(f.clk.Now(), p.sat, ""); s != 4.0/5 {
 		t.Fatalf("score without KV = %v, want 0.8", s)
 	}
 	// Queue not exposed but KV known: in-flight (0) and KV.
 	f.scrape(time.Second, saturation.Readings{KVUsage: saturation.Known(0.4)})
-	if s, known := f.e.Score(f.now, p.sat, ""); known || s != 0.5 {
+	if s, known := f.e.Score(f.clk.Now(), p.sat, ""); known || s != 0.5 {
 		t.Fatalf("score without a queue signal = %v known=%v, want 0.5 unknown", s, known)
 	}
 }
@@ -191,7 +192,7 @@ func TestFrozenIdleMetricsDoNotHerd(t *testing.T) {
 		ups = append(ups, mustPick(t, p, ""))
 	}
 	f.scrape(time.Second, idle()) // frozen: still says idle
-	if s, _ := f.e.Score(f.now, p.sat, ""); s != 10.0/5 {
+	if s, _ := f.e.Score(f.clk.Now(), p.sat, ""); s != 10.0/5 {
 		t.Fatalf("score = %v with 10 of ours in flight and a frozen idle scrape, want 2", s)
 	}
 	for _, up := range ups {
@@ -349,21 +350,17 @@ func queueHist(base saturation.Histogram, n float64, v float64) saturation.Histo
 	return out
 }
 
-// feederClock is the breakers' clock: the feeder's.
-type feederClock struct{ f **feeder }
-
-func (c feederClock) Now() time.Time { return (*c.f).now }
-
 // clockedPool is satPool with the breakers on the clock of the feeder of
 // addrs[0], which it returns with that upstream's breaker; opts are added
 // to the breakers' options.
 func clockedPool(t *testing.T, trip *saturation.TripRules, opts []breaker.Option, addrs ...string) (*Registry, *Pool, *feeder, *breaker.Breaker) {
 	t.Helper()
 	reg := NewRegistry(nil)
-	f := &feeder{now: time.Now()}
-	reg.breakerOpts = append([]breaker.Option{breaker.WithClock(feederClock{&f})}, opts...)
+	clk := clocktest.New(time.Now())
+	reg.breakerOpts = append([]breaker.Option{breaker.WithClock(clk)}, opts...)
 	p := satPool(t, reg, nil, trip, addrs...)
-	f = newFeeder(t, p, addrs[0])
+	f := newFeeder(t, p, addrs[0])
+	f.clk = clk
 	return reg, p, f, breakerOf(t, reg, addrs[0], "")
 }
 
@@ -427,12 +424,12 @@ func TestSaturationBreakerReopensWhenStillSaturated(t *testing.T) {
 	if b.State() != breaker.Open {
 		t.Fatalf("breaker %v after KV 0.97 for 2s, want open", b.State())
 	}
-	first := b.Snapshot().OpenUntil.Sub(f.now)
+	first := b.Snapshot().OpenUntil.Sub(f.clk.Now())
 	f.scrape(first+time.Millisecond, full) // cooldown over, still full: re-open, longer
 	if b.State() != breaker.Open || b.Snapshot().Reopens != 1 {
 		t.Fatalf("breaker %v reopens=%d, want open after one unhealthy observation", b.State(), b.Snapshot().Reopens)
 	}
-	if second := b.Snapshot().OpenUntil.Sub(f.now); second < first*3/2 {
+	if second := b.Snapshot().OpenUntil.Sub(f.clk.Now()); second < first*3/2 {
 		t.Fatalf("second cooldown %v not grown from %v", second, first)
 	}
 }
