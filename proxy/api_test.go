@@ -96,6 +96,30 @@ func TestCompleteStreamsOfEveryAPIAreSuccesses(t *testing.T) {
 // events (response.created, message_start and ping, a role-only chat
 // chunk) and then an in-band 5xx-like error has generated nothing: the
 // request fails over, and the client sees the second upstream's stream
+
+// failOver sends a request to path through bad, then through a second
+// upstream that answers the transcript good. It checks that the client got
+// that transcript alone, from the second upstream, and that the first
+// attempt went to bad and ended as wantFirst (an AttemptOutcome's name);
+// it returns the response and the first attempt's report.
+func failOver(t *testing.T, cfg Config, bad *upstream, path, body, good, wantFirst string) (*httptest.ResponseRecorder, AttemptReport) {
+	t.Helper()
+	second := newUpstream(t, sseUpstream(events(good)...))
+	p, _, obs := newTestProxy(t, cfg, bad, second)
+	w := httptest.NewRecorder()
+	res := p.ServeHTTP(w, apiPost(path, body))
+	if w.Code != 200 || w.Body.String() != good || res.Outcome != OutcomeSuccess || res.Upstream != second.addr() {
+		t.Fatalf("code %d outcome %s upstream %s body\n%s", w.Code, res.Outcome, res.Upstream, w.Body)
+	}
+	obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
+	if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"="+wantFirst+" "+second.addr()+"=success" {
+		t.Fatalf("attempts: %s", got)
+	}
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
+	return w, obs.attempts[0]
+}
+
 // alone, with one beginning.
 func TestLifecycleThenErrorFailsOver(t *testing.T) {
 	for _, tc := range []struct {
@@ -107,20 +131,9 @@ func TestLifecycleThenErrorFailsOver(t *testing.T) {
 	} {
 		t.Run(tc.bad, func(t *testing.T) {
 			bad := newUpstream(t, sseUpstream(events(transcript(t, tc.bad))...))
-			good := transcript(t, tc.good)
-			second := newUpstream(t, sseUpstream(events(good)...))
-			p, _, obs := newTestProxy(t, Config{}, bad, second)
-			w := httptest.NewRecorder()
-			res := p.ServeHTTP(w, apiPost(tc.path, tc.body))
-			if w.Code != 200 || w.Body.String() != good || res.Outcome != OutcomeSuccess || res.Upstream != second.addr() {
-				t.Fatalf("code %d outcome %s upstream %s body\n%s", w.Code, res.Outcome, res.Upstream, w.Body)
-			}
+			w, _ := failOver(t, Config{}, bad, tc.path, tc.body, transcript(t, tc.good), "inband_error_5xx")
 			if n := strings.Count(w.Body.String(), tc.beginning); n != 1 {
 				t.Fatalf("the client saw %d beginnings (%s), want 1", n, tc.beginning)
-			}
-			obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
-			if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"=inband_error_5xx "+second.addr()+"=success" {
-				t.Fatalf("attempts: %s", got)
 			}
 		})
 	}
@@ -520,18 +533,7 @@ func TestLifecycleThenStopWithoutStopReasonFailsOver(t *testing.T) {
 		"event: ping\n"+`data: {"type":"ping"}`+"\n\n",
 		"event: message_stop\n"+`data: {"type":"message_stop"}`+"\n\n",
 	))
-	good := transcript(t, "messages_complete.sse")
-	second := newUpstream(t, sseUpstream(events(good)...))
-	p, _, obs := newTestProxy(t, Config{}, bad, second)
-	w := httptest.NewRecorder()
-	res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
-	if w.Body.String() != good || res.Outcome != OutcomeSuccess || res.Upstream != second.addr() {
-		t.Fatalf("outcome %s upstream %s body\n%s", res.Outcome, res.Upstream, w.Body)
-	}
-	obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
-	if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"=truncated "+second.addr()+"=success" {
-		t.Fatalf("attempts: %s", got)
-	}
+	failOver(t, Config{}, bad, "/v1/messages", messagesBody, transcript(t, "messages_complete.sse"), "truncated")
 }
 
 // TestUpstreamAnthropicRateLimitHeadersNeverReachATenant: with tenants,
@@ -584,16 +586,8 @@ func TestAnthropic529FailsOverThenPassesThrough(t *testing.T) {
 	}
 	t.Run("fails over", func(t *testing.T) {
 		bad := newUpstream(t, overloaded)
-		good := transcript(t, "messages_complete.sse")
-		second := newUpstream(t, sseUpstream(events(good)...))
-		p, _, obs := newTestProxy(t, Config{MaxAttempts: 2}, bad, second)
-		w := httptest.NewRecorder()
-		res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
-		if w.Code != 200 || w.Body.String() != good || res.Outcome != OutcomeSuccess {
-			t.Fatalf("code %d outcome %s body %s", w.Code, res.Outcome, w.Body)
-		}
-		obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
-		if a := obs.attempts[0]; a.Outcome != AttemptHTTP5xx || !a.Outcome.UpstreamFault() || a.Status != 529 {
+		_, a := failOver(t, Config{MaxAttempts: 2}, bad, "/v1/messages", messagesBody, transcript(t, "messages_complete.sse"), AttemptHTTP5xx.String())
+		if !a.Outcome.UpstreamFault() || a.Status != 529 {
 			t.Fatalf("first attempt %s status %d", a.Outcome, a.Status)
 		}
 	})
@@ -681,18 +675,7 @@ func TestResponsesDoneBeforeCompletedIsACut(t *testing.T) {
 	doneEv := "data: [DONE]\n\n"
 	t.Run("before commit", func(t *testing.T) {
 		bad := newUpstream(t, sseUpstream(created, doneEv))
-		good := transcript(t, "responses_complete.sse")
-		second := newUpstream(t, sseUpstream(events(good)...))
-		p, _, obs := newTestProxy(t, Config{}, bad, second)
-		w := httptest.NewRecorder()
-		res := p.ServeHTTP(w, apiPost("/v1/responses", responsesBody))
-		if w.Body.String() != good || res.Upstream != second.addr() || res.Outcome != OutcomeSuccess {
-			t.Fatalf("outcome %s upstream %s body\n%s", res.Outcome, res.Upstream, w.Body)
-		}
-		obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
-		if a := obs.attempts[0]; a.Outcome != AttemptTruncated {
-			t.Fatalf("first attempt %s", a.Outcome)
-		}
+		failOver(t, Config{}, bad, "/v1/responses", responsesBody, transcript(t, "responses_complete.sse"), AttemptTruncated.String())
 	})
 	t.Run("after commit", func(t *testing.T) {
 		up := newUpstream(t, sseUpstream(created, delta, doneEv))
@@ -832,18 +815,7 @@ func TestDataOnlyStreamsOfEveryAPI(t *testing.T) {
 			`data: {"type":"message_start","message":{"usage":{"input_tokens":4,"output_tokens":0}}}`+"\n\n"+
 				`data: {"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"","signature":""}}`+"\n\n"+
 				`data: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}`+"\n\n")...))
-		good := transcript(t, "messages_thinking_max_tokens.sse")
-		second := newUpstream(t, sseUpstream(events(good)...))
-		p, _, obs := newTestProxy(t, Config{}, bad, second)
-		w := httptest.NewRecorder()
-		res := p.ServeHTTP(w, apiPost("/v1/messages", messagesBody))
-		if w.Body.String() != good || res.Outcome != OutcomeSuccess || res.Upstream != second.addr() {
-			t.Fatalf("outcome %s upstream %s body\n%s", res.Outcome, res.Upstream, w.Body)
-		}
-		obs.waitFor(t, func() bool { return len(obs.attempts) == 2 })
-		if got := strings.Join(obs.outcomes(), " "); got != bad.addr()+"=inband_error_5xx "+second.addr()+"=success" {
-			t.Fatalf("attempts: %s", got)
-		}
+		failOver(t, Config{}, bad, "/v1/messages", messagesBody, transcript(t, "messages_thinking_max_tokens.sse"), "inband_error_5xx")
 	})
 }
 
