@@ -404,7 +404,8 @@ func TestRetryAfterBeyondBackoffCapReturns429AtOnce(t *testing.T) {
 }
 
 // TestUpstream400sAreNeverRetriedOrHedged: with retries and hedging on
-// (after 50ms, no rate cap to hide behind), requests that upstreams answer
+// (after 250ms, no rate cap to hide behind: long enough that twenty
+// concurrent 400s under -race are answered before it), requests that upstreams answer
 // with 400 cause exactly one upstream call each, streaming or not, and no
 // hedge fires. A slow request afterwards does hedge and a request answered
 // 503 everywhere is retried, so the configuration did allow both, and the
@@ -418,7 +419,7 @@ func TestUpstream400sAreNeverRetriedOrHedged(t *testing.T) {
 		lb_policy round_robin
 		max_attempts 3
 		hedge {
-			after 50ms
+			after 250ms
 			max_ratio 1
 		}
 	}`, upstreams(fleet)))
@@ -471,11 +472,11 @@ func TestUpstream400sAreNeverRetriedOrHedged(t *testing.T) {
 
 	// Control 1: a request slower than the hedge delay is hedged.
 	s := streamRequest(ctx, t, c, gw.URL+"/v1/chat/completions", chatBody("Slowly.", true),
-		"X-Mock-TTFT: 300ms", "X-Mock-Tokens: 2", "X-Mock-Token-Interval: 0")
+		"X-Mock-TTFT: 1s", "X-Mock-Tokens: 2", "X-Mock-Token-Interval: 0")
 	checkCleanStream(t, s)
 	samples = gw.scrapeMetrics()
 	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_hedges_total", map[string]string{"outcome": "fired"}); v != 1 {
-		t.Errorf("caddy_llm_proxy_hedges_total{outcome=fired} = %v after 400s and one 300ms TTFT with hedge after 50ms, want 1 (the control's)", v)
+		t.Errorf("caddy_llm_proxy_hedges_total{outcome=fired} = %v after 400s and one 1s TTFT with hedge after 250ms, want 1 (the control's)", v)
 	}
 	if v := metricValueOrZero(t, samples, "caddy_llm_proxy_hedges_total", map[string]string{"outcome": "suppressed"}); v != 0 {
 		t.Errorf("caddy_llm_proxy_hedges_total{outcome=suppressed} = %v, want 0", v)
