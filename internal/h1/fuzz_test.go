@@ -286,13 +286,15 @@ func differ(got, want []exchange, gotReqs, wantReqs int) string {
 				return "" // the rest follows from a different connection
 			}
 		}
-		if !g.Err && w.Err && w.Reused && !g.Reused {
+		if !g.Err && w.Reused && !g.Reused {
 			// net/http wrote onto a kept connection that h1 had judged
-			// unusable (bytes past the last answer, as after a HEAD
-			// answered with a body): whether net/http's read loop saw
-			// them first is a race it can lose. h1 dialled afresh and the
-			// upstream answered that request; the rest follows from a
-			// different connection.
+			// unusable (bytes past the last answer: a HEAD answered with
+			// a body, a response smuggled after a Content-Length body).
+			// Whether net/http's read loop saw those bytes first is a
+			// race: losing it, net/http fails, or reads the smuggled
+			// bytes as this answer. h1 dialled afresh and the upstream
+			// answered that request; the rest follows from a different
+			// connection.
 			return ""
 		}
 		if g.Err && w.Err {
