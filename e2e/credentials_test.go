@@ -346,8 +346,10 @@ func TestSDKsWithTenantsAndOperatorKey(t *testing.T) {
 			t.Errorf("%s: ok %v, text %q, error %s", mode, r.OK, r.Text, r.thrown())
 		}
 	}
-	if n := len(up.requests()); n != 3 {
-		t.Errorf("the upstream got %d requests, want 3", n)
+	// Each SDK call reached it; a request written on a kept connection
+	// the upstream closed (stale_connection) may be sent once more.
+	if n := len(up.requests()); n < 3 || n > 4 {
+		t.Errorf("the upstream got %d requests, want 3 (4 with one resent after a stale connection)", n)
 	}
 	up.checkNeverSaw(t, "the upstream", tenant)
 }
