@@ -1,6 +1,7 @@
 package breaker
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -19,6 +20,7 @@ type options struct {
 	rand     func() float64
 	listener func(Transition)
 	store    Store
+	storeKey string
 }
 
 func buildOptions(opts []Option) options {
@@ -65,6 +67,13 @@ func WithListener(f func(Transition)) Option {
 // Fleet).
 func WithStore(s Store) Option {
 	return func(o *options) { o.store = s }
+}
+
+// WithStoreKey names the breaker in its Store (and Fleet) by k instead of
+// its key: breakers shown under one name (an upstream) that must keep
+// apart in a store (handlers with other settings) differ by it.
+func WithStoreKey(k string) Option {
+	return func(o *options) { o.storeKey = k }
 }
 
 // config is a breaker's immutable settings with the rolling windows that
@@ -161,6 +170,9 @@ type Breaker struct {
 	rand     func() float64
 	listener func(Transition)
 	store    Store
+	// storeKey is the breaker's name in store and fleet (WithStoreKey,
+	// else key).
+	storeKey string
 	// fleet is store when it is a Fleet, else nil.
 	fleet Fleet
 	// left is set by Close.
@@ -213,6 +225,7 @@ func New(key string, s Settings, opts ...Option) *Breaker {
 		rand:     o.rand,
 		listener: o.listener,
 		store:    o.store,
+		storeKey: cmp.Or(o.storeKey, key),
 		dirty:    &notDirty,
 		since:    now,
 	}
@@ -230,6 +243,10 @@ func New(key string, s Settings, opts ...Option) *Breaker {
 
 // Key returns the breaker's key.
 func (b *Breaker) Key() string { return b.key }
+
+// StoreKey returns the breaker's name in its store and fleet (WithStoreKey,
+// else Key).
+func (b *Breaker) StoreKey() string { return b.storeKey }
 
 // Settings returns the effective settings: defaults applied, invalid values
 // replaced.
@@ -261,6 +278,9 @@ type Permit struct {
 	// breaker's base: its outcome ends a run of Down outcomes only when
 	// the attempt began within the run (see runStart).
 	issued int64
+	// quiet keeps the outcome from the Fleet: it was heard from another
+	// breaker with the same key, which reported it (Hear).
+	quiet bool
 }
 
 // Probe reports whether the permit is a half-open probe, whose outcome
@@ -429,13 +449,13 @@ func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capRea
 			if b.consec.Load() != 0 {
 				b.consec.Store(0)
 			}
-			if b.dirty.Load() {
-				b.fleet.Success(b.key) // ends the fleet's run; rare
+			if b.dirty.Load() && !p.quiet {
+				b.fleet.Success(b.storeKey) // ends the fleet's run; rare
 			}
 			return
 		}
 	}
-	b.doneFailure(p.word, p.issued, slow, o == Down, ttft, reason, capReached)
+	b.doneFailure(p.word, p.issued, slow, o == Down, p.quiet, ttft, reason, capReached)
 }
 
 // failureReason composes the reason recorded for a failure.
@@ -470,7 +490,7 @@ func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) strin
 // Failures amid successes never trip the ConsecutiveFailures rule: under
 // uniform partial failure every upstream has runs of failures, and opening
 // on them turns 50% success into 0%.
-func (b *Breaker) doneFailure(w uint64, issued int64, slow, down bool, ttft time.Duration, reason string, capReached func() bool) {
+func (b *Breaker) doneFailure(w uint64, issued int64, slow, down, quiet bool, ttft time.Duration, reason string, capReached func() bool) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -496,14 +516,14 @@ func (b *Breaker) doneFailure(w uint64, issued int64, slow, down bool, ttft time
 	// breakRun): its runs of Down outcomes are no hard evidence here. (A
 	// Fleet still hears of every Down outcome: its own rules judge them.)
 	flaky := down && b.runBrokenWithin(now, s.RatioWindow)
-	if b.fleet != nil && (down || silent || s.AnyRun) {
+	if b.fleet != nil && !quiet && (down || silent || s.AnyRun) {
 		// Only what may be hard evidence is the fleet's business: its
 		// rules count runs of failures, and a run amid this gateway's
 		// successes is no outage (under uniform partial failure every
 		// gateway sees such runs). Down outcomes and failures with no
 		// success in the window are reported; the tenant breakers
 		// (AnyRun) report every failure.
-		b.fleet.Failure(b.key, s, now, reason)
+		b.fleet.Failure(b.storeKey, s, now, reason)
 		// A fleet that opens key on this failure pushes to this breaker
 		// too: apply it now, rather than tripping locally on top of it.
 		if b.applyPushesLocked(); b.word.Load() != w {
@@ -635,7 +655,7 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 	default:
 		b.successes++
 		if b.fleet != nil && !b.local && !b.observed.Load() {
-			b.fleet.ProbeSuccess(b.key, c.s) // recovery counted fleet-wide
+			b.fleet.ProbeSuccess(b.storeKey, c.s) // recovery counted fleet-wide
 		}
 	}
 	b.tickLocked(now)
@@ -671,7 +691,7 @@ func (b *Breaker) probeFailedLocked(now time.Time, reason string) {
 func (b *Breaker) reopenLocked(now time.Time, observed, local bool, reason string) {
 	b.lastFailure, b.lastFailureAt = reason, now
 	if b.fleet != nil && !local {
-		b.reopens = max(b.reopens, b.fleet.Reopens(b.key)) // the fleet's re-opens
+		b.reopens = max(b.reopens, b.fleet.Reopens(b.storeKey)) // the fleet's re-opens
 	}
 	b.reopens++
 	b.openLocked(now, now.Add(b.cooldownLocked()), true, observed, reason)
@@ -680,7 +700,7 @@ func (b *Breaker) reopenLocked(now time.Time, observed, local bool, reason strin
 		return
 	}
 	if b.fleet != nil {
-		b.fleet.Reopen(b.key, b.gateTimeLocked(), reason, b.reopens)
+		b.fleet.Reopen(b.storeKey, b.gateTimeLocked(), reason, b.reopens)
 		return
 	}
 	b.publishOpenLocked(reason)
@@ -782,7 +802,7 @@ func (b *Breaker) openLocked(now, until time.Time, useMinOpen, observed bool, re
 // publishOpenLocked tells the store that the breaker is open, and why.
 func (b *Breaker) publishOpenLocked(reason string) {
 	if b.store != nil {
-		b.store.PutOpen(b.key, b.gateTimeLocked(), reason)
+		b.store.PutOpen(b.storeKey, b.gateTimeLocked(), reason)
 	}
 }
 
@@ -838,7 +858,7 @@ func (b *Breaker) closeLocked(now time.Time, reason string, reset, publish bool)
 		b.since = now
 	}
 	if publish && b.store != nil {
-		b.store.ClearOpen(b.key)
+		b.store.ClearOpen(b.storeKey)
 	}
 }
 
@@ -1185,7 +1205,7 @@ func (b *Breaker) adoptStoreLocked(now time.Time) {
 	if stateOf(b.word.Load()) != Closed {
 		return
 	}
-	until, reason, ok := b.store.OpenUntil(b.key, now)
+	until, reason, ok := b.store.OpenUntil(b.storeKey, now)
 	if !ok {
 		return
 	}

@@ -275,3 +275,29 @@ func (b *Breaker) lifeWithin(now time.Time, d time.Duration) bool {
 
 // noLife is lastLife before any sign of life.
 const noLife = math.MinInt64
+
+// Hear gives the breaker the outcome of an attempt on its upstream that
+// another breaker let through: handlers in front of one upstream each
+// keep their own verdict, and each judges every attempt on the upstream
+// by its own rules (as Caddy's handlers each judge a host's shared
+// counters). issued is when that attempt began; the outcome counts as a
+// closed-state permit's issued then would (Done). report false keeps it
+// from the Fleet: a breaker with the same key reported it already. A
+// breaker that is not closed ignores it: its recovery is its own probes'.
+func (b *Breaker) Hear(o Outcome, issued time.Time, ttft time.Duration, reason string, report bool) {
+	w := b.word.Load()
+	if stateOf(w) != Closed {
+		return
+	}
+	p := Permit{b: b, word: w, issued: b.mono(issued), quiet: !report}
+	p.Done(o, ttft, reason)
+}
+
+// IssuedAt returns when the permit was issued (zero for a refusal), for
+// Hear.
+func (p *Permit) IssuedAt() time.Time {
+	if p.b == nil {
+		return time.Time{}
+	}
+	return p.b.base.Add(time.Duration(p.issued))
+}

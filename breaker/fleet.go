@@ -117,7 +117,7 @@ func (b *Breaker) joinFleet() {
 		return
 	}
 	b.fleet = f
-	if d := f.Join(b.key, b); d != nil {
+	if d := f.Join(b.storeKey, b); d != nil {
 		b.dirty = d
 	}
 }
@@ -129,7 +129,7 @@ func (b *Breaker) joinFleet() {
 // and still reach the fleet, since they are real observations.
 func (b *Breaker) Close() {
 	if b.left.CompareAndSwap(false, true) && b.fleet != nil {
-		b.fleet.Leave(b.key, b)
+		b.fleet.Leave(b.storeKey, b)
 	}
 }
 

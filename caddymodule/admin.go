@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -176,6 +177,7 @@ func (adminAPI) list(w http.ResponseWriter, r *http.Request) error {
 		for j, k := range views[i].Pools {
 			views[i].Pools[j] = poolLabel(k)
 		}
+		views[i].Pool = poolLabel(views[i].Pool)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
@@ -309,15 +311,17 @@ func control(b *breaker.Breaker, action string, r *http.Request) error {
 func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 	rest := strings.TrimPrefix(r.URL.Path, "/llm_proxy/breakers/")
 	if r.Method == http.MethodGet {
-		b, e := shared.upstreams.Breaker(rest)
-		if b == nil {
+		e, vs, ok := shared.upstreams.Find(rest)
+		if !ok {
 			if i := strings.LastIndex(rest, "/"); i > 0 && breakerExists(rest[:i]) {
 				return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("use POST for %s", rest[i+1:])}
 			}
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", rest)}
 		}
+		// Several handlers in front of the upstream: the first one's
+		// (sorted by handler); the list shows them all.
 		w.Header().Set("Content-Type", "application/json")
-		return json.NewEncoder(w).Encode(view(b, e))
+		return json.NewEncoder(w).Encode(view(e, vs[0]))
 	}
 	if r.Method != http.MethodPost {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
@@ -346,16 +350,21 @@ func (adminAPI) control(w http.ResponseWriter, r *http.Request) error {
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("upstream %q has no breakers: every handler in front of it has breaker off", key)}
 		}
 	} else {
-		var b *breaker.Breaker
-		if b, e = shared.upstreams.Breaker(key); b == nil {
+		var vs []upstream.Verdict
+		var ok bool
+		if e, vs, ok = shared.upstreams.Find(key); !ok {
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no breaker %q", key)}
 		}
-		a.apply(b)
-		changed = []*breaker.Breaker{b}
+		for _, v := range vs {
+			a.apply(v.Breaker) // every handler's breaker the key names
+			changed = append(changed, v.Breaker)
+		}
 	}
 	views := make([]upstream.BreakerView, 0, len(changed))
-	for _, b := range changed {
-		views = append(views, view(b, e))
+	for _, v := range e.Verdicts() {
+		if slices.Contains(changed, v.Breaker) {
+			views = append(views, view(e, v))
+		}
 	}
 	return writeJSON(w, views)
 }
@@ -365,21 +374,17 @@ func breakerExists(key string) bool {
 	if _, ok := shared.upstreams.Entry(key); ok {
 		return true
 	}
-	b, _ := shared.upstreams.Breaker(key)
-	return b != nil
+	_, _, ok := shared.upstreams.Find(key)
+	return ok
 }
 
-// view is one breaker as the admin API shows it.
-func view(b *breaker.Breaker, e *upstream.Entry) upstream.BreakerView {
-	rest, pol := strings.TrimPrefix(b.Key(), e.Addr()), ""
-	if p, ok := strings.CutPrefix(rest, "~"); ok {
-		pol, rest, _ = strings.Cut(p, "|")
-	}
-	v := upstream.BreakerView{Snapshot: b.Snapshot(), Upstream: e.Addr(), Model: strings.TrimPrefix(rest, "|"),
-		Inflight: e.Inflight(), Recent: e.Recent(), Policy: pol, Pools: e.PolicyPools(pol), Handlers: e.PolicyHandlers(pol)}
+// view is one handler's breaker as the admin API shows it.
+func view(e *upstream.Entry, vd upstream.Verdict) upstream.BreakerView {
+	v := e.View(vd)
 	for j, k := range v.Pools {
 		v.Pools[j] = poolLabel(k)
 	}
+	v.Pool = poolLabel(v.Pool)
 	withScope(&v, liveBreakerStore())
 	return v
 }
@@ -395,7 +400,7 @@ func withScope(v *upstream.BreakerView, st *fleet.Breakers) {
 	if !st.Degraded() && !v.Local {
 		v.Scope = "fleet"
 	}
-	if open, ok := st.Opened(v.Key); ok && v.State != breaker.Closed {
+	if open, ok := st.Opened(v.FleetKey); ok && v.State != breaker.Closed {
 		v.OpenedBy = open.By
 	}
 }

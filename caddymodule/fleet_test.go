@@ -294,11 +294,13 @@ func TestFleetBreakerStoreWired(t *testing.T) {
 	}
 	other := fleet.NewBreakers(c, fleet.BreakersOptions{})
 	defer func() { other.Close(); _ = c.Close() }()
-	ob := breaker.New(up, breaker.Settings{}, breaker.WithStore(other))
+	// The other gateway runs the same handler: its breaker has the same
+	// fleet key ("addr~policy").
+	ob := breaker.New(up, breaker.Settings{}, breaker.WithStore(other), breaker.WithStoreKey(getBreaker(t, up).FleetKey))
 	defer ob.Close()
 	ob.ForceOpen(time.Minute, "maintenance")
 	waitFor(t, "the upstream's breaker open", func() bool {
-		b, _ := shared.upstreams.Breaker(up)
+		b := liveBreaker(up)
 		return b != nil && b.State() == breaker.Open
 	})
 	v := getBreaker(t, up)
@@ -326,4 +328,13 @@ func getBreaker(t *testing.T, key string) upstream.BreakerView {
 		t.Fatalf("%v: %s", err, rec.Body)
 	}
 	return v
+}
+
+// liveBreaker returns the first started handler's breaker that key names
+// ("addr", "addr|model"), nil when none.
+func liveBreaker(key string) *breaker.Breaker {
+	if _, vs, ok := shared.upstreams.Find(key); ok {
+		return vs[0].Breaker
+	}
+	return nil
 }

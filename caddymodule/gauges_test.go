@@ -229,7 +229,7 @@ func TestBreakerStateHasAPoolLabel(t *testing.T) {
 		}
 	})
 	for _, addr := range []string{a, b} {
-		br, _ := shared.upstreams.Breaker(addr)
+		br := liveBreaker(addr)
 		if br == nil {
 			t.Fatalf("no breaker for %s", addr)
 		}

@@ -125,7 +125,7 @@ func TestAppStartAndStopHandOverSettings(t *testing.T) {
 	old := build(3)
 	startedApp(t, ctx, nil, old)
 	got := func() int {
-		b, _ := shared.upstreams.Breaker(addr)
+		b := liveBreaker(addr)
 		if b == nil {
 			t.Fatal("no breaker")
 		}

@@ -66,8 +66,8 @@ func TestPanicMetrics(t *testing.T) {
 		up.Done(nil)
 	}
 	pick() // creates the upstreams' breakers
-	e0.Breakers()[""].ForceOpen(0, "maintenance")
-	e1.Breakers()[""].Eject("outlier", 0.5)
+	p.Breakers(e0)[""].ForceOpen(0, "maintenance")
+	p.Breakers(e1)[""].Eject("outlier", 0.5)
 	for range 5 {
 		pick()
 	}
@@ -78,7 +78,7 @@ func TestPanicMetrics(t *testing.T) {
 	if !found || after-before != 5 {
 		t.Fatalf("caddy_llm_proxy_panic_requests_total grew by %v (found %v), want 5", after-before, found)
 	}
-	e0.Breakers()[""].ForceClose("back")
+	p.Breakers(e0)[""].ForceClose("back")
 	pick()
 	if v := gauge(); v != 0 {
 		t.Fatalf("caddy_llm_proxy_pool_panic = %v after the pool recovered, want 0", v)

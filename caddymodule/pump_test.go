@@ -40,7 +40,7 @@ func TestBreakerClosingAdmitsTheQueue(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer app.Stop()
-	br, _ := shared.upstreams.Breaker(a)
+	br := liveBreaker(a)
 	br.ForceOpen(time.Hour, "test")
 
 	tier := admission.Tier{Name: "std", QueueTimeout: time.Minute}

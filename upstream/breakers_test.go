@@ -198,7 +198,7 @@ func TestScopeModelBreakersAreBounded(t *testing.T) {
 		finish(up, proxy.AttemptHTTP4xx)
 	}
 	e, _ := reg.Entry("10.9.3.1:8000")
-	if n := len(e.Breakers()); n > maxUnserved+1 {
+	if n := len(e.Verdicts()); n > maxUnserved+1 {
 		t.Fatalf("%d breakers from client-chosen model names, want at most %d", n, maxUnserved+1)
 	}
 	if n := obs.countPrefix("created 10.9.3.1:8000|"); n > maxUnserved+1 {
@@ -253,7 +253,7 @@ func TestReloadTurningBreakersOffForgetsThem(t *testing.T) {
 		t.Fatal("breaker gauge kept with breakers off")
 	}
 	e, _ := reg.Entry("10.1.10.1:8000")
-	if n := len(e.Breakers()); n != 0 {
+	if n := len(e.Verdicts()); n != 0 {
 		t.Fatalf("%d breakers kept with breakers off", n)
 	}
 	if _, err := pickModel(next, ""); err != nil {

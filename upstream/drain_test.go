@@ -35,7 +35,7 @@ func TestDrainHoldsNewBreakersOpenForWhatIsLeft(t *testing.T) {
 	if _, err := pickModel(p, "b"); !errors.As(err, &ue) || !ue.CircuitOpen {
 		t.Fatalf("model b first requested during the drain: pick error %v, want circuit open", err)
 	}
-	b := e.breakerMap()[bkey{"", "b"}]
+	b := p.Breakers(e)["b"]
 	if b == nil {
 		t.Fatal("no breaker of model b")
 	}

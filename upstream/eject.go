@@ -216,32 +216,14 @@ func (p *Pool) releaseTrip() {
 	p.tripMu.Unlock()
 }
 
-// reserveTrips is reserveTrip in p and in every other started pool that
-// shares p's breaker of self (handlers with one breaker policy): the
-// breaker opens for all of them, so it trips only within each one's cap.
-// It returns the pools whose places it took, for releaseTrips, or ok
-// false with none taken. It takes no lock but the pools' tripMu, one at a
-// time.
+// reserveTrips is reserveTrip for p's own breaker of self: breakers are
+// per handler, so a trip counts against its own pool's cap alone. It
+// returns the places it took, for releaseTrips, or ok false with none.
 func (p *Pool) reserveTrips(key string, self *Entry) (taken []*Pool, ok bool) {
 	if !p.reserveTrip(key, self) {
 		return nil, false
 	}
-	taken = append(taken, p)
-	pol := self.polOf(p.claim)
-	if cl := self.claimList.Load(); cl != nil {
-		for _, c := range *cl {
-			q := c.owner
-			if q == nil || q == p || c.settings == nil || !c.active.Load() || self.polOf(c) != pol {
-				continue
-			}
-			if !q.reserveTrip(key, self) {
-				releaseTrips(taken)
-				return nil, false
-			}
-			taken = append(taken, q)
-		}
-	}
-	return taken, true
+	return []*Pool{p}, true
 }
 
 // releaseTrips gives back the places reserveTrips took.

@@ -229,13 +229,11 @@ func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
 	}
 }
 
-// A breaker shared by two handlers' pools (one policy) trips on its own
-// ratio rule only within the cap of every pool that routes over it: X
-// failing half of handler b's requests, in b's pool of ten, must not take
-// the place that Y already holds in handler a's pool of two (a's cap is
-// one). Before, b's cap alone was asked, and a's pool showed "ejected 2 of
-// 1" with both its breakers open.
-func TestOwnRatioTripsWithinEveryPoolsCap(t *testing.T) {
+// Each handler judges the upstream's shared evidence within its own pool's
+// cap: X failing half of handler b's requests, in b's pool of ten, is
+// ejected from b's pool, but not from handler a's pool of two, whose only
+// place (a's cap is one) Y holds. a's pool never shows "ejected 2 of 1".
+func TestEachPoolEjectsOnTheSharedEvidenceWithinItsOwnCap(t *testing.T) {
 	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
@@ -254,11 +252,15 @@ func TestOwnRatioTripsWithinEveryPoolsCap(t *testing.T) {
 		t.Fatalf("a: %+v, want y ejected", st)
 	}
 	serveOn(t, b, big, x, 20, half)
-	if st := breakerOf(t, reg, x, "").State(); st != breaker.Closed {
-		t.Fatalf("x is %s, want closed: pool a's only other place is y's", st)
+	ex, _ := reg.Entry(x)
+	if st := a.Breakers(ex)[""].State(); st != breaker.Closed {
+		t.Fatalf("x in pool a is %s, want closed: pool a's only place is y's", st)
 	}
 	if st := a.Status(); st.Ejected != 1 {
 		t.Fatalf("a: %+v, want ejected 1 of 1", st)
+	}
+	if st := b.Breakers(ex)[""].State(); st != breaker.Open {
+		t.Fatalf("x in pool b is %s, want open: half its requests failed, within b's cap of 3", st)
 	}
 }
 

@@ -14,29 +14,31 @@ import (
 // is destroyed.
 func TestDroppedBreakersLeaveTheFleet(t *testing.T) {
 	sm := breakertest.NewSharedMemory(nil, 1)
+	// Breakers are named in a store by upstream and policy.
+	pol := policyFingerprint(&breaker.Settings{}, nil, false)
 	joined := func(key string) int { return sm.Counts(key).Joined }
 
 	reg := NewRegistry(nil)
 	reg.breakerOpts = []breaker.Option{breaker.WithStore(sm.Instance("gw0"))}
 	old := startPool(t, reg, Config{Static: targets("10.1.11.1:8000"), Breaker: &breaker.Settings{}})
 	finish(mustPick(t, old, ""), proxy.AttemptSuccess)
-	if n := joined("10.1.11.1:8000"); n != 1 {
+	if n := joined("10.1.11.1:8000~"+pol); n != 1 {
 		t.Fatalf("%d breakers joined, want 1", n)
 	}
 	reload(t, old, Config{Static: targets("10.1.11.1:8000")})
-	if n := joined("10.1.11.1:8000"); n != 0 {
+	if n := joined("10.1.11.1:8000~"+pol); n != 0 {
 		t.Fatalf("%d breakers joined after breakers were turned off, want 0", n)
 	}
 
 	reg.Models.Learn("llama")
 	p := startPool(t, reg, Config{Static: targets("10.1.11.2:8000"), ScopeModel: true, Breaker: &breaker.Settings{}})
 	finish(mustPick(t, p, "llama"), proxy.AttemptSuccess)
-	if n := joined("10.1.11.2:8000|llama"); n != 1 {
+	if n := joined("10.1.11.2:8000~"+policyFingerprint(&breaker.Settings{}, nil, true)+"|llama"); n != 1 {
 		t.Fatalf("%d breakers joined, want 1", n)
 	}
 	p.Deactivate()
 	p.Release()
-	if n := joined("10.1.11.2:8000|llama"); n != 0 {
+	if n := joined("10.1.11.2:8000~"+policyFingerprint(&breaker.Settings{}, nil, true)+"|llama"); n != 0 {
 		t.Fatalf("%d breakers joined after the entry was destroyed, want 0", n)
 	}
 }
@@ -59,8 +61,8 @@ func TestSetBreakerStoreRebuildsTheBreakers(t *testing.T) {
 	gw0 := sm.Instance("gw0")
 	reg.SetBreakerStore(gw0)
 	fleetB := breakerOf(t, reg, addr, "")
-	if fleetB == before || sm.Counts(addr).Joined != 1 {
-		t.Fatalf("not rebuilt with the store: same %v, joined %d", fleetB == before, sm.Counts(addr).Joined)
+	if fleetB == before || sm.Counts(fleetB.StoreKey()).Joined != 1 {
+		t.Fatalf("not rebuilt with the store: same %v, joined %d", fleetB == before, sm.Counts(fleetB.StoreKey()).Joined)
 	}
 	if s := fleetB.Snapshot(); s.State != breaker.Open || !s.OpenUntil.Equal(until) {
 		t.Fatalf("rebuilt breaker %+v, want open until %v", s, until)
@@ -73,7 +75,7 @@ func TestSetBreakerStoreRebuildsTheBreakers(t *testing.T) {
 		t.Fatal("setting the same store rebuilt the breakers")
 	}
 	// Shared now: another gateway's verdict reaches it.
-	other := breaker.New(addr, breaker.Settings{}, breaker.WithStore(sm.Instance("gw1")))
+	other := breaker.New(addr, breaker.Settings{}, breaker.WithStore(sm.Instance("gw1")), breaker.WithStoreKey(fleetB.StoreKey()))
 	other.ForceOpen(time.Hour, "drain")
 	if s := fleetB.Snapshot(); !s.OpenUntil.After(until.Add(50 * time.Minute)) {
 		t.Fatalf("the other gateway's verdict did not arrive: %+v", s)
@@ -81,8 +83,8 @@ func TestSetBreakerStoreRebuildsTheBreakers(t *testing.T) {
 
 	reg.SetBreakerStore(nil)
 	local := breakerOf(t, reg, addr, "")
-	if local == fleetB || sm.Counts(addr).Joined != 1 {
-		t.Fatalf("not rebuilt without the store: joined %d", sm.Counts(addr).Joined)
+	if local == fleetB || sm.Counts(fleetB.StoreKey()).Joined != 1 {
+		t.Fatalf("not rebuilt without the store: joined %d", sm.Counts(fleetB.StoreKey()).Joined)
 	}
 	if s := local.Snapshot(); s.State != breaker.Open || !s.OpenUntil.Equal(fleetB.Snapshot().OpenUntil) {
 		t.Fatalf("local breaker %+v", s)
@@ -91,7 +93,7 @@ func TestSetBreakerStoreRebuildsTheBreakers(t *testing.T) {
 	// A new upstream whose key the store has open: created open, without
 	// a deadlock on the entry's lock, and observed.
 	const addr2 = "10.1.12.2:8000"
-	sm.Instance("gw1").PutOpen(addr2, time.Now().Add(time.Minute), "open elsewhere")
+	sm.Instance("gw1").PutOpen(addr2+"~"+policyFingerprint(&breaker.Settings{}, nil, false), time.Now().Add(time.Minute), "open elsewhere")
 	reg.SetBreakerStore(gw0)
 	p2 := startPool(t, reg, Config{Static: targets(addr2, "10.1.12.3:8000"), Breaker: &breaker.Settings{}})
 	p2.holdBreakers()

@@ -212,7 +212,21 @@ func breakerOf(t *testing.T, reg *Registry, addr, key string) *breaker.Breaker {
 	if !ok {
 		t.Fatalf("no entry for %s", addr)
 	}
-	b := e.Breakers()[key]
+	// The newest started handler's breaker (of the newest config), else
+	// the newest one's.
+	var best *verdict
+	for _, v := range e.verdictList() {
+		if v.model != key || best != nil && best.c.active.Load() && !v.c.active.Load() {
+			continue
+		}
+		if best == nil || v.c.active.Load() && !best.c.active.Load() || v.c.newerThan(best.c) {
+			best = &v
+		}
+	}
+	var b *breaker.Breaker
+	if best != nil {
+		b = best.b
+	}
 	if b == nil {
 		t.Fatalf("no breaker %q for %s", key, addr)
 	}

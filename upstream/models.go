@@ -96,5 +96,10 @@ func reserve(n *atomic.Int64, max int64) bool {
 }
 
 func sortViews(v []BreakerView) {
-	sort.Slice(v, func(i, j int) bool { return v[i].Key < v[j].Key })
+	sort.SliceStable(v, func(i, j int) bool {
+		if v[i].Key != v[j].Key {
+			return v[i].Key < v[j].Key
+		}
+		return v[i].Handler < v[j].Handler
+	})
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
@@ -183,7 +184,12 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			return p.upstream(c, nil), nil
 		}
 		if permit, ok := c.br.Allow(); ok {
-			return p.upstream(c, &permit), nil
+			if !permit.Probe() || c.Entry.takeProbe(c.key, c.br.Settings().HalfOpenProbes) {
+				return p.upstream(c, &permit), nil
+			}
+			// Another handler's probe of the upstream is out: one
+			// handler's probes at a time reach it.
+			permit.Done(breaker.Neutral, 0, "")
 		}
 		// Lost the race for a half-open probe slot: try the others.
 		c.Entry.releaseSlot()
@@ -249,6 +255,20 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 	e, br, t, key := c.Entry, c.br, c.Target, c.key
 	epoch := e.startAttempt()
 	started := p.reg.now()
+	issued := started
+	var probe *atomic.Bool // the entry's probe place, held until settled
+	if permit != nil {
+		issued = permit.IssuedAt()
+		if permit.Probe() {
+			probe = new(atomic.Bool)
+			probe.Store(true)
+		}
+	}
+	giveProbe := func() {
+		if probe != nil && probe.Swap(false) {
+			e.giveProbe(key)
+		}
+	}
 	return proxy.Upstream{
 		Addr:       t.Addr,
 		Closed:     br == nil || br.State() == breaker.Closed,
@@ -258,22 +278,33 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		// stream longer than the probe timeout must not count as a hung
 		// probe. Later, Done on a settled permit does nothing.
 		Committed: func(ttft time.Duration) {
-			if br != nil {
-				br.Live() // a first token: the server is up
-			}
+			e.live(key) // a first token: the server is up, for every handler
 			if permit != nil && permit.Probe() {
 				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft}, nil)
+				giveProbe()
 			}
 		},
 		Done: func(rep *proxy.AttemptReport) {
 			e.endAttempt(epoch)
 			e.releaseSlot()
+			defer giveProbe()
 			// Every attempt's outcome is the upstream's evidence, once,
-			// whether or not a breaker let it through.
+			// whether or not a breaker let it through: in its shared
+			// record, and in every handler's breaker on it.
 			o := outcomeOf(rep)
 			e.recent.Record(o)
 			if o != breaker.Neutral || answered(rep) {
 				p.recordOutcome(e, started, o == breaker.Failure || o == breaker.Down)
+			}
+			if rep != nil && o != breaker.Neutral {
+				own := br // its permit records it (record)
+				if permit == nil {
+					own = nil
+				}
+				e.hear(own, key, o, issued, rep.TTFT, reasonOf(rep))
+				if rep.RetryAfter > 0 {
+					e.retryAfter(key, rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+				}
 			}
 			if permit == nil {
 				return

@@ -41,7 +41,10 @@ func TestHandlersObeyTheirOwnBreakerPolicy(t *testing.T) {
 			if _, err := pickModel(a, ""); !errors.As(err, &ue) || !ue.CircuitOpen {
 				t.Fatalf("site A after 2 failures: pick error %v, want circuit open", err)
 			}
-			for i := range 3 {
+			// Site B judges the upstream's evidence, A's two failures
+			// included, by its own rule: with 5, its fifth failure in a
+			// row opens it, not A's second.
+			for i := range 2 {
 				up, err := pickModel(b, "")
 				if err != nil {
 					t.Fatalf("site B's request %d refused by site A's breaker: %v", i+1, err)
@@ -56,7 +59,7 @@ func TestHandlersObeyTheirOwnBreakerPolicy(t *testing.T) {
 				want = "closed"
 			}
 			if got := b.BreakerState(addr, ""); got != want {
-				t.Fatalf("site B's breaker %q, want %q", got, want)
+				t.Fatalf("site B's breaker after 4 failures on the upstream %q, want %q", got, want)
 			}
 			if got := a.BreakerState(addr, ""); got != "open" {
 				t.Fatalf("site A's breaker %q, want open", got)
@@ -76,8 +79,10 @@ func TestHandlersObeyTheirOwnBreakerPolicy(t *testing.T) {
 	}
 }
 
-// Same settings in front of one upstream: one breaker, both pools listed.
-func TestHandlersWithOneBreakerPolicyShareTheBreaker(t *testing.T) {
+// Same settings in front of one upstream: each handler has its own
+// breaker, and both judge every attempt on the upstream, so one failure
+// through each site opens both, under one fleet key.
+func TestHandlersWithEqualSettingsReachEqualVerdicts(t *testing.T) {
 	reg := NewRegistry(nil)
 	gen := reg.NextGeneration()
 	const addr = "10.7.1.2:8000"
@@ -87,12 +92,15 @@ func TestHandlersWithOneBreakerPolicyShareTheBreaker(t *testing.T) {
 	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: &s2})
 	fail(mustPick(t, a, ""))
 	fail(mustPick(t, b, ""))
-	if _, err := pickModel(b, ""); err == nil {
-		t.Fatal("one failure from each site did not open the shared breaker")
+	for name, p := range map[string]*Pool{"a": a, "b": b} {
+		if _, err := pickModel(p, ""); err == nil {
+			t.Fatalf("site %s: one failure from each site did not open its breaker", name)
+		}
 	}
 	views := reg.Breakers()
-	if len(views) != 1 || views[0].Key != addr || !slices.Equal(views[0].Pools, []string{"a", "b"}) {
-		t.Fatalf("breakers %+v, want one %q serving [a b]", views, addr)
+	if len(views) != 2 || views[0].Key != addr || views[1].Key != addr || views[0].State != breaker.Open || views[1].State != breaker.Open ||
+		views[0].Handler != "a" || views[1].Handler != "b" || views[0].FleetKey != views[1].FleetKey || views[0].FleetKey != addr+"~"+a.Policy() {
+		t.Fatalf("breakers %+v, want two %q, open, of handlers a and b, with fleet key %s~%s", views, addr, addr, a.Policy())
 	}
 }
 
@@ -123,7 +131,9 @@ func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
 	a := startPool(t, reg, Config{Generation: gen, Key: "a", Static: targets(addr), Breaker: sa, Prober: testProber("/a")})
 	b := startPool(t, reg, Config{Generation: gen, Key: "b", Static: targets(addr), Breaker: sb, Prober: testProber("/b")})
 	fail(mustPick(t, a, ""))
-	fail(mustPick(t, b, ""))
+	if _, err := pickModel(b, ""); err == nil {
+		t.Fatal("site b's breaker did not hear site a's failure")
+	}
 	// The cooldowns back off to max_open (20ms): 40 ticks of 5ms see
 	// several probes of each policy.
 	for i := 0; probesTo("/a") < 2 || probesTo("/b") < 2; i++ {

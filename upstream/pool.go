@@ -243,7 +243,11 @@ func (p *Pool) Deactivate() { p.setActive(false) }
 func (p *Pool) setActive(on bool) {
 	p.claim.active.Store(on)
 	for _, e := range p.entries() {
-		e.reconcile()
+		if on {
+			e.activate(p.claim)
+		} else {
+			e.deactivate()
+		}
 	}
 	if on {
 		p.holdBreakers()
@@ -419,15 +423,21 @@ func (p *Pool) BreakerState(addr, model string) string {
 // model key ("" per upstream): empty when the pool has breakers off. Do
 // not modify the map.
 func (p *Pool) Breakers(e *Entry) map[string]*breaker.Breaker {
+	out := map[string]*breaker.Breaker{}
 	if p.claim.settings == nil {
-		return map[string]*breaker.Breaker{}
+		return out
 	}
-	return e.policyBreakers(e.polOf(p.claim))
+	for _, v := range e.verdictList() {
+		if v.c == p.claim {
+			out[v.model] = v.b
+		}
+	}
+	return out
 }
 
 // Policy returns the fingerprint of the pool's breaker policy ("b" or "s"
 // then 8 hex digits, see BreakerView.Policy), "" with breakers off. Pools
-// with one policy in front of one upstream share its breakers.
+// with one policy in front of one upstream share their breakers' fleet key.
 func (p *Pool) Policy() string { return p.claim.fp }
 
 // Registry returns the registry the pool belongs to.
@@ -494,13 +504,13 @@ func (p *Pool) healthy(m *member) bool {
 		if p.claim.settings == nil {
 			return true
 		}
-		pol, n := m.e.polOf(p.claim), 0
-		for k, b := range m.e.breakerMap() {
-			if k.pol != pol {
+		n := 0
+		for _, v := range m.e.verdictList() {
+			if v.c != p.claim {
 				continue
 			}
 			n++
-			if b.State() == breaker.Closed {
+			if v.b.State() == breaker.Closed {
 				return true
 			}
 		}

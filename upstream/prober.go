@@ -53,6 +53,12 @@ type Prober struct {
 	Timeout time.Duration
 }
 
+// request identifies the probe a Prober sends: probers that send the same
+// one share its answer.
+func (p *Prober) request() string {
+	return fmt.Sprintf("%s\x00%s\x00%v", cmp.Or(p.URI, DefaultProbeURI), p.Chat, p.Timeout)
+}
+
 func (p *Prober) interval() time.Duration {
 	if p.Interval > 0 {
 		return p.Interval
@@ -137,14 +143,11 @@ func (e *Entry) probeWantedLocked() bool {
 	return !e.destroyed && e.proberLocked() != nil && e.anyOpenLocked()
 }
 
-// proberLocked returns the Prober the entry's loop uses: the effective
-// claim's when it has started and probes actively, else the newest started
-// claim's that does (a handler with breakers off, or passive recovery,
-// never stops another handler's probes); nil when none does.
+// proberLocked returns the Prober the entry's loop paces itself by: the
+// newest started claim's that probes actively (a handler with breakers
+// off, or passive recovery, never stops another handler's probes); nil
+// when none does.
 func (e *Entry) proberLocked() *Prober {
-	if e.eff != nil && e.eff.active.Load() && e.eff.prober != nil {
-		return e.eff.prober
-	}
 	var best *claim
 	for _, c := range e.claims {
 		if c.settings != nil && c.prober != nil && c.active.Load() && (best == nil || c.newerThan(best)) {
@@ -158,8 +161,8 @@ func (e *Entry) proberLocked() *Prober {
 }
 
 func (e *Entry) anyOpenLocked() bool {
-	for _, b := range e.breakerMap() {
-		if b.State() != breaker.Closed {
+	for _, v := range e.verdictList() {
+		if v.b.State() != breaker.Closed {
 			return true
 		}
 	}
@@ -194,27 +197,27 @@ func (e *Entry) probeLoop() {
 		case <-t.C():
 		}
 		spaced := e.reg.now().Sub(last) >= p.interval()
-		// Each policy's breakers are probed with the Prober of the
-		// handlers that use that policy; one probe answers for every
-		// breaker that shares its Prober.
-		e.mu.Lock()
-		probers := map[string]*Prober{}
-		for k := range e.breakerMap() {
-			if _, ok := probers[k.pol]; !ok {
-				probers[k.pol] = cmp.Or(e.policyProberLocked(k.pol), p)
-			}
-		}
-		e.mu.Unlock()
+		// Each handler's breakers are probed with its own Prober (else
+		// the loop's); one probe answers for every breaker whose
+		// Prober sends the same request, so handlers with one probe
+		// config cost the upstream one probe per interval.
+		var byProbe map[string]*Prober
 		var byProber map[*Prober][]breaker.Permit
-		for k, b := range e.breakerMap() {
+		for _, v := range e.verdictList() {
+			b := v.b
 			if !spaced && b.State() != breaker.Open || !b.ProbeDue() {
 				continue
 			}
 			if permit, ok := b.AllowProbe(); ok {
 				if byProber == nil {
-					byProber = map[*Prober][]breaker.Permit{}
+					byProber, byProbe = map[*Prober][]breaker.Permit{}, map[string]*Prober{}
 				}
-				pr := cmp.Or(probers[k.pol], p)
+				pr := cmp.Or(v.c.prober, p)
+				if same, ok := byProbe[pr.request()]; ok {
+					pr = same
+				} else {
+					byProbe[pr.request()] = pr
+				}
 				byProber[pr] = append(byProber[pr], permit)
 			}
 		}
@@ -237,19 +240,4 @@ func (e *Entry) probeLoop() {
 			}
 		}
 	}
-}
-
-// policyProberLocked returns the Prober of the newest started handler
-// that uses policy key pol and probes actively, nil when none does.
-func (e *Entry) policyProberLocked(pol string) *Prober {
-	var best *claim
-	for _, c := range e.claims {
-		if c.settings != nil && c.prober != nil && c.active.Load() && e.polOf(c) == pol && (best == nil || c.gen > best.gen) {
-			best = c
-		}
-	}
-	if best == nil {
-		return nil
-	}
-	return best.prober
 }

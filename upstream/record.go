@@ -53,7 +53,7 @@ func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, cap
 	case o == breaker.Neutral:
 		p.Done(breaker.Neutral, 0, "")
 	default:
-		p.DoneCapped(o, rep.TTFT, rep.Outcome.String(), capReached)
+		p.DoneCapped(o, rep.TTFT, reasonOf(rep), capReached)
 		failed = true
 	}
 	if !p.Probe() {
@@ -86,4 +86,13 @@ func outcomeOf(rep *proxy.AttemptReport) breaker.Outcome {
 // proof that the server is up.
 func answered(rep *proxy.AttemptReport) bool {
 	return rep != nil && (rep.Outcome == proxy.AttemptHTTP4xx || rep.Outcome == proxy.AttemptInbandError4xx)
+}
+
+// reasonOf is an attempt's failure as a breaker records it ("" for a
+// success).
+func reasonOf(rep *proxy.AttemptReport) string {
+	if rep == nil || rep.Outcome == proxy.AttemptSuccess {
+		return ""
+	}
+	return rep.Outcome.String()
 }

@@ -41,6 +41,7 @@
 package upstream
 
 import (
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -193,9 +194,13 @@ func (r *Registry) EntryRefs(addr string) int { return r.entries.Refs(addr) }
 // ProbeLoops returns the number of active-probe loops running.
 func (r *Registry) ProbeLoops() int { return int(r.loops.Load()) }
 
-// BreakerView is one breaker with its upstream, for the admin API.
+// BreakerView is one handler's breaker on an upstream, with the
+// upstream's shared evidence, for the admin API.
 type BreakerView struct {
 	breaker.Snapshot
+	// FleetKey is the breaker's key in a fleet store: "addr~policy", then
+	// "|model" (Snapshot.Key is "addr", then "|model").
+	FleetKey string `json:"fleet_key"`
 	// Upstream is the upstream's dial address.
 	Upstream string `json:"upstream"`
 	// Model is the model under scope model, "" for a per-upstream breaker.
@@ -205,17 +210,17 @@ type BreakerView struct {
 	// Recent is the upstream's shared evidence: the outcomes of every
 	// handler's attempts on it within RecentWindow (Entry.Recent).
 	Recent breaker.OutcomeCounts `json:"recent"`
-	// Policy is "" for the breakers of the upstream's primary policy (the
-	// newest started handler with breakers on, and every handler with the
-	// same settings), else the fingerprint of the settings of the handlers
-	// it serves ("b" or "s" for saturation, then 8 hex digits); the
-	// breaker's key (Snapshot.Key) is "addr~policy" then.
+	// Policy is the fingerprint of the handler's breaker settings ("b",
+	// or "s" when saturation trips them, then 8 hex digits): handlers
+	// with one policy reach one verdict.
 	Policy string `json:"policy,omitempty"`
-	// Pools are the keys of the pools (handlers) whose requests this
-	// breaker governs, sorted. The admin API shows them as pool labels.
-	Pools []string `json:"pools"`
-	// Handlers are the names of the handlers (sites) whose requests this
-	// breaker governs (Config.Handler), sorted.
+	// Handler names the handler (site) whose verdict this is
+	// (Config.Handler); Pool is its pool's key (a label in the admin API).
+	Handler string `json:"handler"`
+	Pool    string `json:"pool"`
+	// Pools and Handlers are Pool and Handler as one-element lists, as
+	// earlier versions showed them.
+	Pools    []string `json:"pools"`
 	Handlers []string `json:"handlers"`
 	// Scope is "fleet" when the breaker's counts and state are shared with
 	// the fleet (its store is the fleet's, in fleet mode, and it is not
@@ -227,47 +232,59 @@ type BreakerView struct {
 	OpenedBy string `json:"opened_by,omitempty"`
 }
 
-// Breakers returns every live breaker, sorted by key.
+// View returns v, a verdict of e, as the admin API shows it.
+func (e *Entry) View(v Verdict) BreakerView {
+	return BreakerView{Snapshot: v.Breaker.Snapshot(), FleetKey: v.Breaker.StoreKey(), Upstream: e.addr, Model: v.Model, Inflight: e.Inflight(), Recent: e.Recent(),
+		Policy: v.Policy, Handler: v.Handler, Pool: v.Pool, Pools: []string{v.Pool}, Handlers: []string{v.Handler}}
+}
+
+// shown returns the verdicts of e the admin API lists: those of started
+// configs (a config that is loading, or an old one still finishing its
+// requests, has breakers of its own that govern nothing new), or all of
+// them when no config holding e has started.
+func (e *Entry) shown() []Verdict {
+	all := e.Verdicts()
+	active := slices.DeleteFunc(slices.Clone(all), func(v Verdict) bool { return !v.Active })
+	if len(active) == 0 {
+		return all
+	}
+	return active
+}
+
+// Breakers returns every handler's live breaker on every upstream, sorted
+// by key (then model, handler).
 func (r *Registry) Breakers() []BreakerView {
 	var out []BreakerView
 	for _, e := range r.Entries() {
-		for k, b := range e.breakerMap() {
-			out = append(out, BreakerView{Snapshot: b.Snapshot(), Upstream: e.addr, Model: k.model, Inflight: e.Inflight(), Recent: e.Recent(),
-				Policy: k.pol, Pools: e.poolsOf(k.pol), Handlers: e.PolicyHandlers(k.pol)})
+		for _, v := range e.shown() {
+			out = append(out, e.View(v))
 		}
 	}
 	sortViews(out)
 	return out
 }
 
-// Breaker returns the breaker under key ("addr", "addr~policy", then
-// "|model" under scope model), nil if none.
-func (r *Registry) Breaker(key string) (*breaker.Breaker, *Entry) {
+// Find returns the entry and the verdicts a key names: "addr" or
+// "addr|model" (every started handler's breaker for it), or a fleet key
+// "addr~policy[|model]" (the breakers of that policy). ok is false when
+// none.
+func (r *Registry) Find(key string) (*Entry, []Verdict, bool) {
 	for _, e := range r.Entries() {
-		if len(key) < len(e.addr) || key[:len(e.addr)] != e.addr {
+		rest, found := strings.CutPrefix(key, e.addr)
+		if !found || rest != "" && rest[0] != '|' && rest[0] != '~' {
 			continue
 		}
-		rest := key[len(e.addr):]
-		var k bkey
-		if strings.HasPrefix(rest, "~") {
-			pol, after, found := strings.Cut(rest[1:], "|")
-			k.pol, rest = pol, ""
-			if found {
-				rest = "|" + after
+		var out []Verdict
+		for _, v := range e.shown() {
+			if key == v.Breaker.Key() || key == v.Breaker.StoreKey() {
+				out = append(out, v)
 			}
 		}
-		switch {
-		case rest == "":
-		case rest[0] == '|':
-			k.model = rest[1:]
-		default:
-			continue
-		}
-		if b := e.breakerMap()[k]; b != nil {
-			return b, e
+		if len(out) > 0 {
+			return e, out, true
 		}
 	}
-	return nil, nil
+	return nil, nil, false
 }
 
 // NextGeneration returns a new config generation for Config.Generation,

@@ -25,9 +25,9 @@ func TestRegistryBreakerFindsByAddressAndModel(t *testing.T) {
 		{"10.5.0.1:80|qwen", "", false},
 		{"", "", false},
 	} {
-		b, e := reg.Breaker(tc.key)
-		if (b != nil) != tc.found || (tc.found && e.Addr() != tc.addr) {
-			t.Errorf("Breaker(%q) = %v, %v; want found %t at %s", tc.key, b, e, tc.found, tc.addr)
+		e, vs, ok := reg.Find(tc.key)
+		if ok != tc.found || (tc.found && (e.Addr() != tc.addr || len(vs) != 1)) {
+			t.Errorf("Find(%q) = %v, %d verdicts, %v; want found %t at %s, one verdict", tc.key, e, len(vs), ok, tc.found, tc.addr)
 		}
 	}
 	views := reg.Breakers()

@@ -285,7 +285,7 @@ func TestReloadChangingOneSitesThresholdsKeepsTheOthersOpenUntil(t *testing.T) {
 		openKey, otherKey string
 	}{
 		{"open site sorts first", 2, 10, 12, "a", "b"},
-		{"open site sorts last", 10, 2, 3, "a", "b"},
+		{"open site sorts last", 2, 10, 12, "b", "a"},
 		{"changed site becomes the open site's twin", 2, 10, 2, "a", "b"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

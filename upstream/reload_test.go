@@ -45,39 +45,31 @@ func TestScopeModelBreakersSurviveReload(t *testing.T) {
 	}
 }
 
-// Regression: the old config, still serving streams after a reload,
-// re-applied its settings over the new config's when it met a breaker key
-// it had not used yet.
-func TestNewerConfigSettingsWinOverOlder(t *testing.T) {
+// Requests still running on the old config after a reload are evidence
+// for the new config's breakers, judged by the new settings; the old
+// config's own breakers keep its settings for what it still picks.
+func TestOldConfigsRequestsAreEvidenceForTheNewSettings(t *testing.T) {
 	reg := NewRegistry(nil)
-	reg.Models.Learn("llama")
-	reg.Models.Learn("qwen")
-	old := startPool(t, reg, Config{Static: targets("10.9.2.1:8000"), ScopeModel: true, Breaker: &breaker.Settings{ConsecutiveFailures: 1}})
-	mustPick(t, old, "qwen").Done(nil)
-	next := startPool(t, reg, Config{Static: targets("10.9.2.1:8000"), ScopeModel: true, Breaker: &breaker.Settings{ConsecutiveFailures: 5}})
-	check := func(when string) {
-		t.Helper()
-		for _, m := range []string{"llama", "qwen"} {
-			if got := breakerOf(t, reg, "10.9.2.1:8000", m).Settings().ConsecutiveFailures; got != 5 {
-				t.Fatalf("%s: %s's consecutive_failures %d, want the new config's 5", when, m, got)
-			}
-		}
-	}
-	// In-flight requests on the old config, one for a key it never used.
-	mustPick(t, old, "llama").Done(nil)
-	mustPick(t, old, "qwen").Done(nil)
-	check("both running")
+		const addr = "10.9.2.1:8000"
+	old := startPool(t, reg, Config{Static: targets(addr), Breaker: &breaker.Settings{ConsecutiveFailures: 1}})
+	var running []proxy.Upstream
 	for range 4 {
-		fail(mustPick(t, old, "llama"))
+		running = append(running, mustPick(t, old, ""))
 	}
-	if st := next.BreakerState("10.9.2.1:8000", "llama"); st != "closed" {
-		t.Fatalf("4 failures tripped a breaker that wants 5: %s", st)
+	next := reload(t, old, Config{Static: targets(addr), Breaker: &breaker.Settings{ConsecutiveFailures: 5}})
+	if got := breakerOf(t, reg, addr, "").Settings().ConsecutiveFailures; got != 5 {
+		t.Fatalf("consecutive_failures %d, want the new config's 5", got)
 	}
-	old.Deactivate()
-	mustPick(t, old, "llama").Done(nil)
-	check("old stopped")
-	old.Release()
-	check("old released")
+	for _, up := range running {
+		fail(up)
+	}
+	if st := next.BreakerState(addr, ""); st != "closed" {
+		t.Fatalf("4 failures of the old config's requests tripped a breaker that wants 5: %s", st)
+	}
+	fail(mustPick(t, next, ""))
+	if st := next.BreakerState(addr, ""); st != "open" {
+		t.Fatalf("the fifth failure in a row on the upstream left the new config's breaker %s, want open", st)
+	}
 }
 
 // Regression: Provision applied a new config's settings to the shared
@@ -121,23 +113,18 @@ func TestFailedConfigLoadChangesNoLiveSetting(t *testing.T) {
 }
 
 // A config that started and then stopped (another of its apps failed to
-// start) hands the entries back to the config still running.
-func TestDeactivatingTheNewestHandsSettingsBack(t *testing.T) {
+// start) never changed the running config's verdicts: each handler's
+// breaker keeps its own settings.
+func TestAConfigThatStartsAndStopsLeavesTheRunningSettings(t *testing.T) {
 	reg := NewRegistry(nil)
 	a := startPool(t, reg, Config{Static: targets("10.2.2.1:8000"), Breaker: &breaker.Settings{ConsecutiveFailures: 3}})
 	mustPick(t, a, "").Done(nil)
-	br := breakerOf(t, reg, "10.2.2.1:8000", "")
+	br := a.Breakers(a.static[0].e)[""]
 	b := startPool(t, reg, Config{Static: targets("10.2.2.1:8000"), Breaker: &breaker.Settings{ConsecutiveFailures: 1}})
-	if got := br.Settings().ConsecutiveFailures; got != 1 {
-		t.Fatalf("the newest started config's settings not applied: %d", got)
-	}
 	b.Deactivate()
-	if got := br.Settings().ConsecutiveFailures; got != 3 {
-		t.Fatalf("after the newest stopped consecutive_failures is %d, want the running config's 3", got)
-	}
 	b.Release()
 	if got := br.Settings().ConsecutiveFailures; got != 3 {
-		t.Fatalf("after the newest was released consecutive_failures is %d, want 3", got)
+		t.Fatalf("after another config started and stopped consecutive_failures is %d, want the running config's 3", got)
 	}
 	fail(mustPick(t, a, ""))
 	if br.State() != breaker.Closed {

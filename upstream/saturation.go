@@ -44,51 +44,30 @@ type scrapeHost struct{ e *Entry }
 func (h scrapeHost) Inflight() int64 { return h.e.inflight.Load() }
 
 // TripGroups implements saturation.Host: the entry's breakers whose
-// policy reads saturation signals (the server's queue is every model's
-// queue), one group per policy, judged by the trip rules of that policy's
-// pools; a handler without a saturation block is never refused for it,
-// and one pool's trip rules never trip another's breakers.
+// handler reads saturation signals (the server's queue is every model's
+// queue), one group per policy, judged by that policy's trip rules; a
+// handler without a saturation block is never refused for it, and one
+// pool's trip rules never trip another's breakers.
 func (h scrapeHost) TripGroups() []saturation.TripGroup {
-	e := h.e
 	byPol := map[string]*saturation.TripGroup{}
-	var out []saturation.TripGroup
-	e.mu.Lock()
-	for k, b := range e.breakerMap() {
-		if !e.satPolicy(k.pol) {
+	var keys []string
+	for _, v := range h.e.verdictList() {
+		if v.c.sat == nil {
 			continue
 		}
-		g := byPol[k.pol]
+		g := byPol[v.c.fp]
 		if g == nil {
-			g = &saturation.TripGroup{Key: k.pol, Config: e.policySatLocked(k.pol)}
-			byPol[k.pol] = g
+			g = &saturation.TripGroup{Key: v.c.fp, Config: v.c.sat}
+			byPol[v.c.fp] = g
+			keys = append(keys, v.c.fp)
 		}
-		g.Breakers = append(g.Breakers, b)
+		g.Breakers = append(g.Breakers, v.b)
 	}
-	e.mu.Unlock()
-	for _, g := range byPol {
-		if g.Config != nil {
-			out = append(out, *g)
-		}
+	out := make([]saturation.TripGroup, 0, len(keys))
+	for _, k := range keys {
+		out = append(out, *byPol[k])
 	}
 	return out
-}
-
-// policySatLocked returns the saturation settings of policy key pol's
-// pools (those of the primary policy's effective claim for ""), nil when
-// none of its claims reads saturation.
-func (e *Entry) policySatLocked(pol string) *saturation.Saturation {
-	if pol == "" {
-		if e.eff != nil {
-			return e.eff.sat
-		}
-		return nil
-	}
-	for _, c := range e.claims {
-		if c.sat != nil && c.fp == pol {
-			return c.sat
-		}
-	}
-	return nil
 }
 
 // startAttempt counts an attempt against the current scrape epoch and
