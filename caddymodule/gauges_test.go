@@ -229,11 +229,14 @@ func TestBreakerStateHasAPoolLabel(t *testing.T) {
 		}
 	})
 	for _, addr := range []string{a, b} {
-		br := liveBreaker(addr)
-		if br == nil {
-			t.Fatalf("no breaker for %s", addr)
+		// An operator's drain: every handler's breaker on the upstream.
+		e, ok := shared.upstreams.Entry(addr)
+		if !ok {
+			t.Fatalf("no entry for %s", addr)
 		}
-		br.ForceOpen(time.Hour, "test")
+		if _, ok := e.Drain(time.Hour, "test"); !ok {
+			t.Fatalf("no breakers for %s", addr)
+		}
 	}
 	min := func(pool string) float64 {
 		m := -1.0

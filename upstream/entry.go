@@ -331,25 +331,37 @@ func (e *Entry) activate(c *claim) {
 	e.maybeProbe()
 }
 
-// predecessorLocked returns the claim c replaces: of the claims of older
-// configs, the newest of the same handler, else the newest of the same
-// pool and policy (a handler whose name changed with its line in the
-// Caddyfile); nil when none.
+// predecessorLocked returns the claim c replaces, of the claims of older
+// configs: the newest of the same handler and policy; else the one of the
+// same handler in the newest older config that has it, when only one
+// there has that name (a handler whose settings changed; unnamed handlers
+// of one upstream list share a name); else the newest of the same pool and
+// policy (a handler whose name changed with its line in the Caddyfile).
+// nil when none.
 func (e *Entry) predecessorLocked(c *claim) *claim {
-	var byName, byPool *claim
+	var same, byPool *claim
+	named := map[uint64][]*claim{}
+	var newest uint64
 	for _, o := range e.claims {
 		if o.cgen >= c.cgen || o.settings == nil {
 			continue
 		}
-		if o.handler == c.handler && (byName == nil || o.newerThan(byName)) {
-			byName = o
+		if o.handler == c.handler {
+			if o.fp == c.fp && (same == nil || o.newerThan(same)) {
+				same = o
+			}
+			named[o.cgen] = append(named[o.cgen], o)
+			newest = max(newest, o.cgen)
 		}
 		if o.pool == c.pool && o.fp == c.fp && (byPool == nil || o.newerThan(byPool)) {
 			byPool = o
 		}
 	}
-	if byName != nil {
-		return byName
+	switch {
+	case same != nil:
+		return same
+	case len(named[newest]) == 1:
+		return named[newest][0]
 	}
 	return byPool
 }
@@ -673,6 +685,8 @@ type Verdict struct {
 	Pool, Handler, Policy string
 	// Active is false for a pool of a config not started yet, or stopped.
 	Active bool
+
+	cgen uint64 // the config's generation
 }
 
 // Verdicts returns every handler's breaker on the upstream, sorted by
@@ -681,7 +695,7 @@ func (e *Entry) Verdicts() []Verdict {
 	vs := e.verdictList()
 	out := make([]Verdict, 0, len(vs))
 	for _, v := range vs {
-		out = append(out, Verdict{Breaker: v.b, Model: v.model, Pool: v.c.pool, Handler: v.c.handler, Policy: v.c.fp, Active: v.c.active.Load()})
+		out = append(out, Verdict{Breaker: v.b, Model: v.model, Pool: v.c.pool, Handler: v.c.handler, Policy: v.c.fp, Active: v.c.active.Load(), cgen: v.c.cgen})
 	}
 	slices.SortStableFunc(out, func(a, b Verdict) int {
 		return cmp.Or(strings.Compare(a.Model, b.Model), strings.Compare(a.Handler, b.Handler), strings.Compare(a.Pool, b.Pool))

@@ -238,13 +238,19 @@ func (e *Entry) View(v Verdict) BreakerView {
 		Policy: v.Policy, Handler: v.Handler, Pool: v.Pool, Pools: []string{v.Pool}, Handlers: []string{v.Handler}}
 }
 
-// shown returns the verdicts of e the admin API lists: those of started
-// configs (a config that is loading, or an old one still finishing its
-// requests, has breakers of its own that govern nothing new), or all of
-// them when no config holding e has started.
+// shown returns the verdicts of e the admin API lists: those of the
+// newest started config of each handler (a config that is loading, or an
+// old one still finishing its requests after a reload, has breakers of
+// its own that govern nothing new), or all of them when no config holding
+// e has started.
 func (e *Entry) shown() []Verdict {
 	all := e.Verdicts()
-	active := slices.DeleteFunc(slices.Clone(all), func(v Verdict) bool { return !v.Active })
+	newer := func(v Verdict) bool {
+		return slices.ContainsFunc(all, func(o Verdict) bool {
+			return o.Active && o.Handler == v.Handler && o.Model == v.Model && o.cgen > v.cgen
+		})
+	}
+	active := slices.DeleteFunc(slices.Clone(all), func(v Verdict) bool { return !v.Active || newer(v) })
 	if len(active) == 0 {
 		return all
 	}
