@@ -50,7 +50,7 @@ func TestScopeModelBreakersSurviveReload(t *testing.T) {
 // config's own breakers keep its settings for what it still picks.
 func TestOldConfigsRequestsAreEvidenceForTheNewSettings(t *testing.T) {
 	reg := NewRegistry(nil)
-		const addr = "10.9.2.1:8000"
+	const addr = "10.9.2.1:8000"
 	old := startPool(t, reg, Config{Static: targets(addr), Breaker: &breaker.Settings{ConsecutiveFailures: 1}})
 	var running []proxy.Upstream
 	for range 4 {
