@@ -386,8 +386,9 @@ func carryOpen(old, nb *breaker.Breaker, now time.Time, reason string) {
 // creating it with c's settings and the registry's breaker store; nil when
 // c has breakers off or does not hold the entry (a request still running
 // on a config that released it), or the entry is gone. A new breaker
-// starts as the entry's drain says, else as the open breaker of another
-// handler with the same settings (equal settings, equal verdict).
+// starts as the entry's drain says; a new handler's (one no older config
+// had) as another handler's with the same settings open on hard evidence
+// (equal settings, equal verdict).
 func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	if c == nil || c.settings == nil {
 		return nil
@@ -402,12 +403,13 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	}
 	old := e.verdictList()
 	var twin *breaker.Breaker
+	newHandler := e.predecessorLocked(c) == nil // else activate carries its state over
 	for _, v := range old {
 		if v.c == c && v.model == model {
 			e.mu.Unlock()
 			return v.b
 		}
-		if v.model == model && v.c.fp == c.fp && twin == nil && v.b.Evidence() == breaker.Hard {
+		if newHandler && v.model == model && v.c.fp == c.fp && twin == nil && v.b.Evidence() == breaker.Hard {
 			twin = v.b
 		}
 	}

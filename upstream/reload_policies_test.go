@@ -325,3 +325,44 @@ func TestReloadChangingOneSitesThresholdsKeepsTheOthersOpenUntil(t *testing.T) {
 		})
 	}
 }
+
+// Two named sites over one upstream swap their breaker settings in a
+// reload: each site keeps its own state (A open until the same time, B
+// closed), because a verdict belongs to a handler, not to its settings.
+// With verdicts shared by settings, B would have taken A's open breaker.
+func TestReloadThatSwapsTwoSitesPoliciesKeepsEachSitesState(t *testing.T) {
+	const addr = "10.7.9.4:8000"
+	settings := func(n int) *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: n, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	pools := reloadAll(t, reg, nil,
+		Config{Key: addr, Handler: "site-a", Static: targets(addr), Breaker: settings(2)},
+		Config{Key: addr, Handler: "site-b", Static: targets(addr), Breaker: settings(10)})
+	fail(mustPick(t, pools[0], ""))
+	fail(mustPick(t, pools[0], ""))
+	before := pools[0].Breakers(pools[0].Entries()[0])[""].Snapshot()
+	if before.State != breaker.Open || pools[1].BreakerState(addr, "") != "closed" {
+		t.Fatalf("before the reload: A %s, B %s; want A open, B closed", before.State, pools[1].BreakerState(addr, ""))
+	}
+	clk.Advance(time.Minute)
+	next := reloadAll(t, reg, pools,
+		Config{Key: addr, Handler: "site-a", Static: targets(addr), Breaker: settings(10)},
+		Config{Key: addr, Handler: "site-b", Static: targets(addr), Breaker: settings(2)})
+	after := next[0].Breakers(next[0].Entries()[0])[""].Snapshot()
+	if after.State != breaker.Open || !after.OpenUntil.Equal(before.OpenUntil) {
+		t.Errorf("site A after the swap: %s until %v, want open until %v", after.State, after.OpenUntil, before.OpenUntil)
+	}
+	if st := next[1].BreakerState(addr, ""); st != "closed" {
+		t.Errorf("site B after the swap: %s, want closed (it never failed)", st)
+	}
+	if _, err := pickModel(next[1], ""); err != nil {
+		t.Errorf("site B after the swap: %v, want its request through", err)
+	}
+	var ue *proxy.UnavailableError
+	if _, err := pickModel(next[0], ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+		t.Errorf("site A after the swap: pick error %v, want circuit open", err)
+	}
+}
