@@ -55,8 +55,8 @@ func Render(w io.Writer, s Status, o Options) error {
 
 // upstreams writes one row per upstream (dial address) with its breaker,
 // in-flight count, saturation score and scrape age and its breaker's last
-// failure; breakers per model (scope model), and those of handlers with
-// breaker settings of their own ("~policy"), follow as indented rows, and
+// failure; breakers per model (scope model), and each handler's where the
+// handlers' verdicts differ, follow as indented rows, and
 // a note per set of handlers (sites) names the breakers that serve them.
 // Notes below name scrape errors and fleet-wide openers.
 func upstreams(b *strings.Builder, s Status, o Options) {
@@ -76,15 +76,31 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 		}
 		return r
 	}
+	// Each handler has its own breaker on an upstream. Where they all
+	// agree (one handler, or equal settings and evidence), the upstream's
+	// row shows the state; where they differ, each handler's breaker
+	// follows as an indented row named by its handler.
+	perUpstream := map[string][]*Breaker{}
 	for i := range s.Breakers {
 		br := &s.Breakers[i]
 		r := get(br.Upstream)
-		if br.Model == "" && br.Policy == "" {
-			r.own = br
-		} else {
+		r.inflight = max(r.inflight, br.Inflight)
+		switch {
+		case br.Model == "" && (br.Handler != "" || br.Policy == ""):
+			perUpstream[br.Upstream] = append(perUpstream[br.Upstream], br)
+		default:
 			r.models = append(r.models, *br)
 		}
-		r.inflight = max(r.inflight, br.Inflight)
+	}
+	for addr, brs := range perUpstream {
+		r := get(addr)
+		if slices.IndexFunc(brs, func(b *Breaker) bool { return b.State != brs[0].State }) < 0 {
+			r.own = brs[0]
+			continue
+		}
+		for _, br := range brs {
+			r.models = append(r.models, *br)
+		}
 	}
 	for i := range s.Saturation {
 		r := get(s.Saturation[i].Upstream)
@@ -147,8 +163,11 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 		t.add(clean(r.addr), state, strconv.FormatInt(r.inflight, 10), score, age, failure)
 		for _, m := range r.models {
 			label := m.Model
-			if m.Policy != "" {
-				label = strings.TrimSuffix("~"+m.Policy+" "+m.Model, " ")
+			switch {
+			case m.Handler != "" && len(perUpstream[a]) > 1 || m.Handler != "" && m.Model == "":
+				label = strings.TrimSuffix(m.Handler+" "+m.Model, " ")
+			case m.Handler == "" && m.Policy != "":
+				label = strings.TrimSuffix("~"+m.Policy+" "+m.Model, " ") // a gateway of an earlier version
 			}
 			t.add("  "+clean(label), breakerCell(m.BreakerState, o.Now), "", "", "", withWhy(clean(label), m.BreakerState))
 			notes = appendOpener(notes, m)

@@ -291,3 +291,36 @@ func TestPoolNotesAndProbeDue(t *testing.T) {
 		t.Errorf("a note for a healthy pool:\n%s", out)
 	}
 }
+
+// Each handler has its own breaker on an upstream: where they agree, the
+// upstream's row shows the state once; where they differ, each handler's
+// breaker gets an indented row named by its handler, open or not.
+func TestHandlersBreakersRowsWhereTheyDisagree(t *testing.T) {
+	closed := BreakerState{State: "closed", Since: fixtureNow.Add(-time.Minute)}
+	open := BreakerState{State: "open", Since: fixtureNow.Add(-5 * time.Second), OpenUntil: fixtureNow.Add(time.Minute)}
+	s := Status{Breakers: []Breaker{
+		{Key: "10.0.0.9:8000", Upstream: "10.0.0.9:8000", Policy: "b1", Handler: "site-a", Handlers: []string{"site-a"}, BreakerState: open},
+		{Key: "10.0.0.9:8000", Upstream: "10.0.0.9:8000", Policy: "b2", Handler: "site-b", Handlers: []string{"site-b"}, BreakerState: closed},
+		{Key: "10.0.0.10:8000", Upstream: "10.0.0.10:8000", Policy: "b1", Handler: "site-a", Handlers: []string{"site-a"}, BreakerState: closed},
+		{Key: "10.0.0.10:8000", Upstream: "10.0.0.10:8000", Policy: "b1", Handler: "site-c", Handlers: []string{"site-c"}, BreakerState: closed},
+	}}
+	out := render(t, s, 0)
+	lines := strings.Split(out, "\n")
+	row := func(prefix string) string {
+		for _, l := range lines {
+			if strings.HasPrefix(strings.TrimSpace(l), prefix) {
+				return l
+			}
+		}
+		return ""
+	}
+	if r := row("site-a"); !strings.Contains(r, "open 5.0s") {
+		t.Errorf("site-a's row %q, want its open breaker:\n%s", r, out)
+	}
+	if r := row("site-b"); !strings.Contains(r, "closed") {
+		t.Errorf("site-b's row %q, want its closed breaker:\n%s", r, out)
+	}
+	if r := row("10.0.0.10:8000"); !strings.Contains(r, "closed") || strings.Count(out, "  site-c") != 0 {
+		t.Errorf("agreeing handlers: upstream row %q, want closed and no per-handler rows:\n%s", r, out)
+	}
+}

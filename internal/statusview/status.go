@@ -56,16 +56,19 @@ type Pool struct {
 // Breaker is one upstream breaker of GET /llm_proxy/breakers (the JSON of
 // the module's upstream.BreakerView).
 type Breaker struct {
-	// Key is the breaker's key: the upstream's dial address, with
-	// "~<policy>" for a handler whose breaker settings differ from the
-	// upstream's primary ones, then "|<model>" under scope model.
+	// Key is the breaker's key: the upstream's dial address, then
+	// "|<model>" under scope model (gateways of earlier versions put
+	// "~<policy>" after the address for some handlers).
 	Key string `json:"key"`
 	// Upstream is the dial address; Model the model under scope model.
 	Upstream string `json:"upstream"`
 	Model    string `json:"model"`
-	// Policy is "" for the upstream's primary breaker policy, else the
-	// fingerprint of the settings of the handlers the breaker serves.
+	// Policy is the fingerprint of the breaker's settings.
 	Policy string `json:"policy"`
+	// Handler names the handler (site) whose breaker it is ("" from
+	// gateways of earlier versions, which shared breakers between
+	// handlers and listed them in Handlers).
+	Handler string `json:"handler"`
 	// Pools are the pool labels of the handlers whose requests the
 	// breaker governs.
 	Pools []string `json:"pools"`
