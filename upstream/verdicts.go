@@ -1,0 +1,407 @@
+package upstream
+
+// Each handler's verdicts on an upstream: its breakers, built per claim
+// and model key, the outcomes every one of them hears, and how a reload
+// hands an open verdict to the handler that replaces it.
+
+import (
+	"cmp"
+	"fmt"
+	"hash/fnv"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/saturation"
+)
+
+// verdict is one handler's breaker on the upstream, for one model key (""
+// per upstream, the model's under scope model).
+type verdict struct {
+	c     *claim
+	model string
+	b     *breaker.Breaker
+}
+
+// policyFingerprint identifies a breaker policy: "s" (saturation signals
+// trip its breakers) or "b" (they do not), then 8 hex digits of the FNV-1a
+// hash of the breaker settings and, with saturation, of the saturation
+// breaker's trip rules and the queue_threshold its recovery reads, and its
+// scope. Breakers of one policy on one upstream have one key in a fleet
+// store ("addr~policy", see breakerKey), so gateways running one config
+// share their verdicts, and handlers with other settings never do.
+func policyFingerprint(s *breaker.Settings, sat *saturation.Saturation, scopeModel bool) string {
+	if s == nil {
+		return ""
+	}
+	h := fnv.New32a()
+	fmt.Fprintf(h, "%+v", *s)
+	if scopeModel {
+		fmt.Fprint(h, "|scope model")
+	}
+	kind := "b"
+	if sat != nil {
+		kind = "s"
+		if sat.Trip != nil {
+			fmt.Fprintf(h, "|trip %+v", *sat.Trip)
+		} else {
+			fmt.Fprint(h, "|trip off")
+		}
+		fmt.Fprintf(h, "|queue %v", sat.QueueThreshold)
+	}
+	return fmt.Sprintf("%s%08x", kind, h.Sum32())
+}
+
+// verdictList returns the current verdicts; do not modify it.
+func (e *Entry) verdictList() []verdict { return *e.verdicts.Load() }
+
+// removeLocked drops the verdicts for which drop is true and reports them
+// gone; the caller closes them once e.mu is released.
+func (e *Entry) removeLocked(drop func(verdict) bool) []verdict {
+	var keep, gone []verdict
+	for _, v := range e.verdictList() {
+		if drop(v) {
+			gone = append(gone, v)
+		} else {
+			keep = append(keep, v)
+		}
+	}
+	if len(gone) == 0 {
+		return nil
+	}
+	e.verdicts.Store(&keep)
+	for _, v := range gone {
+		e.reg.obs.BreakerGone(e.addr, v.model)
+	}
+	return gone
+}
+
+// predecessorLocked returns the claim c replaces, of the claims of older
+// configs: the newest of the same handler and policy; else the one of the
+// same handler in the newest older config that has it, when only one
+// there has that name (a handler whose settings changed; unnamed handlers
+// of one upstream list share a name); else the newest of the same pool and
+// policy (a handler whose name changed with its line in the Caddyfile).
+// nil when none.
+func (e *Entry) predecessorLocked(c *claim) *claim {
+	var same, byPool *claim
+	named := map[uint64][]*claim{}
+	var newest uint64
+	for _, o := range e.claims {
+		if o.cgen >= c.cgen || o.settings == nil {
+			continue
+		}
+		if o.handler == c.handler {
+			if o.fp == c.fp && (same == nil || o.newerThan(same)) {
+				same = o
+			}
+			named[o.cgen] = append(named[o.cgen], o)
+			newest = max(newest, o.cgen)
+		}
+		if o.pool == c.pool && o.fp == c.fp && (byPool == nil || o.newerThan(byPool)) {
+			byPool = o
+		}
+	}
+	switch {
+	case same != nil:
+		return same
+	case len(named[newest]) == 1:
+		return named[newest][0]
+	}
+	return byPool
+}
+
+// carryOpen hands old's open verdict to nb, a closed breaker that replaces
+// it: an open breaker stays open until the end of its cooldown, or until
+// closed if forced so; an operator's timed open is forced again for what
+// is left of it (the admin API and status still say forced).
+func carryOpen(old, nb *breaker.Breaker, now time.Time, reason string) {
+	snap := old.Snapshot()
+	if snap.State == breaker.Closed || nb.State() != breaker.Closed {
+		return
+	}
+	if d := snap.OpenUntil.Sub(now); snap.Forced && !snap.OpenUntil.IsZero() && d > 0 {
+		nb.ForceOpen(d, reason)
+		return
+	}
+	nb.Adopt(snap.OpenUntil, reason)
+}
+
+// breakerFor returns c's breaker for a model key ("" per upstream),
+// creating it with c's settings and the registry's breaker store; nil when
+// c has breakers off or does not hold the entry (a request still running
+// on a config that released it), or the entry is gone. A new breaker
+// starts as the entry's drain says; a new handler's (one no older config
+// had) as another handler's with the same settings open on hard evidence
+// (equal settings, equal verdict).
+func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
+	if c == nil || c.settings == nil {
+		return nil
+	}
+	if b := e.lookupFor(c, model); b != nil {
+		return b
+	}
+	e.mu.Lock()
+	if e.destroyed || !slices.Contains(e.claims, c) {
+		e.mu.Unlock()
+		return nil
+	}
+	old := e.verdictList()
+	var twin *breaker.Breaker
+	newHandler := e.predecessorLocked(c) == nil // else activate carries its state over
+	for _, v := range old {
+		if v.c == c && v.model == model {
+			e.mu.Unlock()
+			return v.b
+		}
+		if newHandler && v.model == model && v.c.fp == c.fp && twin == nil && v.b.Evidence() == breaker.Hard {
+			twin = v.b
+		}
+	}
+	st := e.reg.BreakerStore()
+	if len(old) == 0 {
+		e.bstore = st
+	} // else a SetBreakerStore is on its way to this entry and builds them all again
+	b, l := e.newBreakerLocked(c, model, *c.settings, st)
+	next := append(slices.Clip(old), verdict{c: c, model: model, b: b})
+	e.verdicts.Store(&next)
+	e.reg.obs.BreakerCreated(e.addr, model)
+	dr := e.drain.Load()
+	e.mu.Unlock()
+	l.register(b)
+	now := e.reg.now()
+	if d, ok := dr.left(now); ok {
+		// The upstream is drained: a breaker of a handler or model that
+		// had none when the drain began refuses as the others do.
+		b.ForceOpen(d, dr.reason)
+	} else if twin != nil {
+		carryOpen(twin, b, now, "open for the handlers with the same settings")
+	}
+	return b
+}
+
+// lookupFor returns c's breaker for a model key without creating one.
+func (e *Entry) lookupFor(c *claim, model string) *breaker.Breaker {
+	if c == nil || c.settings == nil {
+		return nil
+	}
+	for _, v := range e.verdictList() {
+		if v.c == c && v.model == model {
+			return v.b
+		}
+	}
+	return nil
+}
+
+// breakerKey is a breaker's key in a fleet store (breaker.WithStoreKey):
+// "addr~policy", then "|model" under scope model. Breakers of one policy
+// share it, so a fleet's gateways, and handlers with equal settings, share
+// one verdict, and handlers with other settings never do.
+func (e *Entry) breakerKey(c *claim, model string) string {
+	name := e.addr + "~" + c.fp
+	if model != "" {
+		name += "|" + model
+	}
+	return name
+}
+
+// displayKey is the breaker's key (breaker.Key) in the admin API and
+// logs: "addr", then "|model" under scope model.
+func (e *Entry) displayKey(model string) string {
+	if model == "" {
+		return e.addr
+	}
+	return e.addr + "|" + model
+}
+
+// newBreakerLocked builds c's breaker for model with store st (nil: none).
+// Its transitions wait in the returned listener until register, which the
+// caller calls once the breaker is in the list and e.mu is released: a
+// store that knows the key is open opens the breaker within New, and the
+// entry's listener takes e.mu.
+func (e *Entry) newBreakerLocked(c *claim, model string, s breaker.Settings, st breaker.Store) (*breaker.Breaker, *heldListener) {
+	l := &heldListener{e: e, model: model}
+	opts := []breaker.Option{breaker.WithListener(l.listen)}
+	if st != nil {
+		opts = append(opts, breaker.WithStore(st))
+	}
+	opts = append(opts, breaker.WithStoreKey(e.breakerKey(c, model)))
+	return breaker.New(e.displayKey(model), s, append(opts, e.reg.breakerOpts...)...), l
+}
+
+// heldListener is a breaker's listener that holds its transitions until
+// the breaker is registered, then hands them, in order, to the entry.
+type heldListener struct {
+	e     *Entry
+	model string
+
+	mu   sync.Mutex
+	b    *breaker.Breaker // nil until register
+	held []breaker.Transition
+}
+
+func (l *heldListener) listen(tr breaker.Transition) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.b == nil {
+		l.held = append(l.held, tr)
+		return
+	}
+	l.e.transition(l.model, l.b, tr)
+}
+
+// register delivers the held transitions; later ones go straight through.
+// Call it without e.mu.
+func (l *heldListener) register(b *breaker.Breaker) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.b = b
+	for _, tr := range l.held {
+		l.e.transition(l.model, b, tr)
+	}
+	l.held = nil
+}
+
+// hear gives the outcome of an attempt that own let through (nil: a pick
+// without a permit, in panic or past the cap) to every other handler's
+// breaker for model key: each judges it by its own rules. Each fleet key
+// reports it once (Breaker.Hear).
+func (e *Entry) hear(own *breaker.Breaker, model string, o breaker.Outcome, issued time.Time, ttft time.Duration, reason string) {
+	if o == breaker.Neutral {
+		return
+	}
+	vs := e.verdictList()
+	for i, v := range vs {
+		if v.model != model || v.b == own {
+			continue
+		}
+		report := own == nil || own.StoreKey() != v.b.StoreKey()
+		for _, w := range vs[:i] {
+			if w.model == model && w.b != own && w.b.StoreKey() == v.b.StoreKey() {
+				report = false // an earlier one with this key reported it
+			}
+		}
+		v.b.Hear(o, issued, ttft, reason, report)
+	}
+}
+
+// live tells every handler's breaker for model key of a sign of life (a
+// first token): see Breaker.Live.
+func (e *Entry) live(model string) {
+	for _, v := range e.verdictList() {
+		if v.model == model {
+			v.b.Live()
+		}
+	}
+}
+
+// retryAfter keeps every handler's breaker for model key open for what
+// the upstream asked (a 429 or 503 with Retry-After is the upstream's word
+// to every client, not to one handler).
+func (e *Entry) retryAfter(model string, d time.Duration, reason string) {
+	for _, v := range e.verdictList() {
+		if v.model == model {
+			v.b.ExtendOpen(d, reason)
+		}
+	}
+}
+
+// useStore builds the entry's breakers again with store st (see
+// Registry.SetBreakerStore): an open breaker's cooldown end travels, as a
+// verdict the new breaker adopts; the old ones leave their store.
+func (e *Entry) useStore(st breaker.Store) {
+	e.mu.Lock()
+	if e.destroyed || e.bstore == st {
+		e.mu.Unlock()
+		return
+	}
+	e.bstore = st
+	old := e.verdictList()
+	if len(old) == 0 {
+		e.mu.Unlock()
+		return
+	}
+	next := make([]verdict, len(old))
+	ls := make([]*heldListener, len(old))
+	for i, v := range old {
+		var nb *breaker.Breaker
+		nb, ls[i] = e.newBreakerLocked(v.c, v.model, *v.c.settings, st)
+		next[i] = verdict{c: v.c, model: v.model, b: nb}
+		e.reg.obs.BreakerCreated(e.addr, v.model) // the new one's state, from closed
+	}
+	e.verdicts.Store(&next)
+	e.mu.Unlock()
+	for i, v := range old {
+		nb := next[i].b
+		if snap := v.b.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
+			// OpenUntil is zero when forced open until closed: so is Adopt's.
+			nb.Adopt(snap.OpenUntil, "open before the breaker store changed")
+		}
+		ls[i].register(nb)
+		v.b.Close()
+	}
+	e.maybeProbe()
+}
+
+// AllBreakers returns every handler's breaker on the upstream, of every
+// model key, sorted by key.
+func (e *Entry) AllBreakers() []*breaker.Breaker {
+	vs := e.verdictList()
+	out := make([]*breaker.Breaker, 0, len(vs))
+	for _, v := range vs {
+		out = append(out, v.b)
+	}
+	slices.SortStableFunc(out, func(a, b *breaker.Breaker) int { return strings.Compare(a.Key(), b.Key()) })
+	return out
+}
+
+// Verdict is one handler's breaker on an upstream, for the admin API.
+type Verdict struct {
+	// Breaker is the handler's breaker.
+	Breaker *breaker.Breaker
+	// Model is the model key under scope model, "" per upstream.
+	Model string
+	// Pool is the key of the handler's pool (Config.Key); Handler its
+	// name (Config.Handler); Policy the fingerprint of its settings.
+	Pool, Handler, Policy string
+	// Active is false for a pool of a config not started yet, or stopped.
+	Active bool
+
+	cgen uint64 // the config's generation
+}
+
+// Verdicts returns every handler's breaker on the upstream, sorted by
+// model key, then handler.
+func (e *Entry) Verdicts() []Verdict {
+	vs := e.verdictList()
+	out := make([]Verdict, 0, len(vs))
+	for _, v := range vs {
+		out = append(out, Verdict{Breaker: v.b, Model: v.model, Pool: v.c.pool, Handler: v.c.handler, Policy: v.c.fp, Active: v.c.active.Load(), cgen: v.c.cgen})
+	}
+	slices.SortStableFunc(out, func(a, b Verdict) int {
+		return cmp.Or(strings.Compare(a.Model, b.Model), strings.Compare(a.Handler, b.Handler), strings.Compare(a.Pool, b.Pool))
+	})
+	return out
+}
+
+// transition is every breaker's listener. A breaker that is no longer the
+// entry's (dropped, or the entry destroyed) reports nothing: its gauges are
+// gone and must not come back.
+func (e *Entry) transition(model string, b *breaker.Breaker, tr breaker.Transition) {
+	e.mu.Lock()
+	// Reported under the lock, so that a destroy or a drop cannot slip in
+	// between the check and the report and have its gauge re-created.
+	live := !e.destroyed && slices.ContainsFunc(e.verdictList(), func(v verdict) bool { return v.b == b })
+	if live {
+		e.reg.obs.BreakerTransition(e.addr, model, tr)
+	}
+	e.mu.Unlock()
+	if !live {
+		return
+	}
+	if tr.To == breaker.Open {
+		e.maybeProbe()
+	}
+}
