@@ -275,3 +275,36 @@ func (b *Breaker) lifeWithin(now time.Time, d time.Duration) bool {
 
 // noLife is lastLife before any sign of life.
 const noLife = math.MinInt64
+
+// FailureCount returns the failures (slow calls included) in the breaker's
+// FailuresWindow at now, as its Failures rule counts them. An outlier
+// detector (WithOutlierDetector) reads it, with RatioCounts, off the
+// request path. It takes no lock.
+func (b *Breaker) FailureCount() int {
+	return b.cfg.Load().fails.sum(b.clock.Now()).failures
+}
+
+// Tally counts the outcome of an attempt made without a permit, because
+// the breaker's pool routed over it (the pool in panic, the upstream past
+// the ejection cap, or opened by the saturation rules and the only one
+// left), in the windows that FailureCount and RatioCounts read: a Success
+// as a request (a slow one, TTFT above SlowTTFT, also as a failure and a
+// slow call), a Failure or Down as a request and a failure, Neutral not at
+// all. It changes nothing else: no state, no run of failures, no sign of
+// life, no fleet report; the pool's outlier detector judges the counts at
+// its next run. Without it those outcomes were lost, and an upstream
+// routed over in panic looked to its pool as it did when it was ejected.
+// It takes no lock.
+func (b *Breaker) Tally(o Outcome, ttft time.Duration) {
+	if o == Neutral {
+		return
+	}
+	c := b.cfg.Load()
+	now := b.clock.Now()
+	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
+	failed := o != Success || slow
+	if failed {
+		c.fails.record(now, true, false)
+	}
+	c.ratio.record(now, failed, slow)
+}
