@@ -22,8 +22,7 @@ type Candidate struct {
 	// LeastQueue, else 0.
 	Score float64
 
-	br  *breaker.Breaker // nil when breakers are off
-	key string           // br's model key ("" per upstream)
+	br *breaker.Breaker // nil when breakers are off
 	// failing is the upstream's failures within RecentWindow, which count
 	// against it as attempts in flight would (see Load).
 	failing int64
@@ -82,7 +81,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			busy++
 			continue
 		}
-		c := Candidate{Target: &m.t, Entry: m.e, key: key}
+		c := Candidate{Target: &m.t, Entry: m.e}
 		if p.cfg.Breaker != nil {
 			c.br = m.e.breakerFor(p.claim, key)
 		} else if until, drained := m.e.Drained(now); drained {
@@ -222,23 +221,10 @@ func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 		return
 	}
 	for i := range cs {
-		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry, now) {
+		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry) {
 			c.failing = int64(c.Entry.recent.Counts().Failures)
 		}
 	}
-}
-
-// markOverCap records that e's breaker would have opened on statistical
-// evidence but the pool's ejection cap had no place for it: for
-// RecentWindow its recent failures count against it in selection.
-func (p *Pool) markOverCap(e *Entry) {
-	p.capRefused.Store(e, p.reg.now().Add(RecentWindow).UnixNano())
-}
-
-// overCap reports whether the cap refused e an ejection within RecentWindow.
-func (p *Pool) overCap(e *Entry, now time.Time) bool {
-	v, ok := p.capRefused.Load(e)
-	return ok && now.UnixNano() < v.(int64)
 }
 
 // upstream hands c to the proxy for one attempt: its slot and permit are
@@ -246,7 +232,7 @@ func (p *Pool) overCap(e *Entry, now time.Time) bool {
 func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 	// The closures capture what they use, not the Candidate: a held
 	// stream keeps them.
-	e, br, t, key := c.Entry, c.br, c.Target, c.key
+	e, br, t := c.Entry, c.br, c.Target
 	epoch := e.startAttempt()
 	started := p.reg.now()
 	return proxy.Upstream{
@@ -262,7 +248,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 				br.Live() // a first token: the server is up
 			}
 			if permit != nil && permit.Probe() {
-				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft}, nil)
+				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
 			}
 		},
 		Done: func(rep *proxy.AttemptReport) {
@@ -275,20 +261,14 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			if o != breaker.Neutral || answered(rep) {
 				p.recordOutcome(e, started, o == breaker.Failure || o == breaker.Down)
 			}
-			if permit == nil {
-				return
-			}
-			var taken []*Pool
-			failed := record(br, permit, rep, func() bool {
-				var ok bool
-				if taken, ok = p.reserveTrips(key, e); !ok {
-					p.markOverCap(e)
-				}
-				return !ok
-			})
-			releaseTrips(taken) // the breaker is open: its Evidence holds the places now
-			if failed {
-				p.judge(key, e, br)
+			switch {
+			case permit != nil:
+				record(br, permit, rep)
+			case br != nil && rep != nil:
+				// Routed over the breaker (panic, past the cap,
+				// saturation): no verdict, but the pool's detector
+				// counts the outcome at its next run.
+				br.Tally(o, rep.TTFT)
 			}
 		},
 	}
