@@ -3,6 +3,7 @@ package upstream
 import (
 	"fmt"
 	"math"
+	"slices"
 	"sync/atomic"
 	"time"
 )
@@ -152,7 +153,7 @@ func (p *Pool) Status() PoolStatus {
 	v := p.outliers()
 	st := PoolStatus{Key: p.cfg.Key, Handler: p.claim.handler, MaxEjection: e.MaxEjection, PanicThreshold: e.PanicThreshold,
 		Panic: p.panic.on.Load(), PanicRequests: p.panic.requests.Load(),
-		Ejected: len(v.ejected), MaxEjected: v.maxEjected, EjectedUpstreams: v.ejected, Probation: v.probation}
+		Ejected: len(v.ejected), MaxEjected: v.maxEjected, EjectedUpstreams: slices.Clone(v.ejected), Probation: v.probation}
 	st.Failed, st.FailedSince, st.FailedReason, st.Failures = p.fail.status()
 	return st
 }

@@ -215,7 +215,8 @@ func (c Candidate) Load() int64 { return c.Entry.Inflight() + c.failing }
 
 // countFailures sets each candidate's recent failures where they count
 // against it (see Candidate.Load): every candidate in panic, else those
-// routed over past the cap and those the cap refused an ejection.
+// routed over past the cap and those the pool's outlier detector found
+// outliers with no place under the cap at its last run.
 func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 	if p.cfg.Breaker == nil {
 		return
