@@ -255,9 +255,11 @@ func fails(n int, idx ...int) func(int) bool {
 // The rest of the pool's ratio counts each peer once, however busy: a
 // replica failing 30% between a busy one failing none and a quiet one
 // failing 60% is no outlier (pooling the requests judged it against the
-// busy one alone: 12 failures in 220 requests).
+// busy one alone: 12 failures in 220 requests). A fourth upstream holds
+// the cap's one place, so the 60% one stays a peer (over the cap).
 func TestPeersCountOnceHoweverBusy(t *testing.T) {
-	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
+	reg, p, addrs, clk := ejectionPool(t, 4, Ejection{})
+	breakerOf(t, reg, addrs[3], "").Eject("holds the place", 0) // held ratio 1: never displaced
 	serveOn(t, p, addrs, addrs[0], 200, never)
 	serveOn(t, p, addrs, addrs[2], 20, fails(5, 1, 2, 3)) // 12 of 20, the last a success
 	serveOn(t, p, addrs, addrs[1], 40, fails(10, 1, 4, 7))
@@ -265,10 +267,14 @@ func TestPeersCountOnceHoweverBusy(t *testing.T) {
 	if rc := breakerOf(t, reg, addrs[2], "").RatioCounts(); rc.Requests != 20 || rc.Failures != 12 {
 		t.Fatalf("the 60%% replica's window: %+v, want 12 failures in 20", rc)
 	}
-	if b := breakerOf(t, reg, addrs[1], ""); b.State() != breaker.Closed {
-		t.Fatalf("the 30%% replica between peers at 0%% and 60%%: %+v, want closed", b.Snapshot())
+	if e, _ := reg.Entry(addrs[2]); !p.overCap(e, clk.Now()) {
+		t.Fatalf("the 60%% replica is no outlier over the cap (status %+v)", p.Status())
 	}
-	if r := breakerOf(t, reg, addrs[1], "").PeerRatio(); r < 0.29 || r > 0.31 {
+	b := breakerOf(t, reg, addrs[1], "")
+	if e, _ := reg.Entry(addrs[1]); b.State() != breaker.Closed || p.overCap(e, clk.Now()) {
+		t.Fatalf("the 30%% replica between peers at 0%% and 60%%: %+v, over the cap %v; want closed, no outlier", b.Snapshot(), p.overCap(e, clk.Now()))
+	}
+	if r := b.PeerRatio(); r < 0.29 || r > 0.31 {
 		t.Errorf("the 30%% replica's peer ratio %.3f, want the peers' mean 0.30", r)
 	}
 }
@@ -301,12 +307,20 @@ func TestWorseOutlierTakesTheCapsPlace(t *testing.T) {
 			if got := worse.Evidence() == breaker.Statistical; got != tc.displace {
 				t.Fatalf("the worse replica ejected %v, want %v: %+v", got, tc.displace, worse.Snapshot())
 			}
+			// Out for want of a place under the cap, the pardoned one
+			// (or the worse one refused) serves with its recent
+			// failures counted against it in selection.
+			out, _ := reg.Entry(addrs[2])
 			if tc.displace {
 				if s := mild.Snapshot(); s.State != breaker.Closed || s.Evidence != breaker.EvidenceNone || mild.OnProbation() {
 					t.Errorf("the pardoned replica: %+v, want closed, off probation", s)
 				}
+				out, _ = reg.Entry(addrs[1])
 			} else if mild.Evidence() != breaker.Statistical {
 				t.Errorf("the held replica: %+v, want still ejected", mild.Snapshot())
+			}
+			if !p.overCap(out, clk.Now()) {
+				t.Errorf("%s: its recent failures do not count against it", out.addr)
 			}
 			if st := p.Status(); st.Ejected != 1 {
 				t.Errorf("status %+v, want 1 ejected", st)

@@ -54,10 +54,14 @@ type outlierView struct {
 	// back from an ejection still on probation.
 	ejected   []string
 	probation int
-	// overCap holds the upstreams that are outliers for some model key
-	// but found no place under the cap: their recent failures count
-	// against them in selection (Candidate.Load).
-	overCap map[*Entry]bool
+	// overCap holds the upstreams that were outliers for some model key
+	// but found no place under the cap, with until when (RecentWindow
+	// after the last run that found so) their recent failures count
+	// against them in selection (Candidate.Load). The mark outlasts the
+	// run: an upstream that fails fast would otherwise draw the traffic
+	// between the runs that see it as an outlier, or as soon as a
+	// pardon empties its windows.
+	overCap map[*Entry]time.Time
 	// seen is each upstream's counts, by address and model key, as the
 	// run judged them.
 	seen map[outlierKey]outlierCounts
@@ -127,11 +131,11 @@ func (p *Pool) outliers() *outlierView {
 	return p.survey()
 }
 
-// overCap reports whether the last run found e an outlier with no place
-// under the ejection cap.
-func (p *Pool) overCap(e *Entry) bool {
+// overCap reports whether the detector found e an outlier with no place
+// under the ejection cap within RecentWindow before now.
+func (p *Pool) overCap(e *Entry, now time.Time) bool {
 	v := p.det.view.Load()
-	return v != nil && v.overCap[e]
+	return v != nil && now.Before(v.overCap[e])
 }
 
 // judgedBreaker is one breaker as a run reads it.
@@ -167,8 +171,16 @@ func (p *Pool) survey() *outlierView { return p.judgeAll(false) }
 func (p *Pool) judgeAll(act bool) *outlierView {
 	var members []*member
 	p.eachMember(func(m *member) { members = append(members, m) })
-	v := &outlierView{at: p.reg.now(), maxEjected: p.ejection.maxEjected(len(members)),
-		overCap: map[*Entry]bool{}, seen: map[outlierKey]outlierCounts{}}
+	now := p.reg.now()
+	v := &outlierView{at: now, maxEjected: p.ejection.maxEjected(len(members)),
+		overCap: map[*Entry]time.Time{}, seen: map[outlierKey]outlierCounts{}}
+	if last := p.det.view.Load(); last != nil {
+		for _, m := range members {
+			if until, ok := last.overCap[m.e]; ok && now.Before(until) {
+				v.overCap[m.e] = until
+			}
+		}
+	}
 	keys := []string{""}
 	if p.cfg.ScopeModel {
 		keys = keys[:0]
@@ -182,7 +194,14 @@ func (p *Pool) judgeAll(act bool) *outlierView {
 		slices.Sort(keys)
 	}
 	for _, key := range keys {
-		p.judgeKey(key, members, v, act)
+		// An ejection changes the peers of the rest: judge them again
+		// against the pool without it, so that an outlier now over the
+		// cap is marked at this run, not the next.
+		for range 2 {
+			if !p.judgeKey(key, members, v, act) {
+				break
+			}
+		}
 	}
 	// The view's ejected set is the breakers of no model's, as the
 	// pool's status has always shown them.
@@ -199,8 +218,9 @@ func (p *Pool) judgeAll(act bool) *outlierView {
 	return v
 }
 
-// judgeKey judges the pool's breakers of one model key.
-func (p *Pool) judgeKey(key string, members []*member, v *outlierView, act bool) {
+// judgeKey judges the pool's breakers of one model key; it reports whether
+// it ejected any.
+func (p *Pool) judgeKey(key string, members []*member, v *outlierView, act bool) (ejected bool) {
 	rows := make([]*judgedBreaker, 0, len(members))
 	for _, m := range members {
 		b := m.e.lookupFor(p.claim, key)
@@ -215,7 +235,7 @@ func (p *Pool) judgeKey(key string, members []*member, v *outlierView, act bool)
 		rows = append(rows, r)
 	}
 	if len(rows) == 0 {
-		return
+		return false
 	}
 	// The rest of the pool's ratio is the mean of its upstreams' ratios,
 	// each weighing its requests up to MinRequests: a peer with a full
@@ -267,7 +287,7 @@ func (p *Pool) judgeKey(key string, members []*member, v *outlierView, act bool)
 	for _, r := range cands {
 		if !act {
 			if len(holds) >= v.maxEjected {
-				v.overCap[r.m.e] = true
+				v.overCap[r.m.e] = v.at.Add(RecentWindow)
 			}
 			continue
 		}
@@ -280,13 +300,18 @@ func (p *Pool) judgeKey(key string, members []*member, v *outlierView, act bool)
 			i := mildest(holds)
 			if i < 0 || r.ratio-holds[i].b.HeldRatio() < OutlierMargin ||
 				!holds[i].b.Pardon(fmt.Sprintf("a worse outlier (failure ratio %.2f against its %.2f) takes its place under max_ejection", r.ratio, holds[i].b.HeldRatio())) {
-				v.overCap[r.m.e] = true
+				v.overCap[r.m.e] = v.at.Add(RecentWindow)
 				continue
 			}
+			// Pardoned for want of a place, it serves again with empty
+			// windows: its recent failures still count against it.
+			v.overCap[holds[i].m.e] = v.at.Add(RecentWindow)
 			holds = slices.Delete(holds, i, i+1)
 		}
 		if r.b.Eject(r.reason+fmt.Sprintf(" within %s", r.b.Settings().RatioWindow), r.peer) {
 			holds = append(holds, r)
+			delete(v.overCap, r.m.e)
+			ejected = true
 		}
 	}
 	// Holds over the cap (max_ejection lowered by a reload, a half-open
@@ -300,10 +325,12 @@ func (p *Pool) judgeKey(key string, members []*member, v *outlierView, act bool)
 				break
 			}
 			if h.b.Pardon(fmt.Sprintf("over max_ejection (%d held on statistics, at most %d)", len(holds), v.maxEjected)) {
+				v.overCap[h.m.e] = v.at.Add(RecentWindow)
 				over--
 			}
 		}
 	}
+	return ejected
 }
 
 // mildest returns the index of the hold resting on the lowest failure

@@ -222,7 +222,7 @@ func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 		return
 	}
 	for i := range cs {
-		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry) {
+		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry, now) {
 			c.failing = int64(c.Entry.recent.Counts().Failures)
 		}
 	}
