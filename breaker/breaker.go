@@ -21,6 +21,7 @@ type options struct {
 	listener func(Transition)
 	store    Store
 	storeKey string
+	detector bool
 }
 
 func buildOptions(opts []Option) options {
@@ -76,13 +77,26 @@ func WithStoreKey(k string) Option {
 	return func(o *options) { o.storeKey = k }
 }
 
+// WithOutlierDetector leaves the statistical rules (Failures, FailureRatio,
+// SlowRatio) to an outlier detector outside the breaker: the breaker only
+// counts their outcomes (FailureCount, RatioCounts) and never trips on them
+// itself; the detector reads the counts on its own schedule and opens it
+// with Eject. Hard evidence (ConsecutiveFailures runs) still trips it at
+// once. Default off: the breaker judges every rule itself (tenant breakers,
+// standalone use). A pool's breakers take it because the pool's ejection
+// cap must be decided with the whole pool in view, which a breaker cannot
+// do under its own lock.
+func WithOutlierDetector() Option {
+	return func(o *options) { o.detector = true }
+}
+
 // config is a breaker's immutable settings with the rolling windows that
 // belong to them. It is replaced, never modified, so the closed-state hot
 // path reads it with one atomic load.
 type config struct {
 	s     Settings // effective: defaults applied, invalid values replaced
 	raw   Settings // as given, for fresh
-	fails *window  // FailuresWindow; failures only (recorded under the lock)
+	fails *window  // FailuresWindow; failures only
 	ratio *window  // RatioWindow: every success and failure (RatioCounts)
 }
 
@@ -173,6 +187,9 @@ type Breaker struct {
 	// storeKey is the breaker's name in store and fleet (WithStoreKey,
 	// else key).
 	storeKey string
+	// detector is WithOutlierDetector: the statistical rules are an outlier
+	// detector's, not this breaker's.
+	detector bool
 	// fleet is store when it is a Fleet, else nil.
 	fleet Fleet
 	// left is set by Close.
@@ -226,6 +243,7 @@ func New(key string, s Settings, opts ...Option) *Breaker {
 		listener: o.listener,
 		store:    o.store,
 		storeKey: cmp.Or(o.storeKey, key),
+		detector: o.detector,
 		dirty:    &notDirty,
 		since:    now,
 	}
@@ -406,28 +424,13 @@ func (b *Breaker) updateBusyLocked() {
 // The outcome of a permit issued before the breaker last changed state (a
 // call in flight when it opened, or before Reset) is ignored.
 func (p *Permit) Done(o Outcome, ttft time.Duration, reason string) {
-	p.DoneCapped(o, ttft, reason, nil)
-}
-
-// DoneCapped is Done for a breaker whose statistical trips count against a
-// cap of its pool (max_ejection): when one of its own statistical rules
-// (Failures, FailureRatio, SlowRatio) fires, capReached is asked, and true
-// leaves the breaker closed with the failure counted, as the pool's own
-// Eject would be refused; false opens it. A half-open breaker that
-// answered a probe and then failed more probes than its pool's ratio
-// explains re-opens as an outlier (statistical) only when capReached says
-// false; otherwise on the evidence that held it before. Hard evidence is
-// never capped. capReached runs under the breaker's lock: it may read other breakers
-// (Evidence, OnProbation) and take locks of its own, but must not call
-// into this one or take any breaker's lock. nil is Done.
-func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capReached func() bool) {
 	b := p.b
 	if b == nil || p.done {
 		return
 	}
 	p.done = true
 	if p.probe != 0 {
-		b.doneProbe(p.word, p.probe, p.synthetic, o, ttft, reason, capReached)
+		b.doneProbe(p.word, p.probe, p.synthetic, o, ttft, reason)
 		return
 	}
 	if o == Neutral || b.word.Load() != p.word {
@@ -455,7 +458,7 @@ func (p *Permit) DoneCapped(o Outcome, ttft time.Duration, reason string, capRea
 			return
 		}
 	}
-	b.doneFailure(p.word, p.issued, slow, o == Down, p.quiet, ttft, reason, capReached)
+	b.doneFailure(p.word, p.issued, slow, o == Down, p.quiet, ttft, reason)
 }
 
 // failureReason composes the reason recorded for a failure.
@@ -484,13 +487,13 @@ func failureReason(slow bool, ttft, slowTTFT time.Duration, reason string) strin
 //     failures of any kind in a row with no success or first token within
 //     RatioWindow (a server that fails everything);
 //   - statistical: the Failures, FailureRatio and SlowRatio rules when
-//     configured, within the pool's cap (DoneCapped). The pool adds its
-//     own (Eject).
+//     configured, unless WithOutlierDetector leaves them to the pool's
+//     detector, which adds its own and opens the breaker with Eject.
 //
 // Failures amid successes never trip the ConsecutiveFailures rule: under
 // uniform partial failure every upstream has runs of failures, and opening
 // on them turns 50% success into 0%.
-func (b *Breaker) doneFailure(w uint64, issued int64, slow, down, quiet bool, ttft time.Duration, reason string, capReached func() bool) {
+func (b *Breaker) doneFailure(w uint64, issued int64, slow, down, quiet bool, ttft time.Duration, reason string) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -550,10 +553,9 @@ func (b *Breaker) doneFailure(w uint64, issued int64, slow, down, quiet bool, tt
 		float64(rc.slow) >= s.SlowRatio*float64(rc.requests):
 		why, ev = fmt.Sprintf("slow call ratio %d/%d ≥ %g within %s", rc.slow, rc.requests, s.SlowRatio, s.RatioWindow), Statistical
 	}
-	if why != "" && ev == Statistical && capReached != nil && capReached() {
-		// Enough of the pool is held on statistics: this one serves on,
-		// judged again at its next failure (and counted as available, so
-		// reports and alerts see what the pick sees).
+	if why != "" && ev == Statistical && b.detector {
+		// The pool's outlier detector judges these counts, with the
+		// whole pool and its ejection cap in view (WithOutlierDetector).
 		why = ""
 	}
 	if why != "" {
@@ -589,8 +591,7 @@ func (b *Breaker) doneFailure(w uint64, issued int64, slow, down, quiet bool, tt
 // RecoverySuccesses successes (allowedProbeFailures of PeerRatio), so that
 // under uniform failure a half-open upstream closes instead of flapping.
 // In a healthy pool (PeerRatio 0) the first failure re-opens, as before.
-// capReached is DoneCapped's.
-func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.Duration, reason string, capReached func() bool) {
+func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.Duration, reason string) {
 	now := b.clock.Now()
 	b.mu.Lock()
 	defer b.unlock()
@@ -639,10 +640,11 @@ func (b *Breaker) doneProbe(w, id uint64, synthetic bool, o Outcome, ttft time.D
 					b.probeFails, allowed, b.PeerRatio(), reason)
 			}
 			ev := b.evidence.Load()
-			if b.successes > 0 && (ev == uint32(Statistical) || capReached == nil || !capReached()) {
+			if b.successes > 0 {
 				// It answered a probe: not down, nor failing everything,
-				// but failing more than its pool: an outlier, within the
-				// pool's cap (held on hard evidence it counted for none).
+				// but failing more than its pool: an outlier. Its pool's
+				// detector counts it against the ejection cap at its
+				// next run, and pardons the mildest hold over the cap.
 				if ev != uint32(Statistical) {
 					b.holdRatioLocked(b.probeFails, b.probeFails+b.successes)
 				}

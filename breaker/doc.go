@@ -15,8 +15,9 @@
 // is down or hanging (a run of Down outcomes with no sign of life between
 // them, failures with no success in the window, a failed synthetic probe,
 // Retry-After, an operator) or on statistical evidence that it fails more
-// than it should (its own ratio rules, or its pool's outlier rules through
-// Eject). Evidence says which; a pool routes over statistically held
+// than it should (its own ratio rules, or, with WithOutlierDetector, its
+// pool's outlier detector, which applies those rules and its own and opens
+// it through Eject). Evidence says which; a pool routes over statistically held
 // upstreams when too few remain (the panic rule, in upstream/). In
 // HalfOpen a probe the upstream answered with an error is tolerated while
 // the failures stay within what its pool's failure ratio (SetPeerRatio)

@@ -283,10 +283,14 @@ const noLife = math.MinInt64
 // counters). issued is when that attempt began; the outcome counts as a
 // closed-state permit's issued then would (Done). report false keeps it
 // from the Fleet: a breaker with the same key reported it already. A
-// breaker that is not closed ignores it: its recovery is its own probes'.
+// breaker that is not closed only counts it (Tally), for its pool's
+// outlier detector: its recovery is its own probes'. The outcome of a
+// pick routed over the breaker itself (panic, past the cap) comes here
+// too.
 func (b *Breaker) Hear(o Outcome, issued time.Time, ttft time.Duration, reason string, report bool) {
 	w := b.word.Load()
 	if stateOf(w) != Closed {
+		b.Tally(o, ttft)
 		return
 	}
 	p := Permit{b: b, word: w, issued: b.mono(issued), quiet: !report}
@@ -300,4 +304,84 @@ func (p *Permit) IssuedAt() time.Time {
 		return time.Time{}
 	}
 	return p.b.base.Add(time.Duration(p.issued))
+}
+
+// FailureCount returns the failures (slow calls included) in the breaker's
+// FailuresWindow at now, as its Failures rule counts them. An outlier
+// detector (WithOutlierDetector) reads it, with RatioCounts, off the
+// request path. It takes no lock.
+func (b *Breaker) FailureCount() int {
+	return b.cfg.Load().fails.sum(b.clock.Now()).failures
+}
+
+// Tally counts the outcome of an attempt made without a permit, because
+// the breaker's pool routed over it (the pool in panic, the upstream past
+// the ejection cap, or opened by the saturation rules and the only one
+// left), in the windows that FailureCount and RatioCounts read: a Success
+// as a request (a slow one, TTFT above SlowTTFT, also as a failure and a
+// slow call), a Failure or Down as a request and a failure, Neutral not at
+// all. It changes nothing else: no state, no run of failures, no sign of
+// life, no fleet report; the pool's outlier detector judges the counts at
+// its next run. Without it those outcomes were lost, and an upstream
+// routed over in panic looked to its pool as it did when it was ejected.
+// It takes no lock.
+func (b *Breaker) Tally(o Outcome, ttft time.Duration) {
+	if o == Neutral {
+		return
+	}
+	c := b.cfg.Load()
+	now := b.clock.Now()
+	slow := o == Success && c.s.SlowTTFT > 0 && ttft > c.s.SlowTTFT
+	failed := o != Success || slow
+	if failed {
+		c.fails.record(now, true, false)
+	}
+	c.ratio.record(now, failed, slow)
+}
+
+// CarryOver makes b, a closed breaker built to replace old (a reload's new
+// breaker for the same handler), take old's verdict: open since old opened
+// and until old's cooldown ends (a half-open or due old: a probe is due at
+// once), with old's evidence, held and peer ratios, re-open count and
+// saturation mark, so that its pool's outlier detector and cap see the
+// same hold; forced open by an operator stays forced until the same end.
+// It is no transition (the handler's verdict did not change): the
+// listener hears nothing, and nothing is published (old's store or fleet
+// holds the verdict already). Nothing changes when old is closed or b is
+// not.
+func (b *Breaker) CarryOver(old *Breaker, reason string) {
+	snap := old.Snapshot()
+	if snap.State == Closed {
+		return
+	}
+	old.mu.Lock()
+	reopens, local, openedAt := old.reopens, old.local, old.openedAt
+	old.mu.Unlock()
+	ev, held, peer, observed := old.evidence.Load(), old.heldRatio.Load(), old.peer.Load(), old.observed.Load()
+	now := b.clock.Now()
+	until := snap.OpenUntil
+	if snap.Forced && !until.IsZero() && !until.After(now) {
+		return // the operator's timed open is over
+	}
+	if !snap.Forced && !until.After(now) {
+		until = now
+	}
+	b.mu.Lock()
+	defer b.unlock()
+	if stateOf(b.word.Load()) != Closed {
+		return
+	}
+	n := len(b.pending)
+	b.reopens = reopens
+	b.openLocked(now, until, false, observed, reason) // until zero: forced until closed
+	if snap.Forced {
+		b.forced = true
+		b.setGateLocked()
+	}
+	b.local = local && !snap.Forced
+	b.evidence.Store(ev)
+	b.heldRatio.Store(held)
+	b.peer.Store(peer)
+	b.openedAt, b.since = openedAt, snap.Since
+	b.pending = b.pending[:n]
 }

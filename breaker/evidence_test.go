@@ -393,51 +393,68 @@ func TestProbeSuccessTurnsHardIntoStatistical(t *testing.T) {
 	}
 }
 
-// A pool's cap (DoneCapped) holds the breaker's own statistical rules,
-// failure ratio and slow call ratio alike, and never hard evidence; below
-// the cap the same failure trips.
-func TestDoneCappedHoldsStatisticalTripsOnly(t *testing.T) {
-	s := breaker.Settings{ConsecutiveFailures: 3, FailureRatio: 0.5, SlowTTFT: time.Second, SlowRatio: 0.5, MinRequests: 4}
-	f := newFixture(t, s)
-	reached := true
-	asked := 0
-	capped := func() bool { asked++; return reached }
-	done := func(o breaker.Outcome, ttft time.Duration) {
+// Under WithOutlierDetector the breaker's own statistical rules (failure
+// ratio, slow call ratio, failures in a window) never trip it: it counts
+// their outcomes for the pool's detector (RatioCounts, FailureCount), and
+// hard evidence still trips it at once. Without the option the same
+// outcomes trip it on its own ratio rule.
+func TestOutlierDetectorLeavesStatisticalRulesToThePool(t *testing.T) {
+	s := breaker.Settings{ConsecutiveFailures: 3, Failures: 5, FailureRatio: 0.5, SlowTTFT: time.Second, SlowRatio: 0.5, MinRequests: 4}
+	run := func(f *fixture) {
 		t.Helper()
-		p, ok := f.b.Allow()
-		if !ok {
-			t.Fatalf("Allow refused: %+v", f.b.Snapshot())
+		for range 4 {
+			f.call(breaker.Success, 0)
+			f.call(breaker.Failure, 0)
 		}
-		p.DoneCapped(o, ttft, o.String(), capped)
+		f.call(breaker.Success, 2*time.Second) // slow: a failure for the slow rule
+		f.call(breaker.Failure, 0)
 	}
-	for range 4 {
-		done(breaker.Success, 0)
-		done(breaker.Failure, 0)
-	}
-	done(breaker.Success, 2*time.Second) // slow: a failure for the slow rule
+	f := newFixture(t, s, breaker.WithOutlierDetector())
+	run(f)
 	f.wantState(breaker.Closed)
-	if asked == 0 {
-		t.Fatal("the cap was never asked though the ratio rules fired")
+	if rc := f.b.RatioCounts(); rc.Requests != 10 || rc.Failures != 6 || rc.Slow != 1 {
+		t.Fatalf("ratio counts %+v, want 6 failures (1 slow) in 10", rc)
 	}
-	if snap := f.b.Snapshot(); snap.RequestsInWindow != 9 || snap.FailuresInWindow == 0 {
-		t.Fatalf("capped failures were not counted: %+v", snap)
-	}
-	reached = false
-	done(breaker.Failure, 0)
-	f.wantState(breaker.Open)
-	if ev := f.b.Evidence(); ev != breaker.Statistical {
-		t.Fatalf("evidence %v, want statistical", ev)
+	if n := f.b.FailureCount(); n != 6 {
+		t.Fatalf("failure count %d, want 6", n)
 	}
 
-	// Hard evidence at the cap: three refused connections in a row.
-	g := newFixture(t, s)
-	for range 3 {
-		p, _ := g.b.Allow()
-		p.DoneCapped(breaker.Down, 0, "connect refused", func() bool { return true })
+	own := newFixture(t, s)
+	run(own)
+	own.wantState(breaker.Open)
+	if ev := own.b.Evidence(); ev != breaker.Statistical {
+		t.Fatalf("without the detector: evidence %v, want statistical", ev)
 	}
+
+	// Hard evidence under the detector: three refused connections in a row.
+	g := newFixture(t, s, breaker.WithOutlierDetector())
+	g.down(3)
 	g.wantState(breaker.Open)
 	if ev := g.b.Evidence(); ev != breaker.Hard {
-		t.Fatalf("evidence %v, want hard: the cap holds statistics only", ev)
+		t.Fatalf("evidence %v, want hard: the detector takes statistics only", ev)
+	}
+}
+
+// Tally counts an outcome that had no permit in the windows the detector
+// reads, and changes nothing else: an open breaker stays open with its
+// cooldown, and no run of failures grows.
+func TestTallyCountsWithoutAPermit(t *testing.T) {
+	f := newFixture(t, breaker.Settings{SlowTTFT: time.Second}, breaker.WithOutlierDetector())
+	f.b.Eject("outlier", 0)
+	until := f.b.Snapshot().OpenUntil
+	f.b.Tally(breaker.Failure, 0)
+	f.b.Tally(breaker.Down, 0)
+	f.b.Tally(breaker.Success, 2*time.Second)
+	f.b.Tally(breaker.Success, 0)
+	f.b.Tally(breaker.Neutral, 0)
+	if rc := f.b.RatioCounts(); rc.Requests != 4 || rc.Failures != 3 || rc.Slow != 1 {
+		t.Fatalf("ratio counts %+v, want 3 failures (1 slow) in 4", rc)
+	}
+	if n := f.b.FailureCount(); n != 3 {
+		t.Fatalf("failure count %d, want 3", n)
+	}
+	if s := f.b.Snapshot(); s.State != breaker.Open || !s.OpenUntil.Equal(until) || s.ConsecutiveFailures != 0 {
+		t.Fatalf("after Tally: %+v, want open until %v, no run of failures", s, until)
 	}
 }
 

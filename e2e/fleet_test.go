@@ -252,7 +252,7 @@ func TestFleetBreakerTripsOnceForTheFleet(t *testing.T) {
 	}
 	t.Logf("%d user requests reached the hung replica before the fleet excluded it", reached)
 
-	rec, err := rs.Do("GET", "llmproxy:{breaker:"+sick.Addr()+"}:open")
+	rec, err := rs.Do("GET", "llmproxy:{breaker:"+gws[0].breaker(sick.Addr()).FleetKey+"}:open")
 	if err != nil {
 		t.Fatalf("reading the fleet's open record: %v", err)
 	}
@@ -513,7 +513,7 @@ func TestFleetFailureRatioTripsOnTheFleetsSums(t *testing.T) {
 			t.Fatalf("gateway %d: replica 0's breaker %q scope %q, want open by the fleet", i, v.State, v.Scope)
 		}
 	}
-	rec, err := rs.Do("GET", "llmproxy:{breaker:"+sick.Addr()+"}:open")
+	rec, err := rs.Do("GET", "llmproxy:{breaker:"+gws[0].breaker(sick.Addr()).FleetKey+"}:open")
 	if err != nil || !strings.Contains(rec, "fleet: failure ratio") {
 		t.Fatalf("the fleet's open record %q (%v), want opened by the fleet's failure ratio", rec, err)
 	}

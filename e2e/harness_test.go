@@ -832,7 +832,10 @@ func waitFor(d time.Duration, cond func() bool) bool {
 // breakerView is one breaker as the admin API shows it
 // (GET /llm_proxy/breakers, and the answer to a POST on one).
 type breakerView struct {
-	Key                 string    `json:"key"`
+	Key string `json:"key"`
+	// FleetKey is its key in the fleet's Redis ("addr~policy").
+	FleetKey            string    `json:"fleet_key"`
+	Handler             string    `json:"handler"`
 	Upstream            string    `json:"upstream"`
 	Model               string    `json:"model"`
 	Policy              string    `json:"policy"`

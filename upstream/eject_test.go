@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -49,26 +50,35 @@ func serveOn(t *testing.T, p *Pool, addrs []string, addr string, k int, fail fun
 	}
 }
 
+// nextRun moves the clock to the pool detectors' next run.
+func nextRun(clk *clocktest.Fake) { clk.Advance(OutlierInterval) }
+
 func every(n int) func(int) bool { return func(i int) bool { return i%n == 0 } }
 func never(int) bool             { return false }
 
 // An upstream failing half its requests in a pool that fails none is an
-// outlier: ejected, on statistical evidence. The same rate across the whole
-// pool ejects nobody.
-func TestOutlierEjectedUniformFailureNot(t *testing.T) {
-	reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+// outlier: ejected, on statistical evidence, at the detector's next run and
+// not before (nothing of it runs on the request path). The same rate across
+// the whole pool ejects nobody.
+func TestOutlierEjectedAtTheNextRunUniformFailureNot(t *testing.T) {
+	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
 	serveOn(t, p, addrs, addrs[1], 40, never)
 	serveOn(t, p, addrs, addrs[2], 40, never)
 	serveOn(t, p, addrs, addrs[0], 40, every(2))
 	b := breakerOf(t, reg, addrs[0], "")
+	if b.State() != breaker.Closed {
+		t.Fatalf("the outlier before the detector ran: %+v, want closed", b.Snapshot())
+	}
+	nextRun(clk)
 	if b.State() != breaker.Open || b.Evidence() != breaker.Statistical {
 		t.Fatalf("the outlier: %+v, want open on statistical evidence", b.Snapshot())
 	}
 
-	reg, p, addrs, _ = ejectionPool(t, 3, Ejection{})
+	reg, p, addrs, clk = ejectionPool(t, 3, Ejection{})
 	for _, a := range addrs {
 		serveOn(t, p, addrs, a, 200, every(2))
 	}
+	nextRun(clk)
 	for _, a := range addrs {
 		if b := breakerOf(t, reg, a, ""); b.State() != breaker.Closed {
 			t.Fatalf("%s at the pool's own 50%%: %+v, want closed", a, b.Snapshot())
@@ -83,13 +93,14 @@ func TestEjectionCap(t *testing.T) {
 		ratio         float64
 		want, wantMax int
 	}{{0, 3, 3}, {0.1, 1, 1}, {0.5, 4, 5}} {
-		reg, p, addrs, _ := ejectionPool(t, 10, Ejection{MaxEjection: tc.ratio})
+		reg, p, addrs, clk := ejectionPool(t, 10, Ejection{MaxEjection: tc.ratio})
 		for _, a := range addrs[4:] {
 			serveOn(t, p, addrs, a, 60, never)
 		}
 		for _, a := range addrs[:4] {
 			serveOn(t, p, addrs, a, 60, every(2)) // four outliers
 		}
+		nextRun(clk)
 		n := 0
 		for _, a := range addrs {
 			if breakerOf(t, reg, a, "").Evidence() == breaker.Statistical {
@@ -141,7 +152,8 @@ func TestStatusShowsProbation(t *testing.T) {
 	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
 	b := breakerOf(t, reg, addrs[0], "")
 	b.Eject("outlier", 0)
-	if st := p.Status(); st.Ejected != 1 || st.Probation != 0 {
+	nextRun(clk)
+	if st := p.Status(); st.Ejected != 1 || st.Probation != 0 || !slices.Equal(st.EjectedUpstreams, addrs[:1]) {
 		t.Fatalf("ejected: status %+v", st)
 	}
 	clk.Advance(time.Hour)
@@ -149,17 +161,18 @@ func TestStatusShowsProbation(t *testing.T) {
 	if !b.OnProbation() {
 		t.Fatalf("not on probation: %+v", b.Snapshot())
 	}
+	nextRun(clk)
 	if st := p.Status(); st.Ejected != 0 || st.Probation != 1 || st.MaxEjected != 1 {
 		t.Fatalf("on probation: status %+v", st)
 	}
 }
 
-// The breaker's own ratio rule (failure_ratio) trips within the pool's
-// cap, as the pool's ejections do. Every replica of two failing half its
-// requests: before, both breakers tripped on their own rule; the pick
-// routed over one, but the pool showed "ejected 2 of 1" and both breakers
-// open, which fired a pool-unavailable alert while the pool served.
-func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
+// The breaker settings' ratio rule (failure_ratio) is the pool detector's,
+// within the pool's cap, as its own outlier rules are. Every replica of two
+// failing half its requests: when each breaker tripped on its own rule,
+// both opened and the pool showed "ejected 2 of 1", which fired a
+// pool-unavailable alert while the pool served.
+func TestBreakerRatioRuleEjectsWithinTheCap(t *testing.T) {
 	clk := clocktest.New(simT0)
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
@@ -171,6 +184,12 @@ func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
 			serveOn(t, p, addrs, a, 1, func(int) bool { return i%2 == 1 })
 		}
 	}
+	for _, a := range addrs {
+		if b := breakerOf(t, reg, a, ""); b.State() != breaker.Closed {
+			t.Fatalf("%s before the detector ran: %+v, want closed (the rule is the pool's)", a, b.Snapshot())
+		}
+	}
+	nextRun(clk)
 	open := 0
 	for _, a := range addrs {
 		b := breakerOf(t, reg, a, "")
@@ -182,50 +201,10 @@ func TestOwnRatioTripsStayWithinTheCap(t *testing.T) {
 		}
 	}
 	if open != 1 {
-		t.Fatalf("%d of 2 breakers open on their own failure ratio, want 1 (the cap, max(1, ⌊2 × 0.3⌋))", open)
+		t.Fatalf("%d of 2 breakers open on the failure ratio rule, want 1 (the cap, max(1, ⌊2 × 0.3⌋))", open)
 	}
 	if st := p.Status(); st.Ejected != 1 || st.MaxEjected != 1 {
 		t.Fatalf("status %+v, want ejected 1 of 1", st)
-	}
-}
-
-// Two upstreams whose own ratio rule fires at once take one place under
-// the cap, not both: the second asks while the first is opening (here,
-// from within the first's cooldown draw, after its cap check and before
-// its open), and must see that place taken. Before, both passed the
-// check and the pool showed "ejected 2 of 1" again.
-func TestOwnRatioTripsAtOnceTakeOnePlace(t *testing.T) {
-	clk := clocktest.New(simT0)
-	reg := NewRegistry(nil)
-	reg.UseClock(clk)
-	var during func()
-	reg.breakerOpts = append(reg.breakerOpts, breaker.WithRand(func() float64 {
-		if f := during; f != nil {
-			during = nil
-			f()
-		}
-		return 0
-	}))
-	addrs := []string{"10.19.9.1:8000", "10.19.9.2:8000"}
-	p := startPool(t, reg, Config{Key: "ratio-cap-race", Static: targets(addrs...),
-		Breaker: &breaker.Settings{ConsecutiveFailures: -1, FailureRatio: 0.5, MinRequests: 10}})
-	// Nine requests each, five succeeding: the tenth, a failure, fires the rule.
-	for _, a := range addrs {
-		serveOn(t, p, addrs, a, 9, func(i int) bool { return i%2 == 1 })
-	}
-	during = func() { serveOn(t, p, addrs, addrs[1], 1, func(int) bool { return true }) }
-	serveOn(t, p, addrs, addrs[0], 1, func(int) bool { return true })
-	if during != nil {
-		t.Fatal("the first trip drew no cooldown")
-	}
-	open := 0
-	for _, a := range addrs {
-		if breakerOf(t, reg, a, "").State() == breaker.Open {
-			open++
-		}
-	}
-	if st := p.Status(); open != 1 || st.Ejected != 1 {
-		t.Fatalf("%d of 2 breakers open, status %+v: want 1, within the cap of 1", open, st)
 	}
 }
 
@@ -248,15 +227,18 @@ func TestEachPoolEjectsOnTheSharedEvidenceWithinItsOwnCap(t *testing.T) {
 	b := startPool(t, reg, Config{Key: "b", Handler: "b", Static: targets(big...), Breaker: &s})
 	half := func(i int) bool { return i%2 == 1 }
 	serveOn(t, a, small, y, 20, half)
+	nextRun(clk)
 	if st := a.Status(); st.Ejected != 1 {
 		t.Fatalf("a: %+v, want y ejected", st)
 	}
 	serveOn(t, b, big, x, 20, half)
+	nextRun(clk)
+	nextRun(clk)
 	ex, _ := reg.Entry(x)
 	if st := a.Breakers(ex)[""].State(); st != breaker.Closed {
 		t.Fatalf("x in pool a is %s, want closed: pool a's only place is y's", st)
 	}
-	if st := a.Status(); st.Ejected != 1 {
+	if st := a.Status(); st.Ejected != 1 || st.MaxEjected != 1 {
 		t.Fatalf("a: %+v, want ejected 1 of 1", st)
 	}
 	if st := b.Breakers(ex)[""].State(); st != breaker.Open {
@@ -279,19 +261,26 @@ func fails(n int, idx ...int) func(int) bool {
 // The rest of the pool's ratio counts each peer once, however busy: a
 // replica failing 30% between a busy one failing none and a quiet one
 // failing 60% is no outlier (pooling the requests judged it against the
-// busy one alone: 12 failures in 220 requests).
+// busy one alone: 12 failures in 220 requests). A fourth upstream holds
+// the cap's one place, so the 60% one stays a peer (over the cap).
 func TestPeersCountOnceHoweverBusy(t *testing.T) {
-	reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+	reg, p, addrs, clk := ejectionPool(t, 4, Ejection{})
+	breakerOf(t, reg, addrs[3], "").Eject("holds the place", 0) // held ratio 1: never displaced
 	serveOn(t, p, addrs, addrs[0], 200, never)
 	serveOn(t, p, addrs, addrs[2], 20, fails(5, 1, 2, 3)) // 12 of 20, the last a success
 	serveOn(t, p, addrs, addrs[1], 40, fails(10, 1, 4, 7))
+	nextRun(clk)
 	if rc := breakerOf(t, reg, addrs[2], "").RatioCounts(); rc.Requests != 20 || rc.Failures != 12 {
 		t.Fatalf("the 60%% replica's window: %+v, want 12 failures in 20", rc)
 	}
-	if b := breakerOf(t, reg, addrs[1], ""); b.State() != breaker.Closed {
-		t.Fatalf("the 30%% replica between peers at 0%% and 60%%: %+v, want closed", b.Snapshot())
+	if e, _ := reg.Entry(addrs[2]); !p.overCap(e, clk.Now()) {
+		t.Fatalf("the 60%% replica is no outlier over the cap (status %+v)", p.Status())
 	}
-	if r := breakerOf(t, reg, addrs[1], "").PeerRatio(); r < 0.29 || r > 0.31 {
+	b := breakerOf(t, reg, addrs[1], "")
+	if e, _ := reg.Entry(addrs[1]); b.State() != breaker.Closed || p.overCap(e, clk.Now()) {
+		t.Fatalf("the 30%% replica between peers at 0%% and 60%%: %+v, over the cap %v; want closed, no outlier", b.Snapshot(), p.overCap(e, clk.Now()))
+	}
+	if r := b.PeerRatio(); r < 0.29 || r > 0.31 {
 		t.Errorf("the 30%% replica's peer ratio %.3f, want the peers' mean 0.30", r)
 	}
 }
@@ -308,9 +297,10 @@ func TestWorseOutlierTakesTheCapsPlace(t *testing.T) {
 		{"50% against a held 40%", fails(2, 1), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			reg, p, addrs, _ := ejectionPool(t, 3, Ejection{})
+			reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
 			serveOn(t, p, addrs, addrs[0], 100, never)
 			serveOn(t, p, addrs, addrs[1], 40, fails(5, 1, 3))
+			nextRun(clk)
 			mild, worse := breakerOf(t, reg, addrs[1], ""), breakerOf(t, reg, addrs[2], "")
 			if mild.Evidence() != breaker.Statistical {
 				t.Fatalf("the 40%% replica: %+v, want ejected", mild.Snapshot())
@@ -319,15 +309,24 @@ func TestWorseOutlierTakesTheCapsPlace(t *testing.T) {
 				t.Errorf("held ratio %.3f, want 0.40", r)
 			}
 			serveOn(t, p, addrs, addrs[2], 40, tc.fail)
+			nextRun(clk)
 			if got := worse.Evidence() == breaker.Statistical; got != tc.displace {
 				t.Fatalf("the worse replica ejected %v, want %v: %+v", got, tc.displace, worse.Snapshot())
 			}
+			// Out for want of a place under the cap, the pardoned one
+			// (or the worse one refused) serves with its recent
+			// failures counted against it in selection.
+			out, _ := reg.Entry(addrs[2])
 			if tc.displace {
 				if s := mild.Snapshot(); s.State != breaker.Closed || s.Evidence != breaker.EvidenceNone || mild.OnProbation() {
 					t.Errorf("the pardoned replica: %+v, want closed, off probation", s)
 				}
+				out, _ = reg.Entry(addrs[1])
 			} else if mild.Evidence() != breaker.Statistical {
 				t.Errorf("the held replica: %+v, want still ejected", mild.Snapshot())
+			}
+			if !p.overCap(out, clk.Now()) {
+				t.Errorf("%s: its recent failures do not count against it", out.addr)
 			}
 			if st := p.Status(); st.Ejected != 1 {
 				t.Errorf("status %+v, want 1 ejected", st)
@@ -337,24 +336,116 @@ func TestWorseOutlierTakesTheCapsPlace(t *testing.T) {
 }
 
 // A half-open upstream held on hard evidence that answers a probe and then
-// fails more than its pool explains re-opens as an outlier only within the
-// cap: with the place taken it stays held on hard evidence, and the pool
-// shows one ejected of one, not two.
-func TestProbeOutlierReopensWithinTheCap(t *testing.T) {
+// fails more than its pool explains re-opens as an outlier, on statistical
+// evidence, at once (the breaker asks no cap); the pool's detector trims
+// the holds over its cap at its next run, keeping the worse: the pool shows
+// one ejected of one again.
+func TestProbeOutlierOverTheCapTrimmedAtTheNextRun(t *testing.T) {
 	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
 	serveOn(t, p, addrs, addrs[0], 100, never)
 	serveOn(t, p, addrs, addrs[1], 40, fails(5, 1, 3))
 	serveOn(t, p, addrs, addrs[2], 3, func(int) bool { return true })
+	nextRun(clk)
 	held, down := breakerOf(t, reg, addrs[1], ""), breakerOf(t, reg, addrs[2], "")
 	if held.Evidence() != breaker.Statistical || down.Evidence() != breaker.Hard {
 		t.Fatalf("before: %+v / %+v, want one ejected, one down", held.Snapshot(), down.Snapshot())
 	}
 	clk.Advance(down.Snapshot().OpenUntil.Sub(clk.Now()))
 	serveOn(t, p, addrs, addrs[2], 2, func(i int) bool { return i == 1 }) // a probe answered, then one failed
-	if s := down.Snapshot(); s.State != breaker.Open || s.Evidence != breaker.Hard || s.Reopens != 1 {
-		t.Fatalf("after its probes: %+v, want open again on hard evidence", s)
+	if s := down.Snapshot(); s.State != breaker.Open || s.Evidence != breaker.Statistical || s.Reopens != 1 {
+		t.Fatalf("after its probes: %+v, want open again as an outlier", s)
 	}
-	if st := p.Status(); st.Ejected != 1 || st.MaxEjected != 1 {
-		t.Errorf("status %+v, want 1 of 1 ejected", st)
+	nextRun(clk)
+	if st := p.Status(); st.Ejected != 1 || st.MaxEjected != 1 || !slices.Equal(st.EjectedUpstreams, addrs[2:]) {
+		t.Errorf("status %+v, want 1 of 1 ejected: %s (failing 1 of 2 probes), not the milder %s", st, addrs[2], addrs[1])
+	}
+	if s := held.Snapshot(); s.State != breaker.Closed || s.Evidence != breaker.EvidenceNone {
+		t.Errorf("the milder hold: %+v, want pardoned", s)
+	}
+}
+
+// A reload that lowers max_ejection leaves more upstreams held than the
+// new cap allows; the new pool's detector pardons the mildest at its first
+// run, keeping the worst.
+func TestLoweredCapTrimmedWorstKept(t *testing.T) {
+	reg, p, addrs, clk := ejectionPool(t, 10, Ejection{MaxEjection: 0.5})
+	for _, a := range addrs[3:] {
+		serveOn(t, p, addrs, a, 60, never)
+	}
+	// Each starts with a success: no run of failures in a silent window.
+	serveOn(t, p, addrs, addrs[0], 60, fails(10, 1, 3, 5, 7))          // 40%
+	serveOn(t, p, addrs, addrs[1], 60, fails(10, 1, 2, 3, 5, 6, 7, 8)) // 70%
+	serveOn(t, p, addrs, addrs[2], 60, fails(2, 1))                    // 50%
+	nextRun(clk)
+	if st := p.Status(); st.Ejected != 3 {
+		t.Fatalf("before the reload: %+v, want 3 ejected", st)
+	}
+	next := reload(t, p, Config{Key: "ejection", Static: targets(addrs...), Breaker: &breaker.Settings{}, Ejection: Ejection{MaxEjection: 0.1}})
+	if st := next.Status(); st.Ejected != 1 || st.MaxEjected != 1 || !slices.Equal(st.EjectedUpstreams, addrs[1:2]) {
+		t.Fatalf("after the reload: %+v, want only the 70%% one (%s) held", st, addrs[1])
+	}
+	for _, a := range []string{addrs[0], addrs[2]} {
+		if b := breakerOf(t, reg, a, ""); b.State() != breaker.Closed {
+			t.Errorf("%s: %+v, want pardoned", a, b.Snapshot())
+		}
+	}
+}
+
+// An outcome of an attempt the pool routed over a held breaker (panic: no
+// permit) still reaches the detector: its next run sees it in the
+// upstream's counts. Lost, an upstream routed over in panic looked to its
+// pool as it did when it was ejected, however it failed since.
+func TestOutcomeInPanicReachesTheDetector(t *testing.T) {
+	reg, p, addrs, clk := ejectionPool(t, 3, Ejection{})
+	breakerOf(t, reg, addrs[0], "").ForceOpen(0, "hard: maintenance")
+	ejected := breakerOf(t, reg, addrs[1], "")
+	ejected.Eject("outlier", 0)
+	nextRun(clk)
+	before := p.outliers().seen[outlierKey{addrs[1], ""}]
+	for range 10 {
+		up := mustPick(t, p, "", addrs[2])
+		if up.Addr != addrs[1] {
+			t.Fatalf("picked %s, want the ejected %s routed over in panic", up.Addr, addrs[1])
+		}
+		finish(up, proxy.AttemptHTTP5xx)
+	}
+	if st := p.Status(); !st.Panic {
+		t.Fatalf("status %+v, want panic", st)
+	}
+	nextRun(clk)
+	after := p.outliers().seen[outlierKey{addrs[1], ""}]
+	if after.Requests-before.Requests != 10 || after.Failures-before.Failures != 10 {
+		t.Fatalf("the detector saw %+v, then %+v: want the 10 failures made in panic", before.RatioCounts, after.RatioCounts)
+	}
+	if s := ejected.Snapshot(); s.State != breaker.Open || s.Evidence != breaker.Statistical {
+		t.Fatalf("the routed-over breaker: %+v, want still held (no verdict without a permit)", s)
+	}
+}
+
+// The detector runs every OutlierInterval while its pool is active, and
+// never after the pool is released (nor while it is deactivated).
+func TestDetectorStopsWithItsPool(t *testing.T) {
+	_, p, _, clk := ejectionPool(t, 3, Ejection{})
+	runs := p.det.runs.Load()
+	clk.Advance(3 * OutlierInterval)
+	if n := p.det.runs.Load() - runs; n != 3 {
+		t.Fatalf("%d runs in 3 intervals, want 3", n)
+	}
+	p.Deactivate()
+	runs = p.det.runs.Load()
+	clk.Advance(3 * OutlierInterval)
+	if n := p.det.runs.Load() - runs; n != 0 {
+		t.Fatalf("%d runs while deactivated, want 0", n)
+	}
+	p.Activate()
+	clk.Advance(OutlierInterval)
+	p.Release()
+	runs = p.det.runs.Load()
+	clk.Advance(10 * OutlierInterval)
+	if n := p.det.runs.Load() - runs; n != 0 {
+		t.Fatalf("%d runs after Release, want 0", n)
+	}
+	if _, funcs := clk.Armed(); funcs != 0 {
+		t.Fatalf("%d timers still armed after Release", funcs)
 	}
 }

@@ -260,7 +260,7 @@ func (e *Entry) activate(c *claim) {
 	e.mu.Unlock()
 	for _, v := range from {
 		if nb := e.breakerFor(c, v.model); nb != nil {
-			carryOpen(v.b, nb, e.reg.now(), "open before the reload")
+			carryOpen(v.b, nb, "open before the reload")
 		}
 	}
 	e.maybeProbe()

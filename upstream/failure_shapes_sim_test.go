@@ -399,9 +399,10 @@ func TestDeadReplicaCooldownDoubles(t *testing.T) {
 // rule routes over it), and panic_threshold off lets it refuse.
 func TestEjectionCapInPoolsOfOneAndTwo(t *testing.T) {
 	// N = 2: one outlier ejected, the other serves everything.
-	reg, p, addrs, _ := ejectionPool(t, 2, Ejection{})
+	reg, p, addrs, clk := ejectionPool(t, 2, Ejection{})
 	serveOn(t, p, addrs, addrs[1], 40, never)
 	serveOn(t, p, addrs, addrs[0], 40, every(2))
+	nextRun(clk)
 	if b := breakerOf(t, reg, addrs[0], ""); b.Evidence() != breaker.Statistical || b.State() != breaker.Open {
 		t.Fatalf("N=2 outlier: %+v", b.Snapshot())
 	}
@@ -419,8 +420,9 @@ func TestEjectionCapInPoolsOfOneAndTwo(t *testing.T) {
 	// N = 1 failing nearly everything (96%): ejected on statistics, but
 	// still routed over (panic) unless panic_threshold is off.
 	for _, thr := range []float64{0, -1} {
-		reg, p, addrs, _ := ejectionPool(t, 1, Ejection{PanicThreshold: thr})
+		reg, p, addrs, clk := ejectionPool(t, 1, Ejection{PanicThreshold: thr})
 		serveOn(t, p, addrs, addrs[0], 25, func(i int) bool { return i != 0 })
+		nextRun(clk)
 		b := breakerOf(t, reg, addrs[0], "")
 		if b.State() != breaker.Open || b.Evidence() != breaker.Statistical {
 			t.Fatalf("N=1 at 96%%: %+v, want ejected on statistics", b.Snapshot())

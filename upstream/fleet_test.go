@@ -19,7 +19,7 @@ func TestDroppedBreakersLeaveTheFleet(t *testing.T) {
 	joined := func(key string) int { return sm.Counts(key).Joined }
 
 	reg := NewRegistry(nil)
-	reg.breakerOpts = []breaker.Option{breaker.WithStore(sm.Instance("gw0"))}
+	reg.breakerOpts = append(reg.breakerOpts, breaker.WithStore(sm.Instance("gw0")))
 	old := startPool(t, reg, Config{Static: targets("10.1.11.1:8000"), Breaker: &breaker.Settings{}})
 	finish(mustPick(t, old, ""), proxy.AttemptSuccess)
 	if n := joined("10.1.11.1:8000~" + pol); n != 1 {

@@ -23,8 +23,9 @@ type Candidate struct {
 	// LeastQueue, else 0.
 	Score float64
 
-	br  *breaker.Breaker // nil when breakers are off
-	key string           // br's model key ("" per upstream)
+	br *breaker.Breaker // nil when breakers are off
+	// key is the breaker's model key ("" per upstream).
+	key string
 	// failing is the upstream's failures within RecentWindow, which count
 	// against it as attempts in flight would (see Load).
 	failing int64
@@ -222,7 +223,8 @@ func (c Candidate) Load() int64 { return c.Entry.Inflight() + c.failing }
 
 // countFailures sets each candidate's recent failures where they count
 // against it (see Candidate.Load): every candidate in panic, else those
-// routed over past the cap and those the cap refused an ejection.
+// routed over past the cap and those the pool's outlier detector found
+// outliers with no place under the cap at its last run.
 func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 	if p.cfg.Breaker == nil {
 		return
@@ -232,19 +234,6 @@ func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 			c.failing = int64(c.Entry.recent.Counts().Failures)
 		}
 	}
-}
-
-// markOverCap records that e's breaker would have opened on statistical
-// evidence but the pool's ejection cap had no place for it: for
-// RecentWindow its recent failures count against it in selection.
-func (p *Pool) markOverCap(e *Entry) {
-	p.capRefused.Store(e, p.reg.now().Add(RecentWindow).UnixNano())
-}
-
-// overCap reports whether the cap refused e an ejection within RecentWindow.
-func (p *Pool) overCap(e *Entry, now time.Time) bool {
-	v, ok := p.capRefused.Load(e)
-	return ok && now.UnixNano() < v.(int64)
 }
 
 // upstream hands c to the proxy for one attempt: its slot and permit are
@@ -280,7 +269,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		Committed: func(ttft time.Duration) {
 			e.live(key) // a first token: the server is up, for every handler
 			if permit != nil && permit.Probe() {
-				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft}, nil)
+				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
 				giveProbe()
 			}
 		},
@@ -306,20 +295,8 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 					e.retryAfter(key, rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
 				}
 			}
-			if permit == nil {
-				return
-			}
-			var taken []*Pool
-			failed := record(br, permit, rep, func() bool {
-				var ok bool
-				if taken, ok = p.reserveTrips(key, e); !ok {
-					p.markOverCap(e)
-				}
-				return !ok
-			})
-			releaseTrips(taken) // the breaker is open: its Evidence holds the places now
-			if failed {
-				p.judge(key, e, br)
+			if permit != nil {
+				record(br, permit, rep)
 			}
 		},
 	}

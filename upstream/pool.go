@@ -116,13 +116,9 @@ type Pool struct {
 	// ejection is cfg.Ejection with defaults; panic its panic mode.
 	ejection Ejection
 	panic    panicState
-	// trips is the statistical trips under way: let through the cap by
-	// reserveTrip, not yet open (tripMu guards it).
-	tripMu sync.Mutex
-	trips  int
-	// capRefused holds, by *Entry, until when (unix ns) the upstream counts
-	// as refused an ejection by the cap (markOverCap).
-	capRefused sync.Map
+	// det is the pool's outlier detector (outliers.go): statistical
+	// ejection, the cap and probation, on an interval.
+	det detector
 	// fail is the pool-wide rule: the pool's last outcomes and whether it
 	// failed as a whole (poolfail.go).
 	fail poolFailure
@@ -251,6 +247,9 @@ func (p *Pool) setActive(on bool) {
 	}
 	if on {
 		p.holdBreakers()
+		p.startDetector()
+	} else {
+		p.stopDetector()
 	}
 }
 
@@ -268,9 +267,13 @@ func (p *Pool) holdBreakers() {
 	}
 }
 
-// Release drops every reference the pool holds (Cleanup). Requests still
-// running on it keep working; it takes no new references.
-func (p *Pool) Release() { p.claims.Release() }
+// Release drops every reference the pool holds (Cleanup) and stops its
+// outlier detector. Requests still running on it keep working; it takes
+// no new references.
+func (p *Pool) Release() {
+	p.stopDetector()
+	p.claims.Release()
+}
 
 // entries returns the entries the pool holds now.
 func (p *Pool) entries() []*Entry {
@@ -387,7 +390,6 @@ func (p *Pool) forget(m *member) {
 		return
 	}
 	p.nDynamic.Add(-1)
-	p.capRefused.Delete(m.e)
 	if p.mem != nil {
 		p.mem.forget(m.t.Addr)
 	}

@@ -26,15 +26,12 @@ import (
 // with no sign of life between is hard evidence of a dead or hanging
 // server; every other fault is a plain failure, which trips the breaker
 // only with no success in the window or as a statistical outlier of its
-// pool (Pool.judge). A mix of first-byte timeouts and successes is
+// pool (the pool's outlier detector, outliers.go). A mix of first-byte timeouts and successes is
 // therefore statistical: a server that holds some requests and answers
 // others is judged against its pool, not declared down.
 //
 // A 429 or 503 with Retry-After also keeps the breaker open that long.
-// capReached, when not nil, is the pool's ejection cap (the negation of
-// Pool.reserveTrips): the breaker's own statistical rules trip only below it. It reports
-// whether the outcome was a failure.
-func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, capReached func() bool) (failed bool) {
+func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport) {
 	retryAfter := func() {
 		if rep != nil && rep.RetryAfter > 0 {
 			b.ExtendOpen(rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
@@ -47,19 +44,17 @@ func record(b *breaker.Breaker, p *breaker.Permit, rep *proxy.AttemptReport, cap
 	}
 	switch o := outcomeOf(rep); {
 	case o == breaker.Success:
-		p.DoneCapped(breaker.Success, rep.TTFT, "", capReached) // slow_ttft may count it
+		p.Done(breaker.Success, rep.TTFT, "") // slow_ttft may count it
 	case o == breaker.Neutral && answered(rep) && p.Probe():
 		p.Done(breaker.Success, 0, "")
 	case o == breaker.Neutral:
 		p.Done(breaker.Neutral, 0, "")
 	default:
-		p.DoneCapped(o, rep.TTFT, reasonOf(rep), capReached)
-		failed = true
+		p.Done(o, rep.TTFT, reasonOf(rep))
 	}
 	if !p.Probe() {
 		retryAfter()
 	}
-	return failed
 }
 
 // outcomeOf is the upstream column of DESIGN §4 for one attempt: Down for a

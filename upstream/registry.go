@@ -108,7 +108,9 @@ type Registry struct {
 	// scrapers are the entries' /metrics scrapers (on the registry's
 	// clock) and the count of their loops.
 	scrapers *saturation.Scrapers
-	// breakerOpts are added to every breaker's options (tests inject a clock).
+	// breakerOpts are added to every breaker's options: the statistical
+	// rules go to the pools' outlier detectors (WithOutlierDetector), and
+	// tests inject a clock. Tests append to it, never replace it.
 	breakerOpts []breaker.Option
 	// clock is the time of picks, retry budgets, the probe and scrape
 	// loops and, through breakerOpts, breakers (UseClock); clock.Real by
@@ -157,7 +159,8 @@ func NewRegistry(obs Observer) *Registry {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: clock.Real}
+	r := &Registry{obs: obs, Models: NewModelNames(DefaultMaxModels, DefaultMaxUnservedModels), clock: clock.Real,
+		breakerOpts: []breaker.Option{breaker.WithOutlierDetector()}}
 	r.scrapers = saturation.NewScrapers(r.clock, obs)
 	r.entries = registry.NewTable(func(_ string, e *Entry) { e.destroy() })
 	r.state = registry.NewTable[*poolState](nil)

@@ -357,7 +357,7 @@ func clockedPool(t *testing.T, trip *saturation.TripRules, opts []breaker.Option
 	t.Helper()
 	reg := NewRegistry(nil)
 	clk := clocktest.New(time.Now())
-	reg.breakerOpts = append([]breaker.Option{breaker.WithClock(clk)}, opts...)
+	reg.breakerOpts = append(append(reg.breakerOpts, breaker.WithClock(clk)), opts...)
 	p := satPool(t, reg, nil, trip, addrs...)
 	f := newFeeder(t, p, addrs[0])
 	f.clk = clk

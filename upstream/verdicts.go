@@ -113,21 +113,9 @@ func (e *Entry) predecessorLocked(c *claim) *claim {
 	return byPool
 }
 
-// carryOpen hands old's open verdict to nb, a closed breaker that replaces
-// it: an open breaker stays open until the end of its cooldown, or until
-// closed if forced so; an operator's timed open is forced again for what
-// is left of it (the admin API and status still say forced).
-func carryOpen(old, nb *breaker.Breaker, now time.Time, reason string) {
-	snap := old.Snapshot()
-	if snap.State == breaker.Closed || nb.State() != breaker.Closed {
-		return
-	}
-	if d := snap.OpenUntil.Sub(now); snap.Forced && !snap.OpenUntil.IsZero() && d > 0 {
-		nb.ForceOpen(d, reason)
-		return
-	}
-	nb.Adopt(snap.OpenUntil, reason)
-}
+// carryOpen hands old's open verdict to nb, a closed breaker that
+// replaces it (breaker.CarryOver).
+func carryOpen(old, nb *breaker.Breaker, reason string) { nb.CarryOver(old, reason) }
 
 // breakerFor returns c's breaker for a model key ("" per upstream),
 // creating it with c's settings and the registry's breaker store; nil when
@@ -177,7 +165,7 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 		// had none when the drain began refuses as the others do.
 		b.ForceOpen(d, dr.reason)
 	} else if twin != nil {
-		carryOpen(twin, b, now, "open for the handlers with the same settings")
+		carryOpen(twin, b, "open for the handlers with the same settings")
 	}
 	return b
 }
