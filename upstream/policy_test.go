@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/internal/clock/clocktest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -145,4 +146,48 @@ func TestEachPolicyIsProbedWithItsHandlersProber(t *testing.T) {
 	if n := reg.ProbeLoops(); n != 1 {
 		t.Fatalf("%d probe loops for one upstream, want 1", n)
 	}
+}
+
+// Two handlers' breakers on one upstream are half-open at once: one
+// handler's probe is out, so the other's request goes elsewhere (here:
+// nowhere, 503) instead of probing the upstream a second time; once the
+// probe is settled, the other handler may probe.
+func TestHalfOpenProbesOfOneUpstreamAreBoundedAcrossHandlers(t *testing.T) {
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	const addr = "10.7.1.9:8000"
+	s := func(n int) *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 1, OpenFor: time.Second, MinOpen: -1, RecoverySuccesses: n}
+	}
+	gen := reg.NextGeneration()
+	a := startPool(t, reg, Config{Generation: gen, Key: "a", Handler: "a", Static: targets(addr), Breaker: s(1)})
+	b := startPool(t, reg, Config{Generation: gen, Key: "b", Handler: "b", Static: targets(addr), Breaker: s(2)})
+	fail(mustPick(t, a, ""))
+	for name, p := range map[string]*Pool{"a": a, "b": b} {
+		if _, err := pickModel(p, ""); err == nil {
+			t.Fatalf("site %s: the upstream's failure did not open its breaker", name)
+		}
+	}
+	clk.Advance(2 * time.Second)
+	probe := mustPick(t, a, "")
+	if a.BreakerState(addr, "") != "half_open" {
+		t.Fatalf("site a after its cooldown: %s, want half_open", a.BreakerState(addr, ""))
+	}
+	var ue *proxy.UnavailableError
+	if _, err := pickModel(b, ""); !errors.As(err, &ue) {
+		t.Fatalf("site b while site a's probe is out: pick error %v, want unavailable (one probe at a time)", err)
+	}
+	if st := b.BreakerState(addr, ""); st != "half_open" && st != "open" {
+		t.Fatalf("site b: %s", st)
+	}
+	probe.Done(&proxy.AttemptReport{Upstream: addr, Outcome: proxy.AttemptSuccess})
+	if a.BreakerState(addr, "") != "closed" {
+		t.Fatalf("site a after its probe succeeded: %s, want closed", a.BreakerState(addr, ""))
+	}
+	up, err := pickModel(b, "")
+	if err != nil {
+		t.Fatalf("site b once a's probe was settled: %v, want its probe through", err)
+	}
+	up.Done(&proxy.AttemptReport{Upstream: addr, Outcome: proxy.AttemptSuccess})
 }
