@@ -33,14 +33,15 @@ func init() {
 //	POST /llm_proxy/breakers/<key>/reset       fresh closed state
 //
 // <key> is a breaker's key: the upstream's dial address ("10.0.0.2:8000"),
-// then "~<policy>" for a handler whose breaker settings differ from those
-// of the plain key (see upstream.Entry), then "|<model>" under scope model; escape it in the
-// path as needed. A GET of a dial address shows the breaker of the plain
-// key. A POST to a plain dial address acts on the upstream: every breaker
-// of it (every handler's policy, every model), and open drains it — a
+// then "|<model>" under scope model, which names every handler's breaker
+// of it; or a breaker's fleet_key ("10.0.0.2:8000~<policy>[|<model>]"),
+// which names the breakers of the handlers with that policy. Escape it in
+// the path as needed. A GET shows the first handler's breaker the key
+// names. A POST to a plain dial address acts on the upstream: every
+// breaker of it (every handler's, every model), and open drains it — a
 // breaker created while the drain lasts starts open too — so that no site
-// sends there; a POST to a "~<policy>" or "|<model>" key acts on that one
-// breaker. A POST answers with the list of the breakers it changed. And
+// sends there; a POST to another key acts on the breakers it names. A
+// POST answers with the list of the breakers it changed. And
 // the tenants:
 //
 //	GET  /llm_proxy/tenants                    every tenant with state: tier, in-flight,

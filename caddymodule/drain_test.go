@@ -35,16 +35,13 @@ func postBreaker(t *testing.T, key, action string) (int, []upstream.BreakerView)
 	return http.StatusOK, vs
 }
 
-// An operator drains a server three sites use with breaker policies of
-// their own (A: consecutive_failures 2, B: 10, C: scope model, declared
-// last, so that the server has no per-upstream breaker of the plain key):
+// An operator drains a server three sites use with breaker settings of
+// their own (A: consecutive_failures 2, B: 10, C: scope model):
 // POST /llm_proxy/breakers/<addr>/open must stop every site from sending
 // there — A's and B's per-upstream breakers and C's model breaker open,
 // and a model C had not requested before is refused too — and the answer
 // lists the three breakers it opened. close brings every site back. A
-// "~<policy>" key acts on that policy's breaker alone. Before, the plain
-// address named the primary policy's per-upstream breaker only (here
-// none: 404), so the other sites kept sending to a drained server.
+// fleet_key ("<addr>~<policy>") acts on that policy's breaker alone.
 func TestDrainReachesEverySite(t *testing.T) {
 	var hits atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -143,14 +140,13 @@ func TestDrainReachesEverySite(t *testing.T) {
 
 // Two sites on two ports (so two Caddy servers, which Caddy provisions in
 // map order, at random) in front of one upstream with different breaker
-// settings. Which site's breaker has the plain key "<upstream>" must be a
-// function of the config: loading the same config again, or on another
-// gateway of a fleet, names the breakers alike (else a fleet's gateways
-// share one Redis key between two sites' breakers, and an operator's
-// POST to "<upstream>~<policy>" hits the other site after a restart).
-// Before, the primary policy was the last provisioned handler's: over ten
-// loads of this config it went to either site.
-func TestPlainBreakerKeyDoesNotDependOnProvisionOrder(t *testing.T) {
+// settings. Each site's breaker, and its fleet key, must be a function of
+// the config: loading the same config again, or on another gateway of a
+// fleet, names the breakers alike (else a fleet's gateways share one Redis
+// key between two sites' breakers, and an operator's POST to a fleet_key
+// hits the other site after a restart), and a GET of the upstream shows
+// the same site's breaker every time.
+func TestBreakerNamesDoNotDependOnProvisionOrder(t *testing.T) {
 	m := newMockVLLM(t)
 	dial := strings.TrimPrefix(m.URL, "http://")
 	site := func(listen, name string, failures int) string {
@@ -163,16 +159,25 @@ func TestPlainBreakerKeyDoesNotDependOnProvisionOrder(t *testing.T) {
 		t.Fatalf("adapt: %v\n%s", err, src)
 	}
 	t.Cleanup(func() { _ = caddy.Stop() })
-	seen := map[string]int{}
+	first := map[string]int{}
+	keys := map[string]map[string]bool{} // handler → fleet keys seen
 	for range 10 {
 		if err := caddy.Load(cfg, true); err != nil {
 			t.Fatalf("load: %v", err)
 		}
-		plain := getBreaker(t, dial)
-		seen[strings.Join(plain.Handlers, ",")]++
+		first[strings.Join(getBreaker(t, dial).Handlers, ",")]++
+		for _, v := range shared.upstreams.Breakers() {
+			if keys[v.Handler] == nil {
+				keys[v.Handler] = map[string]bool{}
+			}
+			keys[v.Handler][v.FleetKey] = true
+		}
 	}
-	if len(seen) != 1 {
-		t.Fatalf("the plain key %q served, over ten loads of one config: %v; want one site every time", dial, seen)
+	if len(first) != 1 {
+		t.Fatalf("GET %s showed, over ten loads of one config: %v; want one site every time", dial, first)
+	}
+	if len(keys) != 2 || len(keys["site-a"]) != 1 || len(keys["site-b"]) != 1 {
+		t.Fatalf("fleet keys by handler over ten loads: %v; want one per site, the same every time", keys)
 	}
 }
 

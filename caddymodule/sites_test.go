@@ -19,10 +19,8 @@ import (
 // Two sites of one config in front of one failing server with different
 // breaker settings (A: consecutive_failures 2, B: 10). A's breaker opens;
 // a reload of the unchanged config (caddy reload, POST /load) must keep it
-// open: A's requests keep getting 503 without reaching the server. Before
-// the fix the config's first started pool briefly made A's policy the
-// primary one, which dropped A's own breaker, so A's requests reached the
-// failing server again after every reload.
+// open: A's requests keep getting 503 without reaching the server, while
+// B, which heard A's two failures but wants ten, serves.
 func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 	var hits atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -63,8 +61,8 @@ func TestReloadKeepsSiteBreakerOpenWithTwoPolicies(t *testing.T) {
 	if code := post("b"); code == http.StatusServiceUnavailable {
 		t.Fatalf("site B (consecutive_failures 10, no failures) refused with 503")
 	}
-	// A reload that swaps the sites (A now last, so its policy takes the
-	// plain key) keeps A's breaker open and B's closed.
+	// A reload that swaps the sites' order keeps A's breaker open and B's
+	// closed.
 	if err := caddy.Load(sitesConfig(listen, dial, siteB, siteA), true); err != nil {
 		t.Fatalf("reload with the sites swapped: %v", err)
 	}

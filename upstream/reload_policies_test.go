@@ -194,10 +194,9 @@ func TestScopeModelSiteIgnoresAnotherSitesPerUpstreamBreaker(t *testing.T) {
 }
 
 // Two sites over one upstream with different breaker policies, site A's
-// breaker open and B (the newest, holding the plain key) with failures of
-// its own: a reload that removes site B gives A the plain key with its
-// own open state, not B's closed one; a later reload that swaps a new
-// site C in last keeps A open under its "~policy" key.
+// breaker open and B with failures of its own: a reload that removes site
+// B keeps A's own open state, not B's closed one; a later reload that adds
+// a site C keeps A open and lets C's requests through.
 func TestReloadThatRemovesTheNewestSiteKeepsTheOthersState(t *testing.T) {
 	sa := &breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Hour, MinOpen: time.Hour}
 	sb := &breaker.Settings{ConsecutiveFailures: 10, OpenFor: time.Hour, MinOpen: time.Hour}
@@ -216,7 +215,7 @@ func TestReloadThatRemovesTheNewestSiteKeepsTheOthersState(t *testing.T) {
 		t.Fatalf("site A after site B left: pick error %v, want circuit open", err)
 	}
 	if b := breakerOf(t, reg, addr, ""); b.State() != breaker.Open || b.Key() != addr {
-		t.Fatalf("site A's breaker after site B left: %s %v, want the plain key, open", b.Key(), b.State())
+		t.Fatalf("site A's breaker after site B left: %s %v, want %s, open", b.Key(), b.State(), addr)
 	}
 	pools = reloadAll(t, reg, pools, Config{Key: "a", Static: targets(addr), Breaker: sa}, Config{Key: "c", Static: targets(addr), Breaker: sc})
 	if st := pools[0].BreakerState(addr, ""); st != "open" {
