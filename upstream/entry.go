@@ -33,9 +33,9 @@ type Entry struct {
 
 	// inflight counts this gateway's attempts in progress to the server.
 	inflight atomic.Int64
-	// recent is the outcomes of every attempt on the server within
-	// RecentWindow, whichever handler made it (Recent).
-	recent *breaker.Outcomes
+	// ev is the server's evidence, whichever handler made the attempts
+	// (Evidence, Recent).
+	ev evidence
 	// scraper scrapes the server's /metrics while a started config reads
 	// its saturation signals, and holds its snapshot and the attempts
 	// started since it (saturation.Scraper); created with the entry,
@@ -148,7 +148,8 @@ func (c *claim) newerThan(o *claim) bool {
 
 func newEntry(reg *Registry, addr string) *Entry {
 	ctx, cancel := context.WithCancel(context.Background())
-	e := &Entry{addr: addr, reg: reg, ctx: ctx, cancel: cancel, recent: breaker.NewOutcomes(RecentWindow, reg.clock)}
+	e := &Entry{addr: addr, reg: reg, ctx: ctx, cancel: cancel}
+	e.ev.recent = breaker.NewOutcomes(RecentWindow, reg.clock)
 	e.scraper = reg.scrapers.New(addr, scrapeHost{e})
 	e.verdicts.Store(&[]verdict{})
 	return e
@@ -167,7 +168,7 @@ const RecentWindow = 10 * time.Second
 // Recent returns the outcomes of every attempt on the server within
 // RecentWindow, of every handler, recorded once each: picks made in panic
 // or past the ejection cap, which take no breaker permit, included.
-func (e *Entry) Recent() breaker.OutcomeCounts { return e.recent.Counts() }
+func (e *Entry) Recent() breaker.OutcomeCounts { return e.ev.recent.Counts() }
 
 // acquire takes an in-flight slot, refusing when max > 0 slots are taken.
 // The check and the increment are one compare-and-swap, so max holds

@@ -231,7 +231,7 @@ func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 	}
 	for i := range cs {
 		if c := &cs[i]; panicking || c.bypass || p.overCap(c.Entry, now) {
-			c.failing = int64(c.Entry.recent.Counts().Failures)
+			c.failing = int64(c.Entry.Recent().Failures)
 		}
 	}
 }
@@ -281,7 +281,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 			// whether or not a breaker let it through: in its shared
 			// record, and in every handler's breaker on it.
 			o := outcomeOf(rep)
-			e.recent.Record(o)
+			e.ev.record(o, issued, p.reg.now())
 			if o != breaker.Neutral || answered(rep) {
 				p.recordOutcome(e, started, o == breaker.Failure || o == breaker.Down)
 			}

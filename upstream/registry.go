@@ -210,9 +210,12 @@ type BreakerView struct {
 	Model string `json:"model,omitempty"`
 	// Inflight is the attempts in progress to the upstream.
 	Inflight int64 `json:"inflight"`
-	// Recent is the upstream's shared evidence: the outcomes of every
-	// handler's attempts on it within RecentWindow (Entry.Recent).
+	// Recent is the outcomes of every handler's attempts on the upstream
+	// within RecentWindow (Entry.Recent; also in UpstreamEvidence).
 	Recent breaker.OutcomeCounts `json:"recent"`
+	// UpstreamEvidence is the upstream's shared evidence, the same for
+	// every handler's breaker on it (Entry.Evidence).
+	UpstreamEvidence UpstreamEvidence `json:"upstream_evidence"`
 	// Policy is the fingerprint of the handler's breaker settings ("b",
 	// or "s" when saturation trips them, then 8 hex digits): handlers
 	// with one policy reach one verdict.
@@ -237,7 +240,7 @@ type BreakerView struct {
 
 // View returns v, a verdict of e, as the admin API shows it.
 func (e *Entry) View(v Verdict) BreakerView {
-	return BreakerView{Snapshot: v.Breaker.Snapshot(), FleetKey: v.Breaker.StoreKey(), Upstream: e.addr, Model: v.Model, Inflight: e.Inflight(), Recent: e.Recent(),
+	return BreakerView{Snapshot: v.Breaker.Snapshot(), FleetKey: v.Breaker.StoreKey(), Upstream: e.addr, Model: v.Model, Inflight: e.Inflight(), Recent: e.Recent(), UpstreamEvidence: e.Evidence(),
 		Policy: v.Policy, Handler: v.Handler, Pool: v.Pool, Pools: []string{v.Pool}, Handlers: []string{v.Handler}}
 }
 

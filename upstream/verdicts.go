@@ -278,6 +278,7 @@ func (e *Entry) hear(own *breaker.Breaker, model string, o breaker.Outcome, issu
 // live tells every handler's breaker for model key of a sign of life (a
 // first token): see Breaker.Live.
 func (e *Entry) live(model string) {
+	e.ev.lastLife.Store(e.reg.now().UnixNano())
 	for _, v := range e.verdictList() {
 		if v.model == model {
 			v.b.Live()
@@ -289,6 +290,9 @@ func (e *Entry) live(model string) {
 // the upstream asked (a 429 or 503 with Retry-After is the upstream's word
 // to every client, not to one handler).
 func (e *Entry) retryAfter(model string, d time.Duration, reason string) {
+	if d > 0 && d <= breaker.MaxRetryAfter {
+		e.ev.retryUntil.Store(e.reg.now().Add(d).UnixNano())
+	}
 	for _, v := range e.verdictList() {
 		if v.model == model {
 			v.b.ExtendOpen(d, reason)
