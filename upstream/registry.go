@@ -1,6 +1,6 @@
 // Package upstream is the gateway's pool of inference servers: one shared
 // Entry per upstream server (dial address) holding its in-flight count,
-// its shared record of outcomes, its circuit breakers, its active prober
+// its evidence, each handler's circuit breakers, its active prober
 // and its saturation.Scraper (which breakers a saturation trip reaches:
 // those of the pools that configured saturation); the Pool that a handler
 // picks from (candidate filtering by breaker, saturation score, capacity
@@ -23,21 +23,23 @@
 //     the upstream's evidence. Hard evidence (a dead or hanging server, a
 //     Retry-After, an operator's drain) keeps the upstream out whatever
 //     the rest of the pool does.
-//   - The pool's outlier rules (eject.go): an upstream failing far more
-//     than the rest of its pool, or nearly always, is held on statistical
-//     evidence, at most max_ejection of the pool at once; below the panic
-//     threshold the pool routes over such upstreams. Where nothing keeps
-//     an upstream out (panic, past the cap), its recent failures count
+//   - The pool's outlier detector (outliers.go), run every
+//     OutlierInterval on the registry's clock: an upstream failing far
+//     more than the rest of its pool, or nearly always, or past the
+//     handler's statistical rules, is held on statistical evidence, at
+//     most max_ejection of the pool at once; below the panic threshold
+//     the pool routes over such upstreams. Where nothing keeps an
+//     upstream out (panic, past the cap), its recent failures count
 //     against it in what the selection policy sees (Candidate.Load).
 //
 // Evidence is per upstream and recorded once per attempt, whichever
 // handler made it and whether a breaker let it through: in the entry's
-// shared record (Entry.Recent, the admin API's "recent"), in the pool's
-// window of last outcomes, and, for an attempt with a permit, in the
-// handler's breaker. Handlers whose breaker settings (and saturation trip
-// rules) are equal share one breaker per upstream (per model under scope
-// model), which holds both the windows its rules read and the verdict;
-// each other policy has breakers of its own (see Entry).
+// settings-free record (evidence.go, the admin API's upstream_evidence),
+// in the pool's window of last outcomes, and in every handler's breaker on
+// the upstream (verdicts.go), which judges it by that handler's settings.
+// Each handler has its own breakers (per model under scope model); a
+// reload builds new ones and carries an open verdict over to the handler
+// that replaces the old one.
 package upstream
 
 import (
