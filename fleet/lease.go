@@ -41,15 +41,30 @@ import (
 // is taken as the probe's result (the store cannot tell an operator's
 // action on this gateway from it); within the lease time only.
 //
-// A winner's breaker that is still half-open when its lease runs out
-// (recovery_successes above 1: it needs more probes) takes part in the
-// next round like the open ones: it keeps probing if it wins the lease
-// again, and goes back to open (Adopt until the new holder's lease ends)
-// if another instance won, so the fleet still probes once per lease time,
-// and every success counted toward the fleet's recovery carries a live
-// lease. One whose probe slots are all taken (a probe still out) only
-// looks: it does not take the lease, and goes back to open, its probe's
-// result dropped (counted "expired"), when another instance holds it.
+// Recovery (recovery_successes above 1) stays with the holder: each
+// success counted under the lease moves the lease's end one lease time
+// later (successScript), so the holder sends the next recovery probe too:
+// the next user request at once, or its active prober's next probe one
+// probe interval later, which a lease of at most that interval then still
+// covers. So the fleet recovers as one gateway would, one prober at a
+// time: recovery_successes 2 closes the key about one probe interval
+// after the first probe, not one lease round per success, and no probe
+// is sent past its lease (before, a lease equal to the interval ran out
+// just before the holder's second probe, whose success was dropped, and
+// another gateway probed again). It stays bounded: the lease grows only
+// with counted successes, which close the key at recovery_successes, and
+// a holder that stops probing loses it a lease time after its last
+// success.
+//
+// A winner's breaker that is still half-open when its lease runs out (it
+// sent no probe within the extended lease) takes part in the next round
+// like the open ones: it keeps probing if it wins the lease again, and
+// goes back to open (Adopt until the new holder's lease ends) if another
+// instance won, so every success counted toward the fleet's recovery
+// carries a live lease. One whose probe slots are all taken (a probe still
+// out) only looks: it does not take the lease, and goes back to open, its
+// probe's result dropped (counted "expired"), when another instance holds
+// it.
 
 // Outcomes of the probe lease, for BreakersOptions.OnLease.
 const (

@@ -256,12 +256,12 @@ func TestProbeLeaseLateResultDropped(t *testing.T) {
 
 // TestProbeLeaseHalfOpenWinnerRejoinsTheRound: recovery_successes 2; the
 // winner's first probe succeeds and its breaker stays half-open, but it
-// probes no more within its lease. When the lease runs out the half-open
-// breaker takes part in the next round with the open ones: afterwards
-// exactly one gateway lets a probe in (the new holder, maybe the same);
-// a first winner that lost is back to open, its lease not counted
-// expired (no probe of it was out); the second success, whoever's, closes
-// all three.
+// probes no more within its lease (which that success extended by a lease
+// time). When the lease runs out the half-open breaker takes part in the
+// next round with the open ones: afterwards exactly one gateway lets a
+// probe in (the new holder, maybe the same); a first winner that lost is
+// back to open, its lease not counted expired (no probe of it was out);
+// the second success, whoever's, closes all three.
 func TestProbeLeaseHalfOpenWinnerRejoinsTheRound(t *testing.T) {
 	s := leaseSettings
 	s.RecoverySuccesses = 2
@@ -273,6 +273,10 @@ func TestProbeLeaseHalfOpenWinnerRejoinsTheRound(t *testing.T) {
 		t.Fatalf("the first winner is %s after one of two successes, want half-open", st)
 	}
 	time.Sleep(time.Until(won.Add(testLease + 3*testRefresh)))
+	if n := lc.total(LeaseWon); n != 1 {
+		t.Fatalf("%d leases won a lease time after the first, want 1: its success extended it", n)
+	}
+	time.Sleep(time.Until(won.Add(2*testLease + 3*testRefresh)))
 	if n := lc.total(LeaseWon); n != 2 {
 		t.Fatalf("%d leases won after the first ran out, want 2", n)
 	}

@@ -92,7 +92,8 @@ func TestBreakersRecoverySuccessesCountedFleetWide(t *testing.T) {
 			t.Fatalf("success %d: %s gave no second probe within its lease: %+v", i+1, w.id, w.b("up1").Snapshot())
 		}
 		t.Cleanup(func() { hold.Done(breaker.Neutral, 0, "") })
-		// The next winner comes after this lease runs out.
+		// The next winner comes after this lease runs out (its success
+		// extended it by a lease time).
 		notBefore, wait = won.Add(testLease-50*time.Millisecond), testLease+4*time.Second
 	}
 	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
