@@ -338,6 +338,13 @@ func TestRecoverySuccesses2AcrossThreeGatewaysClosesWithinTwoProbeIntervals(t *t
 			if len(probes) != 2 {
 				t.Errorf("%d probes %v, want 2 (recovery_successes 2 over the fleet, none wasted)", len(probes), probes)
 			}
+			if t.Failed() {
+				for _, g := range gws {
+					for _, tr := range g.transitions("up1") {
+						t.Logf("%s: %s → %s at +%v: %s", g.id, tr.From, tr.To, tr.At.Sub(end).Round(time.Millisecond), tr.Reason)
+					}
+				}
+			}
 			if n := lc.total(LeaseExpired); n != 0 {
 				t.Errorf("%d probe results dropped as expired, want every probe under a live lease", n)
 			}
