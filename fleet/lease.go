@@ -209,12 +209,16 @@ func (bs *Breakers) tryLease(key string, ms []*breaker.Breaker, ttl time.Duratio
 		result = LeaseWon
 	case "held":
 		holder, _ := res[2].(string)
-		if holder == k.lease {
-			break // ours: its breakers probe already
-		}
 		who := holder
 		if i := strings.LastIndexByte(holder, ':'); i >= 0 {
 			who = holder[:i]
+		}
+		if holder == k.lease || who == bs.id {
+			// Ours: its breakers probe already, or a write of this
+			// instance that carries it (the probe's result) is on its way
+			// and ends it; a round that ran before that write must not
+			// push the breakers that wrote it back to open.
+			break
 		}
 		for _, b := range ms {
 			bs.outbox = append(bs.outbox, push{b: b, open: true, until: now.Add(ttl), reason: "probe lease held by " + who})
