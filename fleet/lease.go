@@ -52,9 +52,9 @@ import (
 // is sent past its lease (before, a lease equal to the interval ran out
 // just before the holder's second probe, whose success was dropped, and
 // another gateway probed again). It stays bounded: the lease grows only
-// with counted successes, which close the key at recovery_successes, and
-// a holder that stops probing loses it a lease time after its last
-// success.
+// with counted successes, by a lease time each and recovery_successes − 1
+// times at most (the last one closes the key), and a holder that stops
+// probing loses it when the extended lease runs out.
 //
 // A winner's breaker that is still half-open when its lease runs out (it
 // sent no probe within the extended lease) takes part in the next round
