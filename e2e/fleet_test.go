@@ -420,7 +420,9 @@ func TestFleetProbesOncePerIntervalAndSurvivesAKilledProber(t *testing.T) {
 // replica actively (a lease each time, 1.6s); recovery_successes 3. Once
 // the replica recovers, the fleet closes its breaker on every gateway
 // after about 3 successful probes in all, whichever gateways held the
-// leases — not 3 per gateway (each gateway's own 3 would take 5 to 9).
+// leases (each counted success extends its holder's lease over its next
+// probe, so usually one gateway sends all three) — not 3 per gateway
+// (each gateway's own 3 would take 5 to 9).
 func TestFleetRecoverySuccessesCountFleetWide(t *testing.T) {
 	t.Parallel()
 	rs := redistest.Start(t, redistest.Options{})

@@ -43,7 +43,9 @@ import (
 //     the key's recovered counter in Redis, and the success that brings it
 //     to the breaker's RecoverySuccesses closes the key for the fleet (the
 //     successes of every instance's lease holders add up; a success from
-//     an expired lease is not counted). A failed probe (Reopen) writes the
+//     an expired lease is not counted, and a counted one extends its lease
+//     by a lease time, so that its holder sends the next recovery probe
+//     as well). A failed probe (Reopen) writes the
 //     fleet's re-open count into the open record; every instance keeps it
 //     in memory (Reopens), so whichever instance probes next grows the
 //     cooldown from it; a close sets it back to zero.
@@ -123,13 +125,15 @@ type BreakersOptions struct {
 	// LeaseTTL is the time-to-live of a key's probe lease: the instance
 	// that takes it is the only one whose breakers of the key half-open
 	// (for the user probe or the active prober) until it publishes the
-	// result or the lease expires, so the fleet probes an open upstream at
-	// most once per LeaseTTL, and a lease holder that dies frees the key
-	// within it. It must be shorter than the probe interval so that every
-	// interval has a prober. Each key's lease is at most 0.8 × the shortest
-	// OpenFor of its breakers here, and at least 2 × Refresh (the losers'
-	// refusals are renewed every Refresh). Default DefaultProbeLeaseTTL: 0.8 ×
-	// the default 5s probe interval.
+	// result or the lease expires, so one instance at a time probes an
+	// open upstream, and a lease holder that dies frees the key within
+	// it. Each probe success counted toward recovery extends the lease by
+	// LeaseTTL, so that the holder's next recovery probe, an active probe
+	// interval later, is still its own. It must be at most the probe
+	// interval so that every interval has a prober. Each key's lease is at
+	// most 0.8 × the shortest OpenFor of its breakers here, and at least
+	// 2 × Refresh (the losers' refusals are renewed every Refresh).
+	// Default DefaultProbeLeaseTTL: 0.8 × the default 5s probe interval.
 	LeaseTTL time.Duration
 	// OnLease is called (quickly, from the worker) with each probe lease
 	// outcome of this instance: "won" (its breakers of the key probe),
@@ -212,7 +216,8 @@ type report struct {
 	reset    bool
 	success  bool // a probe success; recov is the breaker's RecoverySuccesses
 	recov    int
-	lease    string // the probe lease held at a probe success
+	lease    string        // the probe lease held at a probe success
+	leaseTTL time.Duration // the key's lease time, by which a counted success extends the lease
 	key      string
 	reason   string
 	consec   int
@@ -408,7 +413,9 @@ func (bs *Breakers) enqueue(r report, op string) {
 
 // ProbeSuccess implements breaker.Fleet: it queues the success, with the
 // probe lease this instance holds, for the fleet's recovery count. The
-// script counts it only while the fleet has an open record of the key.
+// script counts it only while the fleet has an open record of the key,
+// and one counted under the lease extends the lease by the key's lease
+// time, for this instance's next recovery probe (lease.go).
 func (bs *Breakers) ProbeSuccess(key string, s breaker.Settings) {
 	if bs.c.Degraded() {
 		return
@@ -419,9 +426,9 @@ func (bs *Breakers) ProbeSuccess(key string, s breaker.Settings) {
 		bs.mu.Unlock()
 		return
 	}
-	lease := k.lease
+	lease, ttl := k.lease, bs.leaseTTLLocked(k)
 	bs.mu.Unlock()
-	bs.enqueue(report{success: true, key: key, recov: max(s.RecoverySuccesses, 1), lease: lease}, "breaker_success")
+	bs.enqueue(report{success: true, key: key, recov: max(s.RecoverySuccesses, 1), lease: lease, leaseTTL: ttl}, "breaker_success")
 }
 
 // Reopens implements breaker.Fleet, from memory: the re-open count of the

@@ -184,11 +184,13 @@ return {'none', now}
 //
 //	ARGV: id, recovery successes, lease ("": none; else the success is of
 //	      that probe lease's probe, and is dropped unless it is still the
-//	      key's lease), grace ms, channel, key
+//	      key's lease), grace ms, channel, key, lease ms
 //
 // It returns {"none", now} when the key has no open record (a close came
 // first), {"expired", now}, {"counted", now, n} or {"closed", now, n,
-// reason}. The close leaves the probe lease to expire (the winner's own
+// reason}. A success counted under a lease moves the lease's end a lease
+// time later, so that its holder sends the next recovery probe too (see
+// lease.go). The close leaves the probe lease to expire (the winner's own
 // close, which carries it, then finds the key closed), and publishes
 // "clear" with the reason.
 var successScript = redis.NewScript(`
@@ -203,7 +205,13 @@ if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return {'expired
 local grace = tonumber(ARGV[4])
 local n = redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], grace)
-if n < tonumber(ARGV[2]) then return {'counted', now, n} end
+if n < tonumber(ARGV[2]) then
+  if ARGV[3] ~= '' then
+    local left = redis.call('PTTL', KEYS[3])
+    if left > 0 then redis.call('PEXPIRE', KEYS[3], left + tonumber(ARGV[7])) end
+  end
+  return {'counted', now, n}
+end
 local reason = n .. ' probe successes'
 redis.call('DEL', KEYS[2], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('SET', KEYS[1], cjson.encode({s = 'closed', a = now, by = ARGV[1]}), 'PX', grace)

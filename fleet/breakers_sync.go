@@ -279,12 +279,13 @@ func (bs *Breakers) send(r report) {
 }
 
 // sendSuccess writes one probe success; like a failure it is not
-// replayed (a replayed success closes the key early).
+// replayed (a replayed success closes the key early). One counted under a
+// lease extends the lease by r.leaseTTL (successScript).
 func (bs *Breakers) sendSuccess(r report, keys []string) {
 	probe := bs.c.Key("breaker:"+r.key, "probe")
 	res, err := bs.do("breaker_success", func(ctx context.Context, c redis.Cmdable) ([]any, error) {
 		return runScript(successScript, ctx, c, []string{keys[3], keys[4], probe, keys[0], keys[1], keys[2], keys[5]},
-			bs.id, r.recov, r.lease, breakerGrace.Milliseconds(), bs.channel, r.key)
+			bs.id, r.recov, r.lease, breakerGrace.Milliseconds(), bs.channel, r.key, r.leaseTTL.Milliseconds())
 	})
 	if err != nil {
 		bs.logError("breaker_success", r.key, err)

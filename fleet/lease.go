@@ -41,15 +41,30 @@ import (
 // is taken as the probe's result (the store cannot tell an operator's
 // action on this gateway from it); within the lease time only.
 //
-// A winner's breaker that is still half-open when its lease runs out
-// (recovery_successes above 1: it needs more probes) takes part in the
-// next round like the open ones: it keeps probing if it wins the lease
-// again, and goes back to open (Adopt until the new holder's lease ends)
-// if another instance won, so the fleet still probes once per lease time,
-// and every success counted toward the fleet's recovery carries a live
-// lease. One whose probe slots are all taken (a probe still out) only
-// looks: it does not take the lease, and goes back to open, its probe's
-// result dropped (counted "expired"), when another instance holds it.
+// Recovery (recovery_successes above 1) stays with the holder: each
+// success counted under the lease moves the lease's end one lease time
+// later (successScript), so the holder sends the next recovery probe too:
+// the next user request at once, or its active prober's next probe one
+// probe interval later, which a lease of at most that interval then still
+// covers. So the fleet recovers as one gateway would, one prober at a
+// time: recovery_successes 2 closes the key about one probe interval
+// after the first probe, not one lease round per success, and no probe
+// is sent past its lease (before, a lease equal to the interval ran out
+// just before the holder's second probe, whose success was dropped, and
+// another gateway probed again). It stays bounded: the lease grows only
+// with counted successes, by a lease time each and recovery_successes − 1
+// times at most (the last one closes the key), and a holder that stops
+// probing loses it when the extended lease runs out.
+//
+// A winner's breaker that is still half-open when its lease runs out (it
+// sent no probe within the extended lease) takes part in the next round
+// like the open ones: it keeps probing if it wins the lease again, and
+// goes back to open (Adopt until the new holder's lease ends) if another
+// instance won, so every success counted toward the fleet's recovery
+// carries a live lease. One whose probe slots are all taken (a probe still
+// out) only looks: it does not take the lease, and goes back to open, its
+// probe's result dropped (counted "expired"), when another instance holds
+// it.
 
 // Outcomes of the probe lease, for BreakersOptions.OnLease.
 const (
@@ -194,12 +209,16 @@ func (bs *Breakers) tryLease(key string, ms []*breaker.Breaker, ttl time.Duratio
 		result = LeaseWon
 	case "held":
 		holder, _ := res[2].(string)
-		if holder == k.lease {
-			break // ours: its breakers probe already
-		}
 		who := holder
 		if i := strings.LastIndexByte(holder, ':'); i >= 0 {
 			who = holder[:i]
+		}
+		if holder == k.lease || who == bs.id {
+			// Ours: its breakers probe already, or a write of this
+			// instance that carries it (the probe's result) is on its way
+			// and ends it; a round that ran before that write must not
+			// push the breakers that wrote it back to open.
+			break
 		}
 		for _, b := range ms {
 			bs.outbox = append(bs.outbox, push{b: b, open: true, until: now.Add(ttl), reason: "probe lease held by " + who})

@@ -256,12 +256,12 @@ func TestProbeLeaseLateResultDropped(t *testing.T) {
 
 // TestProbeLeaseHalfOpenWinnerRejoinsTheRound: recovery_successes 2; the
 // winner's first probe succeeds and its breaker stays half-open, but it
-// probes no more within its lease. When the lease runs out the half-open
-// breaker takes part in the next round with the open ones: afterwards
-// exactly one gateway lets a probe in (the new holder, maybe the same);
-// a first winner that lost is back to open, its lease not counted
-// expired (no probe of it was out); the second success, whoever's, closes
-// all three.
+// probes no more within its lease (which that success extended by a lease
+// time). When the lease runs out the half-open breaker takes part in the
+// next round with the open ones: afterwards exactly one gateway lets a
+// probe in (the new holder, maybe the same); a first winner that lost is
+// back to open, its lease not counted expired (no probe of it was out);
+// the second success, whoever's, closes all three.
 func TestProbeLeaseHalfOpenWinnerRejoinsTheRound(t *testing.T) {
 	s := leaseSettings
 	s.RecoverySuccesses = 2
@@ -273,6 +273,10 @@ func TestProbeLeaseHalfOpenWinnerRejoinsTheRound(t *testing.T) {
 		t.Fatalf("the first winner is %s after one of two successes, want half-open", st)
 	}
 	time.Sleep(time.Until(won.Add(testLease + 3*testRefresh)))
+	if n := lc.total(LeaseWon); n != 1 {
+		t.Fatalf("%d leases won a lease time after the first, want 1: its success extended it", n)
+	}
+	time.Sleep(time.Until(won.Add(2*testLease + 3*testRefresh)))
 	if n := lc.total(LeaseWon); n != 2 {
 		t.Fatalf("%d leases won after the first ran out, want 2", n)
 	}
@@ -288,4 +292,51 @@ func TestProbeLeaseHalfOpenWinnerRejoinsTheRound(t *testing.T) {
 	p2.Done(breaker.Success, 0, "")
 	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
 	t.Logf("first %s, second %s", first.id, second.id)
+}
+
+// TestProbeLeaseOwnLeaseOnItsWayOutIsNotAnotherGatewaysHold: the winner's
+// breaker recovers on its own count and writes the close, which carries its
+// lease and ends it; a lease round of the same instance already in flight
+// (its script ran before the write) then finds the key "held" by that lease
+// while the instance has let go of it. That is its own lease on its way
+// out, not another gateway's hold: its breaker, closed, stays closed (it
+// is not pushed open until "the holder's" lease ends), and no lease is
+// counted lost. The round is replayed here by hand: the lease and an open
+// record past its end are put back in Redis after the close.
+func TestProbeLeaseOwnLeaseOnItsWayOutIsNotAnotherGatewaysHold(t *testing.T) {
+	s := leaseSettings
+	s.RecoverySuccesses = 1
+	srv, gws, lc, until := recoveryFleet(t, s)
+	w, p := probeOnce(t, gws, until.Add(-20*time.Millisecond), time.Until(until)+time.Second, 0)
+	w.bs.mu.Lock()
+	lease := w.bs.keys["up1"].lease
+	w.bs.mu.Unlock()
+	if !strings.HasPrefix(lease, w.id+":") {
+		t.Fatalf("the winner's lease is %q", lease)
+	}
+	p.Done(breaker.Success, 0, "")
+	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
+	waitFor(t, "the close in Redis", time.Second, func() bool {
+		rec, _ := srv.Do("GET", redisKey("up1", "open"))
+		return strings.Contains(rec, `"s":"closed"`)
+	})
+	lost := lc.total(LeaseLost)
+
+	// The round's view: the lease still there, the record open and over.
+	past := time.Now().Add(-time.Second).UnixMilli()
+	if _, err := srv.Do("SET", redisKey("up1", "open"), fmt.Sprintf(`{"s":"open","u":%d,"a":%d,"by":"gw0","r":"x"}`, past, past-1000), "PX", "60000"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := srv.Do("SET", redisKey("up1", "probe"), lease, "PX", "60000"); err != nil {
+		t.Fatal(err)
+	}
+	b := w.b("up1")
+	w.bs.tryLease("up1", []*breaker.Breaker{b}, testLease, false)
+	w.bs.flush()
+	if st := b.State(); st != breaker.Closed {
+		t.Fatalf("%s's breaker is %s after its own lease was found held, want closed: %+v", w.id, st, b.Snapshot())
+	}
+	if n := lc.total(LeaseLost); n != lost {
+		t.Fatalf("%d leases counted lost, want %d: the lease is the instance's own", n, lost)
+	}
 }

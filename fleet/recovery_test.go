@@ -3,6 +3,7 @@ package fleet
 import (
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,12 +16,18 @@ import (
 // open time.
 func recoveryFleet(t *testing.T, s breaker.Settings) (*redistest.Server, []*gateway, *leaseCounts, time.Time) {
 	t.Helper()
+	return recoveryFleetLease(t, s, testLease)
+}
+
+// recoveryFleetLease is recoveryFleet with a probe lease time of lease.
+func recoveryFleetLease(t *testing.T, s breaker.Settings, lease time.Duration) (*redistest.Server, []*gateway, *leaseCounts, time.Time) {
+	t.Helper()
 	srv := redistest.Start(t, redistest.Options{})
 	lc := &leaseCounts{n: make(map[string]int)}
 	var gws []*gateway
 	for i := range 3 {
 		id := fmt.Sprintf("gw%d", i)
-		g := startGateway(t, srv.URL(), id, 1, BreakersOptions{LeaseTTL: testLease, OnLease: lc.hook(id)})
+		g := startGateway(t, srv.URL(), id, 1, BreakersOptions{LeaseTTL: lease, OnLease: lc.hook(id)})
 		g.s = s
 		g.b("up1")
 		gws = append(gws, g)
@@ -85,7 +92,8 @@ func TestBreakersRecoverySuccessesCountedFleetWide(t *testing.T) {
 			t.Fatalf("success %d: %s gave no second probe within its lease: %+v", i+1, w.id, w.b("up1").Snapshot())
 		}
 		t.Cleanup(func() { hold.Done(breaker.Neutral, 0, "") })
-		// The next winner comes after this lease runs out.
+		// The next winner comes after this lease runs out (its success
+		// extended it by a lease time).
 		notBefore, wait = won.Add(testLease-50*time.Millisecond), testLease+4*time.Second
 	}
 	waitState(t, "every gateway's up1", breaker.Closed, breakersOf(gws)...)
@@ -193,4 +201,153 @@ func TestBreakersCooldownGrowsWithTheFleetsReopens(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// probeLog records the probes the gateways send to up1, as offsets from
+// the fleet's end of the open time.
+type probeLog struct {
+	mu     sync.Mutex
+	end    time.Time
+	probes []string // "gw0 +12ms"
+}
+
+func (l *probeLog) add(id string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.probes = append(l.probes, fmt.Sprintf("%s +%v", id, time.Since(l.end).Round(time.Millisecond)))
+}
+
+func (l *probeLog) list() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.probes...)
+}
+
+// driveProbes runs one loop per gateway until the test ends, each looking
+// at its breaker of up1 every poll; probe says whether the loop sends a
+// probe now, given its breaker and when it last sent one, and take asks
+// for the permit. Every probe and every user call succeeds: the upstream
+// is healthy again.
+func driveProbes(t *testing.T, gws []*gateway, log *probeLog, poll time.Duration,
+	probe func(b *breaker.Breaker, last time.Time) bool, take func(b *breaker.Breaker) (breaker.Permit, bool)) {
+	t.Helper()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, g := range gws {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var last time.Time
+			tick := time.NewTicker(poll)
+			defer tick.Stop()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-tick.C:
+				}
+				b := g.b("up1")
+				if !probe(b, last) {
+					continue
+				}
+				if p, ok := take(b); ok {
+					if p.Probe() {
+						last = time.Now()
+						log.add(g.id)
+					}
+					p.Done(breaker.Success, 0, "")
+				}
+			}
+		}()
+	}
+	t.Cleanup(func() {
+		close(stop)
+		wg.Wait()
+	})
+}
+
+// TestRecoverySuccesses2AcrossThreeGatewaysClosesWithinTwoProbeIntervals:
+// recovery_successes 2, three gateways, up1 open fleet-wide, the upstream
+// healthy again. From the end of the fleet's open time, every gateway's
+// breaker is closed within two probe intervals, after exactly two probes
+// in all, every one under a live probe lease (none dropped as expired:
+// at most one gateway probes the key at a time, and no probe is wasted).
+//
+// The probe interval is the active prober's (`probe { interval }`,
+// upstream.Prober.Interval, default 5s): upstream.Entry's probe loop
+// probes an open breaker as soon as it is due (its cooldown over, or its
+// gateway won the fleet's probe lease: ProbeNow) and a half-open one an
+// interval after its last probe; activeProber does the same. The fleet's
+// lease time (BreakersOptions.LeaseTTL, at most 0.8 × open_for) is below
+// or at that interval: DefaultProbeLeaseTTL is 0.8 × DefaultProbeInterval,
+// and a `probe { interval 4s }` meets the default lease of 4s. Without a
+// prober, user requests are the probes and the lease time is the fleet's
+// only probe interval.
+//
+// The lease holder sends both probes: its first success extends its lease
+// by a lease time, over its next probe an interval later. Before, a lease
+// equal to the interval ran out just before the holder's second probe
+// (5 runs in 6): that success was dropped as expired, the holder's breaker
+// closed on its own count while the fleet's stayed open, and another
+// gateway probed again within ~80ms (three probes for two successes).
+func TestRecoverySuccesses2AcrossThreeGatewaysClosesWithinTwoProbeIntervals(t *testing.T) {
+	const interval = 500 * time.Millisecond // the tests' refresh is 100ms: 1s : 5s as by default
+	activeProber := func(b *breaker.Breaker, last time.Time) bool {
+		return b.ProbeDue() && (b.State() == breaker.Open || time.Since(last) >= interval)
+	}
+	userCalls := func(*breaker.Breaker, time.Time) bool { return true }
+	for _, tc := range []struct {
+		name   string
+		lease  time.Duration
+		active bool
+		within time.Duration
+	}{
+		{"active prober, lease 0.8 × interval", interval * 8 / 10, true, 2 * interval},
+		{"active prober, lease = interval", interval, true, 2 * interval},
+		{"user requests are the probes", testLease, false, 2 * testLease},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := leaseSettings // open_for 1s: the lease is at most 800ms
+			s.RecoverySuccesses = 2
+			s.ActiveProbing = tc.active
+			_, gws, lc, end := recoveryFleetLease(t, s, tc.lease)
+			log := &probeLog{end: end}
+			if tc.active {
+				driveProbes(t, gws, log, interval/20, activeProber, (*breaker.Breaker).AllowProbe)
+			} else {
+				driveProbes(t, gws, log, 5*time.Millisecond, userCalls, (*breaker.Breaker).Allow)
+			}
+			waitFor(t, "every gateway's up1 closed", 5*time.Second, func() bool {
+				for _, b := range breakersOf(gws) {
+					if b.State() != breaker.Closed {
+						return false
+					}
+				}
+				return true
+			})
+			took := time.Since(end)
+			probes := log.list()
+			lc.mu.Lock()
+			leases := fmt.Sprint(lc.n)
+			lc.mu.Unlock()
+			t.Logf("closed on every gateway %v after the fleet's open time ended; probes %v; leases %s",
+				took.Round(time.Millisecond), probes, leases)
+			if took > tc.within {
+				t.Errorf("closed %v after the end, want within %v", took.Round(time.Millisecond), tc.within)
+			}
+			if len(probes) != 2 {
+				t.Errorf("%d probes %v, want 2 (recovery_successes 2 over the fleet, none wasted)", len(probes), probes)
+			}
+			if t.Failed() {
+				for _, g := range gws {
+					for _, tr := range g.transitions("up1") {
+						t.Logf("%s: %s → %s at +%v: %s", g.id, tr.From, tr.To, tr.At.Sub(end).Round(time.Millisecond), tr.Reason)
+					}
+				}
+			}
+			if n := lc.total(LeaseExpired); n != 0 {
+				t.Errorf("%d probe results dropped as expired, want every probe under a live lease", n)
+			}
+		})
+	}
 }
