@@ -1,0 +1,118 @@
+package upstream
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
+)
+
+// Two unnamed sites over one upstream (the Caddyfile names them by line,
+// and both pools have the upstream list's key): A at line 5 trips after 2
+// failures, B at line 20 after 10. A's breaker is open, B's closed. A
+// reload that inserts 15 lines above both moves A to line 20 and B to line
+// 35: A must still hold the upstream out, and B must still send to it.
+// The new A's name is the old B's, so predecessorLocked's "same handler
+// name in the newest older config" rule hands A the old B's closed
+// verdict and A's open one is lost.
+func TestReloadThatMovesUnnamedSitesKeepsEachSitesVerdict(t *testing.T) {
+	const addr = "10.29.0.1:8000"
+	sa := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 2, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	sb := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 10, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	reg := NewRegistry(nil)
+	pools := reloadAll(t, reg, nil,
+		Config{Key: addr, Handler: "Caddyfile:5", Static: targets(addr), Breaker: sa()},
+		Config{Key: addr, Handler: "Caddyfile:20", Static: targets(addr), Breaker: sb()})
+	a := pools[0]
+	fail(mustPick(t, a, ""))
+	fail(mustPick(t, a, ""))
+	if st := a.BreakerState(addr, ""); st != "open" {
+		t.Fatalf("site A after 2 failures: %q, want open", st)
+	}
+	next := reloadAll(t, reg, pools,
+		Config{Key: addr, Handler: "Caddyfile:20", Static: targets(addr), Breaker: sa()},
+		Config{Key: addr, Handler: "Caddyfile:35", Static: targets(addr), Breaker: sb()})
+	if st := next[0].BreakerState(addr, ""); st != "open" {
+		t.Errorf("site A (now Caddyfile:20) after the reload: %q, want open (its own verdict)", st)
+	}
+	var ue *proxy.UnavailableError
+	if _, err := pickModel(next[0], ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+		t.Errorf("site A after the reload: pick error %v, want circuit open", err)
+	}
+	if st := next[1].BreakerState(addr, ""); st != "closed" {
+		t.Errorf("site B (now Caddyfile:35) after the reload: %q, want closed", st)
+	}
+}
+
+// Two sites over one upstream, one with scope model and one without. The
+// upstream refuses every connection: three refused attempts made by the
+// scope-model site (for model "m") are hard evidence of a dead server, and
+// every handler's breaker hears every attempt on the upstream, so the
+// other site's breaker opens too. Entry.hear matches breakers by model
+// key, "m" against "", so the per-upstream breaker never hears them (nor
+// a first token, nor a Retry-After) and keeps sending its clients to the
+// dead server; the reverse holds as well.
+func TestEveryAttemptReachesBreakersOfTheOtherScope(t *testing.T) {
+	const addr = "10.29.0.2:8000"
+	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour} }
+	for _, tc := range []struct {
+		name            string
+		failing, victim int // which pool makes the attempts, which should hear them
+	}{
+		{"scope model heard by scope upstream", 0, 1},
+		{"scope upstream heard by scope model", 1, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := NewRegistry(nil)
+			pools := reloadAll(t, reg, nil,
+				Config{Key: "per-model", Handler: "Caddyfile:3", Static: targets(addr), Breaker: s(), ScopeModel: true},
+				Config{Key: "per-upstream", Handler: "Caddyfile:9", Static: targets(addr), Breaker: s()})
+			// The victim has a breaker for the model before the outage.
+			finish(mustPick(t, pools[tc.victim], "m"), proxy.AttemptSuccess)
+			for range 3 {
+				finish(mustPick(t, pools[tc.failing], "m"), proxy.AttemptConnectError)
+			}
+			if st := pools[tc.failing].BreakerState(addr, "m"); st != "open" {
+				t.Fatalf("the failing site's breaker: %q, want open", st)
+			}
+			if st := pools[tc.victim].BreakerState(addr, "m"); st != "open" {
+				t.Errorf("the other site's breaker after 3 refused connections to the upstream: %q, want open", st)
+			}
+		})
+	}
+}
+
+// An operator drains an upstream; a reload while the drain lasts keeps it
+// drained. Nothing changed state: the handler's verdict was open before
+// the reload and is after it, so no breaker transition is reported
+// (caddy_llm_proxy_breaker_transitions_total{to="open"} and the
+// llm_proxy_breaker_open event and warn log must not fire on every reload).
+// The new config's breaker is created closed and forced open by
+// breakerFor, a closed→open transition each reload.
+func TestReloadDuringADrainReportsNoTransition(t *testing.T) {
+	const addr = "10.29.0.3:8000"
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 3} }
+	pools := reloadAll(t, reg, nil, Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr), Breaker: s()})
+	e, _ := reg.Entry(addr)
+	if _, ok := e.Drain(0, "maintenance"); !ok {
+		t.Fatal("drain refused")
+	}
+	for i := range 3 {
+		n := obs.countPrefix("transition " + gaugeKey(addr, "") + " closed→open")
+		pools = reloadAll(t, reg, pools, Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr), Breaker: s()})
+		if st := pools[0].BreakerState(addr, ""); st != "open" {
+			t.Fatalf("reload %d: breaker %q, want open (drained)", i+1, st)
+		}
+		if got := obs.countPrefix("transition "+gaugeKey(addr, "")+" closed→open") - n; got != 0 {
+			t.Errorf("reload %d during a drain reported %d closed→open transition(s), want 0", i+1, got)
+		}
+	}
+}
