@@ -60,7 +60,9 @@ func TestReloadThatMovesUnnamedSitesKeepsEachSitesVerdict(t *testing.T) {
 // dead server; the reverse holds as well.
 func TestEveryAttemptReachesBreakersOfTheOtherScope(t *testing.T) {
 	const addr = "10.29.0.2:8000"
-	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour} }
+	s := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
 	for _, tc := range []struct {
 		name            string
 		failing, victim int // which pool makes the attempts, which should hear them
