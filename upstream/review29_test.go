@@ -118,3 +118,39 @@ func TestReloadDuringADrainReportsNoTransition(t *testing.T) {
 		}
 	}
 }
+
+// A request still running on a config that a reload released picks again
+// (a retry after its first attempt failed). Its handler's upstream U1 is
+// open on hard evidence (the new config's breaker for the same handler
+// carries that verdict), so the retry must not go to U1. After Release the
+// old claim holds no breaker (breakerFor returns nil), and Pick treats a
+// nil breaker as "breakers off": every open upstream is a candidate again.
+func TestRequestOfAReleasedConfigStillAvoidsAnOpenUpstream(t *testing.T) {
+	const u1, u2 = "10.29.0.4:8000", "10.29.0.5:8000"
+	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour} }
+	cfg := func() Config {
+		return Config{Key: "site", Handler: "Caddyfile:3", Static: targets(u1, u2), Breaker: s(), Selector: firstSelector{}}
+	}
+	reg := NewRegistry(nil)
+	pools := reloadAll(t, reg, nil, cfg())
+	old := pools[0]
+	for range 3 {
+		finish(mustPick(t, old, ""), proxy.AttemptConnectError)
+	}
+	if st := old.BreakerState(u1, ""); st != "open" {
+		t.Fatalf("%s after 3 refused connections: %q, want open", u1, st)
+	}
+	next := reloadAll(t, reg, pools, cfg())
+	if st := next[0].BreakerState(u1, ""); st != "open" {
+		t.Fatalf("%s for the new config: %q, want open", u1, st)
+	}
+	// The old config's request retries after the reload.
+	up, err := pickModel(old, "", u2)
+	if err != nil {
+		t.Fatalf("retry on the released config: %v", err)
+	}
+	defer finish(up, proxy.AttemptSuccess)
+	if up.Addr == u1 {
+		t.Errorf("retry on the released config went to %s, whose breaker is open", u1)
+	}
+}
