@@ -127,7 +127,9 @@ func TestReloadDuringADrainReportsNoTransition(t *testing.T) {
 // nil breaker as "breakers off": every open upstream is a candidate again.
 func TestRequestOfAReleasedConfigStillAvoidsAnOpenUpstream(t *testing.T) {
 	const u1, u2 = "10.29.0.4:8000", "10.29.0.5:8000"
-	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour} }
+	s := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
 	cfg := func() Config {
 		return Config{Key: "site", Handler: "Caddyfile:3", Static: targets(u1, u2), Breaker: s(), Selector: firstSelector{}}
 	}
