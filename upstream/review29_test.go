@@ -156,3 +156,56 @@ func TestRequestOfAReleasedConfigStillAvoidsAnOpenUpstream(t *testing.T) {
 		t.Errorf("retry on the released config went to %s, whose breaker is open", u1)
 	}
 }
+
+// A reload that turns scope model on or off while the site's upstream is
+// open on hard evidence (it refuses every connection). The docs promise
+// that an open breaker stays open across any reload in which the new
+// config still uses the upstream with breakers on; and a handler's
+// breakers are keyed as its scope says ("" per upstream, the model's under
+// scope model). activate carries the old verdict to a breaker of the old
+// model key: under the new scope nobody picks with that key, so the
+// verdict is lost for the new keys (the dead upstream gets traffic again)
+// and a stray breaker of the other scope is listed beside them (in the
+// admin API, and its open state in the breaker_state gauge).
+func TestReloadThatChangesScopeKeepsTheOpenVerdict(t *testing.T) {
+	const addr = "10.29.0.6:8000"
+	s := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	for _, tc := range []struct {
+		name          string
+		before, after bool // scope model
+		// wantOpen: the per-upstream verdict covers every model; one
+		// model's verdict need not cover the upstream.
+		wantOpen bool
+	}{
+		{"scope upstream to scope model", false, true, true},
+		{"scope model to scope upstream", true, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg := NewRegistry(nil)
+			reg.Models.Learn("m")
+			pools := reloadAll(t, reg, nil, Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr), Breaker: s(), ScopeModel: tc.before})
+			for range 3 {
+				finish(mustPick(t, pools[0], "m"), proxy.AttemptConnectError)
+			}
+			if st := pools[0].BreakerState(addr, "m"); st != "open" {
+				t.Fatalf("before the reload: %q, want open", st)
+			}
+			next := reloadAll(t, reg, pools, Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr), Breaker: s(), ScopeModel: tc.after})
+			var ue *proxy.UnavailableError
+			if up, err := pickModel(next[0], "m"); tc.wantOpen && (!errors.As(err, &ue) || !ue.CircuitOpen) {
+				if err == nil {
+					finish(up, proxy.AttemptSuccess)
+				}
+				t.Errorf("after the reload: pick error %v, want circuit open (the upstream is dead)", err)
+			}
+			e, _ := reg.Entry(addr)
+			for k := range next[0].Breakers(e) {
+				if want := next[0].breakerKey("m"); k != want {
+					t.Errorf("after the reload the site has a breaker of model key %q, which its scope never uses (its key is %q)", k, want)
+				}
+			}
+		})
+	}
+}
