@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 	"github.com/llmproxy/caddy-llm-proxy/proxy"
 )
 
@@ -90,32 +91,60 @@ func TestEveryAttemptReachesBreakersOfTheOtherScope(t *testing.T) {
 	}
 }
 
-// An operator drains an upstream; a reload while the drain lasts keeps it
-// drained. Nothing changed state: the handler's verdict was open before
-// the reload and is after it, so no breaker transition is reported
-// (caddy_llm_proxy_breaker_transitions_total{to="open"} and the
-// llm_proxy_breaker_open event and warn log must not fire on every reload).
-// The new config's breaker is created closed and forced open by
-// breakerFor, a closed→open transition each reload.
-func TestReloadDuringADrainReportsNoTransition(t *testing.T) {
-	const addr = "10.29.0.3:8000"
-	obs := newFakeObserver()
-	reg := NewRegistry(obs)
-	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 3} }
-	pools := reloadAll(t, reg, nil, Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr), Breaker: s()})
-	e, _ := reg.Entry(addr)
-	if _, ok := e.Drain(0, "maintenance"); !ok {
-		t.Fatal("drain refused")
+// An upstream is held open (an operator's drain; another gateway's open
+// in the fleet's store); reloads while it lasts keep it open. Nothing
+// changed state: the handler's verdict was open before each reload and is
+// after it, so no breaker transition may be reported (each one counts in
+// caddy_llm_proxy_breaker_transitions_total{to="open"}, writes a warn log
+// and emits llm_proxy_breaker_open). The new config's breaker is created
+// closed in Provision (holdBreakers → breakerFor) and then opened, by
+// breakerFor's ForceOpen for the drain or by breaker.New adopting the
+// store's open key: one closed→open transition per handler per reload.
+// Before breakers were per handler the policy's breaker outlived the
+// reload and reported nothing.
+func TestReloadOfAnOpenUpstreamReportsNoTransition(t *testing.T) {
+	s := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour}
 	}
-	for i := range 3 {
-		n := obs.countPrefix("transition " + gaugeKey(addr, "") + " closed→open")
-		pools = reloadAll(t, reg, pools, Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr), Breaker: s()})
-		if st := pools[0].BreakerState(addr, ""); st != "open" {
-			t.Fatalf("reload %d: breaker %q, want open (drained)", i+1, st)
-		}
-		if got := obs.countPrefix("transition "+gaugeKey(addr, "")+" closed→open") - n; got != 0 {
-			t.Errorf("reload %d during a drain reported %d closed→open transition(s), want 0", i+1, got)
-		}
+	for _, tc := range []struct {
+		name string
+		hold func(t *testing.T, e *Entry, p *Pool, sm *breakertest.SharedMemory)
+	}{
+		{"drained", func(t *testing.T, e *Entry, p *Pool, sm *breakertest.SharedMemory) {
+			if _, ok := e.Drain(0, "maintenance"); !ok {
+				t.Fatal("drain refused")
+			}
+		}},
+		{"open in the fleet", func(t *testing.T, e *Entry, p *Pool, sm *breakertest.SharedMemory) {
+			key := p.Breakers(e)[""].StoreKey()
+			other := breaker.New(e.Addr(), *s(), breaker.WithStore(sm.Instance("gw1")), breaker.WithStoreKey(key))
+			other.ForceOpen(time.Hour, "drained by another gateway")
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const addr = "10.29.0.3:8000"
+			obs := newFakeObserver()
+			reg := NewRegistry(obs)
+			sm := breakertest.NewSharedMemory(nil, 1)
+			reg.SetBreakerStore(sm.Instance("gw0"))
+			cfg := Config{Key: addr, Handler: "Caddyfile:3", Static: targets(addr)}
+			cfg.Breaker = s()
+			pools := reloadAll(t, reg, nil, cfg)
+			e, _ := reg.Entry(addr)
+			tc.hold(t, e, pools[0], sm)
+			opened := "transition " + gaugeKey(addr, "") + " closed→open"
+			for i := range 3 {
+				n := obs.countPrefix(opened)
+				cfg.Breaker = s()
+				pools = reloadAll(t, reg, pools, cfg)
+				if st := pools[0].BreakerState(addr, ""); st != "open" {
+					t.Fatalf("reload %d: breaker %q, want open", i+1, st)
+				}
+				if got := obs.countPrefix(opened) - n; got != 0 {
+					t.Errorf("reload %d reported %d closed→open transition(s) of a breaker open before and after it, want 0", i+1, got)
+				}
+			}
+		})
 	}
 }
 
