@@ -238,3 +238,46 @@ func TestReloadThatChangesScopeKeepsTheOpenVerdict(t *testing.T) {
 		})
 	}
 }
+
+// A pool of two upstreams fails as a whole (every attempt answered 503):
+// it answers 503 at once. A reload of the same config (an operator's
+// routine change elsewhere in the Caddyfile, or during the incident) does
+// not make the upstreams any better: the handler that replaces it must
+// still fail fast, as an open verdict carries over. poolFailure lives in
+// the Pool (p.fail) and is not handed over, so the new pool sends every
+// request to the failed upstreams again until PoolFailWindow (40) new
+// failures fill its window.
+func TestReloadKeepsAPoolThatFailedAsAWholeFailed(t *testing.T) {
+	const a, b = "10.29.0.7:8000", "10.29.0.8:8000"
+	reg := NewRegistry(nil)
+	clk := newLoopClock()
+	reg.UseClock(clk)
+	cfg := func() Config {
+		return Config{Key: a + "," + b, Handler: "Caddyfile:3", Static: targets(a, b), Breaker: &breaker.Settings{}}
+	}
+	pools := reloadAll(t, reg, nil, cfg())
+	// A healthy start at 20 requests/s, then every answer is a 503.
+	for range 20 {
+		finish(mustPick(t, pools[0], ""), proxy.AttemptSuccess)
+		clk.Advance(50 * time.Millisecond)
+	}
+	for i := 0; i < 4*PoolFailWindow && !pools[0].fail.failed.Load(); i++ {
+		up, err := pickModel(pools[0], "")
+		if err != nil {
+			t.Fatalf("pick %d before the pool failed: %v", i, err)
+		}
+		fail(up)
+		clk.Advance(50 * time.Millisecond)
+	}
+	var ue *proxy.UnavailableError
+	if _, err := pickModel(pools[0], ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+		t.Fatalf("the pool did not fail as a whole: pick error %v", err)
+	}
+	next := reloadAll(t, reg, pools, cfg())
+	if up, err := pickModel(next[0], ""); !errors.As(err, &ue) || !ue.CircuitOpen {
+		if err == nil {
+			fail(up)
+		}
+		t.Errorf("after the reload: pick error %v, want 503 circuit open (the pool failed as a whole and no probe succeeded)", err)
+	}
+}
