@@ -281,3 +281,32 @@ func TestReloadKeepsAPoolThatFailedAsAWholeFailed(t *testing.T) {
 		t.Errorf("after the reload: pick error %v, want 503 circuit open (the pool failed as a whole and no probe succeeded)", err)
 	}
 }
+
+// A reload that adds a fleet (SetBreakerStore) rebuilds every breaker with
+// the new store. A verdict must travel as it is: an upstream ejected as a
+// statistical outlier stays a statistical hold (it counts against
+// max_ejection and the panic rule routes over it), and an operator's
+// timed drain stays forced (the admin API and status say so). useStore
+// hands the new breaker only the end of the cooldown (Breaker.Adopt, a
+// fleet verdict), so the outlier becomes hard evidence (never routed over,
+// outside the cap: the detector may eject another) and the drain an
+// unforced open; breaker.CarryOver keeps both.
+func TestBreakerStoreChangeKeepsEachVerdictsKind(t *testing.T) {
+	const a, b, c = "10.29.0.9:8000", "10.29.0.10:8000", "10.29.0.11:8000"
+	reg := NewRegistry(nil)
+	reg.UseClock(newLoopClock())
+	p := startPool(t, reg, Config{Key: "k", Handler: "Caddyfile:3", Static: targets(a, b, c), Breaker: &breaker.Settings{}})
+	ea, _ := reg.Entry(a)
+	eb, _ := reg.Entry(b)
+	if !p.Breakers(ea)[""].Eject("outlier: failure ratio 12/20 against 0.05 for the rest of the pool", 0.05) {
+		t.Fatal("eject refused")
+	}
+	p.Breakers(eb)[""].ForceOpen(10*time.Minute, "maintenance")
+	reg.SetBreakerStore(breakertest.NewSharedMemory(nil, 1).Instance("gw0"))
+	if br := p.Breakers(ea)[""]; br.State() != breaker.Open || br.Evidence() != breaker.Statistical {
+		t.Errorf("the outlier after the store changed: %v on %v evidence, want open on statistical evidence", br.State(), br.Evidence())
+	}
+	if s := p.Breakers(eb)[""].Snapshot(); s.State != breaker.Open || !s.Forced {
+		t.Errorf("the drained upstream after the store changed: %v, forced %v; want open and forced", s.State, s.Forced)
+	}
+}
