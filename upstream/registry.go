@@ -130,9 +130,9 @@ type storeBox struct{ s breaker.Store }
 // (fleet.Breakers) shares their counts and open state with the other
 // gateways. The breakers that exist are built again with s, each with the
 // state that can travel: an open breaker stays open until the end of its
-// cooldown (until closed, if forced so), as a verdict of the new store
-// (its recovery is published); a half-open one starts closed, and the
-// rolling windows start empty. Setting the store in effect does nothing,
+// cooldown (until closed, if forced so) on the same evidence, forced if it
+// was (breaker.CarryOver; its recovery is published); a half-open one
+// starts closed, and the rolling windows start empty. Setting the store in effect does nothing,
 // so a reload that keeps the fleet keeps the breakers.
 func (r *Registry) SetBreakerStore(s breaker.Store) {
 	r.storeMu.Lock()

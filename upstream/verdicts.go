@@ -301,8 +301,9 @@ func (e *Entry) retryAfter(model string, d time.Duration, reason string) {
 }
 
 // useStore builds the entry's breakers again with store st (see
-// Registry.SetBreakerStore): an open breaker's cooldown end travels, as a
-// verdict the new breaker adopts; the old ones leave their store.
+// Registry.SetBreakerStore): an open breaker's verdict travels whole
+// (breaker.CarryOver: its end, evidence, forced mark), with no transition;
+// the old ones leave their store.
 func (e *Entry) useStore(st breaker.Store) {
 	e.mu.Lock()
 	if e.destroyed || e.bstore == st {
@@ -327,9 +328,11 @@ func (e *Entry) useStore(st breaker.Store) {
 	e.mu.Unlock()
 	for i, v := range old {
 		nb := next[i].b
-		if snap := v.b.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
-			// OpenUntil is zero when forced open until closed: so is Adopt's.
-			nb.Adopt(snap.OpenUntil, "open before the breaker store changed")
+		if v.b.State() == breaker.Open {
+			// The whole verdict travels (evidence, forced, held ratio),
+			// as across a reload: an outlier stays a statistical hold
+			// and a timed drain stays forced.
+			nb.CarryOver(v.b, "open before the breaker store changed")
 		}
 		ls[i].register(nb)
 		v.b.Close()
