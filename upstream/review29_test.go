@@ -310,3 +310,36 @@ func TestBreakerStoreChangeKeepsEachVerdictsKind(t *testing.T) {
 		t.Errorf("the drained upstream after the store changed: %v, forced %v; want open and forced", s.State, s.Forced)
 	}
 }
+
+// In a fleet every attempt's failure reaches the fleet's counts once per
+// breaker key (DESIGN §9: discovery constant in fleet size). Sites A and B
+// have equal settings, so one key; A's pool has ejected the upstream as an
+// outlier against its peers (B's pool has none), and site C, breaker off,
+// sends a request that the upstream refuses. Entry.hear lets only the
+// first breaker of a key report, and that first one is A's, which is not
+// closed and so only tallies (Breaker.Hear): B's, which could report,
+// stays quiet, and the fleet never hears of the refused connection.
+func TestFleetHearsAFailureWhenTheFirstBreakerOfItsKeyIsOpen(t *testing.T) {
+	const u, v, w = "10.29.0.12:8000", "10.29.0.13:8000", "10.29.0.14:8000"
+	sm := breakertest.NewSharedMemory(nil, 1)
+	reg := NewRegistry(nil)
+	reg.UseClock(newLoopClock())
+	reg.SetBreakerStore(sm.Instance("gw0"))
+	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 5} }
+	pools := reloadAll(t, reg, nil,
+		Config{Key: u + "," + v + "," + w, Handler: "A", Static: targets(u, v, w), Breaker: s()},
+		Config{Key: u, Handler: "B", Static: targets(u), Breaker: s()},
+		Config{Key: u + " off", Handler: "C", Static: targets(u)})
+	e, _ := reg.Entry(u)
+	a, b := pools[0].Breakers(e)[""], pools[1].Breakers(e)[""]
+	if a.StoreKey() != b.StoreKey() {
+		t.Fatalf("equal settings, keys %s and %s", a.StoreKey(), b.StoreKey())
+	}
+	if !a.Eject("outlier: failure ratio 12/20 against 0.05 for the rest of the pool", 0.05) {
+		t.Fatal("eject refused")
+	}
+	finish(mustPick(t, pools[2], ""), proxy.AttemptConnectError)
+	if n := sm.Counts(b.StoreKey()).Consecutive; n != 1 {
+		t.Errorf("the fleet's count of %s after one refused connection: %d, want 1", b.StoreKey(), n)
+	}
+}
