@@ -343,3 +343,31 @@ func TestFleetHearsAFailureWhenTheFirstBreakerOfItsKeyIsOpen(t *testing.T) {
 		t.Errorf("the fleet's count of %s after one refused connection: %d, want 1", b.StoreKey(), n)
 	}
 }
+
+// The same key's count stays one per attempt when the failure trips the
+// first breaker of the key on this gateway (its own rules; the fleet,
+// wanting two gateways, does not open the key): the next breaker of the
+// key, still closed, must not report the failure again.
+func TestFleetCountsAFailureOnceWhenItTripsTheFirstBreakerOfItsKey(t *testing.T) {
+	const u = "10.29.0.15:8000"
+	sm := breakertest.NewSharedMemory(nil, 2)
+	reg := NewRegistry(nil)
+	reg.UseClock(newLoopClock())
+	reg.SetBreakerStore(sm.Instance("gw0"))
+	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 1} }
+	pools := reloadAll(t, reg, nil,
+		Config{Key: u, Handler: "A", Static: targets(u), Breaker: s()},
+		Config{Key: u, Handler: "B", Static: targets(u), Breaker: s()},
+		Config{Key: u + " off", Handler: "C", Static: targets(u)})
+	e, _ := reg.Entry(u)
+	key := pools[0].Breakers(e)[""].StoreKey()
+	finish(mustPick(t, pools[2], ""), proxy.AttemptConnectError)
+	if n := sm.Counts(key).Consecutive; n != 1 {
+		t.Errorf("the fleet's count of %s after one refused connection: %d, want 1", key, n)
+	}
+	for _, p := range pools[:2] {
+		if st := p.BreakerState(u, ""); st != "open" {
+			t.Errorf("site %s's breaker: %q, want open (consecutive_failures 1)", p.Handler(), st)
+		}
+	}
+}

@@ -255,22 +255,23 @@ func (l *heldListener) register(b *breaker.Breaker) {
 // hear gives the outcome of an attempt that own let through (nil: a pick
 // without a permit, in panic or past the cap) to every other handler's
 // breaker for model key: each judges it by its own rules. Each fleet key
-// reports it once (Breaker.Hear).
+// reports it once (Breaker.Hear): through the first of its breakers that
+// is closed, as one that is not only tallies it.
 func (e *Entry) hear(own *breaker.Breaker, model string, o breaker.Outcome, issued time.Time, ttft time.Duration, reason string) {
 	if o == breaker.Neutral {
 		return
 	}
-	vs := e.verdictList()
-	for i, v := range vs {
+	var buf [4]string
+	reported := buf[:0] // the keys reported so far
+	for _, v := range e.verdictList() {
 		if v.model != model || v.b == own {
 			continue
 		}
-		report := own == nil || own.StoreKey() != v.b.StoreKey()
-		for _, w := range vs[:i] {
-			if w.model == model && w.b != own && w.b.StoreKey() == v.b.StoreKey() {
-				report = false // an earlier one with this key reported it
-			}
-		}
+		k := v.b.StoreKey()
+		report := (own == nil || own.StoreKey() != k) && !slices.Contains(reported, k)
+		if report && v.b.State() == breaker.Closed {
+			reported = append(reported, k)
+		} // else it only tallies (Breaker.Hear): the next closed one of k reports
 		v.b.Hear(o, issued, ttft, reason, report)
 	}
 }
