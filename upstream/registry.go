@@ -32,12 +32,12 @@
 //
 // Evidence is per upstream and recorded once per attempt, whichever
 // handler made it and whether a breaker let it through: in the entry's
-// shared record (Entry.Recent, the admin API's "recent"), in the pool's
-// window of last outcomes, and, for an attempt with a permit, in the
-// handler's breaker. Handlers whose breaker settings (and saturation trip
-// rules) are equal share one breaker per upstream (per model under scope
-// model), which holds both the windows its rules read and the verdict;
-// each other policy has breakers of its own (see Entry).
+// shared record (Entry.Recent, Entry.Evidence), in the pool's window of
+// last outcomes, and in every handler's breaker on the upstream (the
+// attempt's own through its permit, the others' through Breaker.Hear).
+// Each handler has its own breaker per upstream (per model under scope
+// model), which holds the windows its rules read and its verdict; handlers
+// with equal settings share a fleet key (see Entry).
 package upstream
 
 import (
