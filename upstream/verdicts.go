@@ -255,22 +255,23 @@ func (l *heldListener) register(b *breaker.Breaker) {
 // hear gives the outcome of an attempt that own let through (nil: a pick
 // without a permit, in panic or past the cap) to every other handler's
 // breaker for model key: each judges it by its own rules. Each fleet key
-// reports it once (Breaker.Hear).
+// reports it once (Breaker.Hear): through the first of its breakers that
+// is closed, as one that is not only tallies it.
 func (e *Entry) hear(own *breaker.Breaker, model string, o breaker.Outcome, issued time.Time, ttft time.Duration, reason string) {
 	if o == breaker.Neutral {
 		return
 	}
-	vs := e.verdictList()
-	for i, v := range vs {
+	var buf [4]string
+	reported := buf[:0] // the keys reported so far
+	for _, v := range e.verdictList() {
 		if v.model != model || v.b == own {
 			continue
 		}
-		report := own == nil || own.StoreKey() != v.b.StoreKey()
-		for _, w := range vs[:i] {
-			if w.model == model && w.b != own && w.b.StoreKey() == v.b.StoreKey() {
-				report = false // an earlier one with this key reported it
-			}
-		}
+		k := v.b.StoreKey()
+		report := (own == nil || own.StoreKey() != k) && !slices.Contains(reported, k)
+		if report && v.b.State() == breaker.Closed {
+			reported = append(reported, k)
+		} // else it only tallies (Breaker.Hear): the next closed one of k reports
 		v.b.Hear(o, issued, ttft, reason, report)
 	}
 }
@@ -301,8 +302,9 @@ func (e *Entry) retryAfter(model string, d time.Duration, reason string) {
 }
 
 // useStore builds the entry's breakers again with store st (see
-// Registry.SetBreakerStore): an open breaker's cooldown end travels, as a
-// verdict the new breaker adopts; the old ones leave their store.
+// Registry.SetBreakerStore): an open breaker's verdict travels whole
+// (breaker.CarryOver: its end, evidence, forced mark), with no transition;
+// the old ones leave their store.
 func (e *Entry) useStore(st breaker.Store) {
 	e.mu.Lock()
 	if e.destroyed || e.bstore == st {
@@ -327,9 +329,11 @@ func (e *Entry) useStore(st breaker.Store) {
 	e.mu.Unlock()
 	for i, v := range old {
 		nb := next[i].b
-		if snap := v.b.Snapshot(); snap.State == breaker.Open && nb.State() == breaker.Closed {
-			// OpenUntil is zero when forced open until closed: so is Adopt's.
-			nb.Adopt(snap.OpenUntil, "open before the breaker store changed")
+		if v.b.State() == breaker.Open {
+			// The whole verdict travels (evidence, forced, held ratio),
+			// as across a reload: an outlier stays a statistical hold
+			// and a timed drain stays forced.
+			nb.CarryOver(v.b, "open before the breaker store changed")
 		}
 		ls[i].register(nb)
 		v.b.Close()

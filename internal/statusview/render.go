@@ -81,8 +81,15 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 	// row shows the state; where they differ, each handler's breaker
 	// follows as an indented row named by its handler.
 	perUpstream := map[string][]*Breaker{}
+	// handlers names the handlers with a breaker on each upstream: where
+	// there are several, a model's rows say whose breaker each is.
+	handlers := map[string]map[string]bool{}
 	for i := range s.Breakers {
 		br := &s.Breakers[i]
+		if handlers[br.Upstream] == nil {
+			handlers[br.Upstream] = map[string]bool{}
+		}
+		handlers[br.Upstream][br.Handler] = true
 		r := get(br.Upstream)
 		r.inflight = max(r.inflight, br.Inflight)
 		switch {
@@ -164,7 +171,7 @@ func upstreams(b *strings.Builder, s Status, o Options) {
 		for _, m := range r.models {
 			label := m.Model
 			switch {
-			case m.Handler != "" && len(perUpstream[a]) > 1 || m.Handler != "" && m.Model == "":
+			case m.Handler != "" && (len(handlers[a]) > 1 || m.Model == ""):
 				label = strings.TrimSuffix(m.Handler+" "+m.Model, " ")
 			case m.Handler == "" && m.Policy != "":
 				label = strings.TrimSuffix("~"+m.Policy+" "+m.Model, " ") // a gateway of an earlier version

@@ -324,3 +324,32 @@ func TestHandlersBreakersRowsWhereTheyDisagree(t *testing.T) {
 		t.Errorf("agreeing handlers: upstream row %q, want closed and no per-handler rows:\n%s", r, out)
 	}
 }
+
+// Two sites with scope model over one upstream: each has its own breaker
+// for model llama, site-a's open and site-b's closed. The status table must
+// say whose is whose: rows for the same model of different handlers are
+// named by their handler, as per-upstream breakers are (upstreams: a
+// model row is labelled by its handler only when the upstream also has
+// per-upstream breakers of more than one handler, so here both rows read
+// "llama", one open and one closed).
+func TestScopeModelBreakersOfSeveralHandlersNameTheirHandler(t *testing.T) {
+	closed := BreakerState{State: "closed", Since: fixtureNow.Add(-time.Minute)}
+	open := BreakerState{State: "open", Since: fixtureNow.Add(-5 * time.Second), OpenUntil: fixtureNow.Add(time.Minute)}
+	s := Status{Breakers: []Breaker{
+		{Key: "10.0.0.9:8000|llama", Upstream: "10.0.0.9:8000", Model: "llama", Policy: "b1", Handler: "site-a", Handlers: []string{"site-a"}, BreakerState: open},
+		{Key: "10.0.0.9:8000|llama", Upstream: "10.0.0.9:8000", Model: "llama", Policy: "b2", Handler: "site-b", Handlers: []string{"site-b"}, BreakerState: closed},
+	}}
+	out := render(t, s, 0)
+	var a, b string
+	for _, l := range strings.Split(out, "\n") {
+		switch f := strings.Fields(l); {
+		case len(f) >= 2 && f[0] == "site-a" && f[1] == "llama":
+			a = l
+		case len(f) >= 2 && f[0] == "site-b" && f[1] == "llama":
+			b = l
+		}
+	}
+	if !strings.Contains(a, "open") || !strings.Contains(b, "closed") {
+		t.Errorf("rows of site-a's llama breaker %q and site-b's %q, want each named by its handler with its state:\n%s", a, b, out)
+	}
+}
