@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -340,6 +341,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	return nil
 }
 
+// lineName matches the name the Caddyfile adapter gives a handler without
+// a name subdirective, "<file>:<line>": it moves with the directive's
+// line, so it identifies no handler across reloads (upstream.Config.Named).
+var lineName = regexp.MustCompile(`^[^\s:]+:[0-9]+$`)
+
 // handlerName is the name the admin API gives the handler of a pool with
 // key (see Handler.Name): its Name, else the primary pool's label; for a
 // fallback's pool (owner a *FallbackConfig), that name then " fallback
@@ -397,6 +403,7 @@ func (h *Handler) newPool(ctx caddy.Context, app *App, key string, owner any, up
 		Generation: app.gen,
 		Key:        key,
 		Handler:    h.handlerName(key, owner),
+		Named:      h.Name != "" && !lineName.MatchString(h.Name),
 		Static:     static,
 		Source:     source,
 		Selector:   sel,

@@ -112,6 +112,8 @@ type claim struct {
 	// the pool's key): a reload hands an open verdict to the claim of
 	// the same handler.
 	handler string
+	// named: handler was given by the operator (Config.Named).
+	named bool
 	// settings is nil when the config turns breakers off.
 	settings *breaker.Settings
 	// fp is the fingerprint of the claim's policy: its breaker settings

@@ -53,6 +53,13 @@ type Config struct {
 	// as the admin API shows it beside each breaker (BreakerView.Handlers)
 	// and pool (PoolStatus.Handler). Default "": Key.
 	Handler string
+	// Named says Handler was given by the operator (a `name`), so it names
+	// the same handler in every config: a reload hands the handler's open
+	// verdicts to the pool of the same name whatever its settings. Else
+	// (a name derived from a Caddyfile line, which moves with edits, or
+	// from the upstreams) the pool of the same upstreams and settings
+	// takes them first (Entry.activate). Default false.
+	Named bool
 	// Static lists the upstreams; exclusive with Source.
 	Static []Target
 	// Source returns the upstreams per request; exclusive with Static.
@@ -146,7 +153,7 @@ func (r *Registry) NewPool(cfg Config) (*Pool, error) {
 	if p.sel == nil {
 		p.sel = LeastConn{}
 	}
-	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, owner: p, handler: cfg.Handler, settings: cfg.Breaker, prober: cfg.Prober}
+	p.claim = &claim{gen: r.gen.Add(1), pool: cfg.Key, owner: p, handler: cfg.Handler, named: cfg.Named, settings: cfg.Breaker, prober: cfg.Prober}
 	if p.claim.handler == "" {
 		p.claim.handler = cfg.Key
 	}

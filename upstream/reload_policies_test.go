@@ -338,8 +338,8 @@ func TestReloadThatSwapsTwoSitesPoliciesKeepsEachSitesState(t *testing.T) {
 	reg := NewRegistry(nil)
 	reg.UseClock(clk)
 	pools := reloadAll(t, reg, nil,
-		Config{Key: addr, Handler: "site-a", Static: targets(addr), Breaker: settings(2)},
-		Config{Key: addr, Handler: "site-b", Static: targets(addr), Breaker: settings(10)})
+		Config{Key: addr, Handler: "site-a", Named: true, Static: targets(addr), Breaker: settings(2)},
+		Config{Key: addr, Handler: "site-b", Named: true, Static: targets(addr), Breaker: settings(10)})
 	fail(mustPick(t, pools[0], ""))
 	fail(mustPick(t, pools[0], ""))
 	before := pools[0].Breakers(pools[0].Entries()[0])[""].Snapshot()
@@ -348,8 +348,8 @@ func TestReloadThatSwapsTwoSitesPoliciesKeepsEachSitesState(t *testing.T) {
 	}
 	clk.Advance(time.Minute)
 	next := reloadAll(t, reg, pools,
-		Config{Key: addr, Handler: "site-a", Static: targets(addr), Breaker: settings(10)},
-		Config{Key: addr, Handler: "site-b", Static: targets(addr), Breaker: settings(2)})
+		Config{Key: addr, Handler: "site-a", Named: true, Static: targets(addr), Breaker: settings(10)},
+		Config{Key: addr, Handler: "site-b", Named: true, Static: targets(addr), Breaker: settings(2)})
 	after := next[0].Breakers(next[0].Entries()[0])[""].Snapshot()
 	if after.State != breaker.Open || !after.OpenUntil.Equal(before.OpenUntil) {
 		t.Errorf("site A after the swap: %s until %v, want open until %v", after.State, after.OpenUntil, before.OpenUntil)

@@ -78,39 +78,61 @@ func (e *Entry) removeLocked(drop func(verdict) bool) []verdict {
 	return gone
 }
 
-// predecessorLocked returns the claim c replaces, of the claims of older
-// configs: the newest of the same handler and policy; else the one of the
-// same handler in the newest older config that has it, when only one
-// there has that name (a handler whose settings changed; unnamed handlers
-// of one upstream list share a name); else the newest of the same pool and
-// policy (a handler whose name changed with its line in the Caddyfile).
-// nil when none.
+// predecessorLocked returns the claim c replaces, of the claims of the
+// newest older config holding the entry: the pools of c's config and of
+// that one are matched one to one, in passes, each old claim taken once:
+// the same name given by the operator (whatever its settings: two named
+// sites that swap settings keep their own states); the same handler name
+// and policy; the same pool (upstreams) and policy (an unnamed handler
+// whose Caddyfile line moved, "Caddyfile:<line>" being a line, not an
+// identity); the same handler name (an unnamed handler whose settings
+// changed in place). nil when none is left for c.
 func (e *Entry) predecessorLocked(c *claim) *claim {
-	var same, byPool *claim
-	named := map[uint64][]*claim{}
-	var newest uint64
+	var oldGen uint64
 	for _, o := range e.claims {
-		if o.cgen >= c.cgen || o.settings == nil {
-			continue
+		if o.settings != nil && o.cgen < c.cgen {
+			oldGen = max(oldGen, o.cgen)
 		}
-		if o.handler == c.handler {
-			if o.fp == c.fp && (same == nil || o.newerThan(same)) {
-				same = o
+	}
+	if oldGen == 0 {
+		return nil
+	}
+	var news, olds []*claim
+	for _, o := range e.claims {
+		switch {
+		case o.settings == nil:
+		case o.cgen == c.cgen:
+			news = append(news, o)
+		case o.cgen == oldGen:
+			olds = append(olds, o)
+		}
+	}
+	order := func(a, b *claim) int {
+		return cmp.Or(strings.Compare(a.handler, b.handler), strings.Compare(a.pool, b.pool), strings.Compare(a.fp, b.fp), cmp.Compare(a.gen, b.gen))
+	}
+	slices.SortFunc(news, order)
+	slices.SortFunc(olds, order)
+	match := map[*claim]*claim{}
+	taken := map[*claim]bool{}
+	for _, same := range []func(n, o *claim) bool{
+		func(n, o *claim) bool { return n.named && o.named && n.handler == o.handler },
+		func(n, o *claim) bool { return n.handler == o.handler && n.fp == o.fp },
+		func(n, o *claim) bool { return n.pool == o.pool && n.fp == o.fp },
+		func(n, o *claim) bool { return !n.named && n.handler == o.handler },
+	} {
+		for _, n := range news {
+			if match[n] != nil {
+				continue
 			}
-			named[o.cgen] = append(named[o.cgen], o)
-			newest = max(newest, o.cgen)
-		}
-		if o.pool == c.pool && o.fp == c.fp && (byPool == nil || o.newerThan(byPool)) {
-			byPool = o
+			for _, o := range olds {
+				if !taken[o] && same(n, o) {
+					match[n], taken[o] = o, true
+					break
+				}
+			}
 		}
 	}
-	switch {
-	case same != nil:
-		return same
-	case len(named[newest]) == 1:
-		return named[newest][0]
-	}
-	return byPool
+	return match[c]
 }
 
 // carryOpen hands old's open verdict to nb, a closed breaker that
