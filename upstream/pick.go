@@ -24,8 +24,10 @@ type Candidate struct {
 	Score float64
 
 	br *breaker.Breaker // nil when breakers are off
-	// key is the breaker's model key ("" per upstream).
-	key string
+	// key is the breaker's model key ("" per upstream); model the
+	// request's model, as every handler's breakers judge the attempt by
+	// it (Entry.judges).
+	key, model string
 	// failing is the upstream's failures within RecentWindow, which count
 	// against it as attempts in flight would (see Load).
 	failing int64
@@ -84,7 +86,7 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 			busy++
 			continue
 		}
-		c := Candidate{Target: &m.t, Entry: m.e, key: key}
+		c := Candidate{Target: &m.t, Entry: m.e, key: key, model: req.Info.Model}
 		if p.cfg.Breaker != nil {
 			c.br = m.e.breakerFor(p.claim, key)
 		} else if until, drained := m.e.Drained(now); drained {
@@ -241,7 +243,7 @@ func (p *Pool) countFailures(cs []Candidate, panicking bool, now time.Time) {
 func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 	// The closures capture what they use, not the Candidate: a held
 	// stream keeps them.
-	e, br, t, key := c.Entry, c.br, c.Target, c.key
+	e, br, t, key, model := c.Entry, c.br, c.Target, c.key, c.model
 	epoch := e.startAttempt()
 	started := p.reg.now()
 	issued := started
@@ -267,7 +269,7 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 		// stream longer than the probe timeout must not count as a hung
 		// probe. Later, Done on a settled permit does nothing.
 		Committed: func(ttft time.Duration) {
-			e.live(key) // a first token: the server is up, for every handler
+			e.live(model) // a first token: the server is up, for every handler
 			if permit != nil && permit.Probe() {
 				record(br, permit, &proxy.AttemptReport{Upstream: t.Addr, Outcome: proxy.AttemptSuccess, TTFT: ttft})
 				giveProbe()
@@ -290,9 +292,9 @@ func (p *Pool) upstream(c Candidate, permit *breaker.Permit) proxy.Upstream {
 				if permit == nil {
 					own = nil
 				}
-				e.hear(own, key, o, issued, rep.TTFT, reasonOf(rep))
+				e.hear(own, model, o, issued, rep.TTFT, reasonOf(rep))
 				if rep.RetryAfter > 0 {
-					e.retryAfter(key, rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
+					e.retryAfter(model, rep.RetryAfter, fmt.Sprintf("upstream answered %d with Retry-After %v", rep.Status, rep.RetryAfter))
 				}
 			}
 			if permit != nil {

@@ -285,8 +285,9 @@ func (e *Entry) hear(own *breaker.Breaker, model string, o breaker.Outcome, issu
 	}
 	var buf [4]string
 	reported := buf[:0] // the keys reported so far
+	var mk modelKey
 	for _, v := range e.verdictList() {
-		if v.model != model || v.b == own {
+		if !e.judges(v, model, &mk) || v.b == own {
 			continue
 		}
 		k := v.b.StoreKey()
@@ -302,8 +303,9 @@ func (e *Entry) hear(own *breaker.Breaker, model string, o breaker.Outcome, issu
 // first token): see Breaker.Live.
 func (e *Entry) live(model string) {
 	e.ev.lastLife.Store(e.reg.now().UnixNano())
+	var mk modelKey
 	for _, v := range e.verdictList() {
-		if v.model == model {
+		if e.judges(v, model, &mk) {
 			v.b.Live()
 		}
 	}
@@ -316,8 +318,9 @@ func (e *Entry) retryAfter(model string, d time.Duration, reason string) {
 	if d > 0 && d <= breaker.MaxRetryAfter {
 		e.ev.retryUntil.Store(e.reg.now().Add(d).UnixNano())
 	}
+	var mk modelKey
 	for _, v := range e.verdictList() {
-		if v.model == model {
+		if e.judges(v, model, &mk) {
 			v.b.ExtendOpen(d, reason)
 		}
 	}
@@ -422,4 +425,25 @@ func (e *Entry) transition(model string, b *breaker.Breaker, tr breaker.Transiti
 	if tr.To == breaker.Open {
 		e.maybeProbe()
 	}
+}
+
+// modelKey is a request's scope model breaker key, worked out once
+// (ModelNames.BreakerKey) for the first scope model breaker that needs it.
+type modelKey struct {
+	key  string
+	done bool
+}
+
+// judges reports whether v judges an attempt for the request's model (the
+// model name as requested): a per-upstream breaker every attempt on its
+// upstream, a scope model breaker those of its model key, whichever
+// handler made them and whatever that handler's scope.
+func (e *Entry) judges(v verdict, model string, mk *modelKey) bool {
+	if !v.c.scopeModel {
+		return v.model == ""
+	}
+	if !mk.done {
+		mk.key, mk.done = e.reg.Models.BreakerKey(model), true
+	}
+	return v.model == mk.key
 }
