@@ -88,18 +88,26 @@ func (p *Pool) Pick(w http.ResponseWriter, r *http.Request, req proxy.PickReques
 		}
 		c := Candidate{Target: &m.t, Entry: m.e, key: key, model: req.Info.Model}
 		if p.cfg.Breaker != nil {
-			c.br = m.e.breakerFor(p.claim, key)
-		} else if until, drained := m.e.Drained(now); drained {
-			// Breakers off: an operator's drain of the upstream still
-			// keeps this handler from sending there.
-			open++
-			p.reg.obs.ShortCircuited(m.t.Addr)
-			if !until.IsZero() && (earliest.IsZero() || until.Before(earliest)) {
-				earliest = until
+			if c.br = m.e.breakerFor(p.claim, key); c.br == nil {
+				// A request still running on a config a reload
+				// released: its handler's breaker is now the new
+				// config's.
+				c.br = m.e.successorFor(p.claim, key)
 			}
-			continue
 		}
-		if c.br != nil {
+		if c.br == nil {
+			// Breakers off (or none left for a released config): an
+			// operator's drain of the upstream still keeps this handler
+			// from sending there.
+			if until, drained := m.e.Drained(now); drained {
+				open++
+				p.reg.obs.ShortCircuited(m.t.Addr)
+				if !until.IsZero() && (earliest.IsZero() || until.Before(earliest)) {
+					earliest = until
+				}
+				continue
+			}
+		} else {
 			if req.Hedge && c.br.State() != breaker.Closed {
 				continue // never hedge onto a recovering upstream
 			}

@@ -180,15 +180,18 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	e.reg.obs.BreakerCreated(e.addr, model)
 	dr := e.drain.Load()
 	e.mu.Unlock()
-	l.register(b)
-	now := e.reg.now()
-	if d, ok := dr.left(now); ok {
+	if d, ok := dr.left(e.reg.now()); ok {
 		// The upstream is drained: a breaker of a handler or model that
 		// had none when the drain began refuses as the others do.
 		b.ForceOpen(d, dr.reason)
 	} else if twin != nil {
 		carryOpen(twin, b, "open for the handlers with the same settings")
 	}
+	// A reload's breaker for a handler that had one starts as that one
+	// was (a drain, the fleet's open key, or, at activation, its carried
+	// verdict): no news for the transition count, the log or the events.
+	// A new handler's breaker that starts open is news.
+	l.register(b, !newHandler)
 	return b
 }
 
@@ -262,14 +265,17 @@ func (l *heldListener) listen(tr breaker.Transition) {
 	l.e.transition(l.model, l.b, tr)
 }
 
-// register delivers the held transitions; later ones go straight through.
+// register delivers the held transitions (none when quiet: the breaker
+// started as the one it replaces was); later ones go straight through.
 // Call it without e.mu.
-func (l *heldListener) register(b *breaker.Breaker) {
+func (l *heldListener) register(b *breaker.Breaker, quiet bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.b = b
 	for _, tr := range l.held {
-		l.e.transition(l.model, b, tr)
+		if !quiet {
+			l.e.transition(l.model, b, tr)
+		}
 	}
 	l.held = nil
 }
@@ -354,13 +360,16 @@ func (e *Entry) useStore(st breaker.Store) {
 	e.mu.Unlock()
 	for i, v := range old {
 		nb := next[i].b
-		if v.b.State() == breaker.Open {
+		wasOpen := v.b.State() == breaker.Open
+		if wasOpen {
 			// The whole verdict travels (evidence, forced, held ratio),
 			// as across a reload: an outlier stays a statistical hold
 			// and a timed drain stays forced.
 			nb.CarryOver(v.b, "open before the breaker store changed")
 		}
-		ls[i].register(nb)
+		// The new store's open key is news only for a breaker that was
+		// closed.
+		ls[i].register(nb, wasOpen)
 		v.b.Close()
 	}
 	e.maybeProbe()
@@ -446,4 +455,33 @@ func (e *Entry) judges(v verdict, model string, mk *modelKey) bool {
 		mk.key, mk.done = e.reg.Models.BreakerKey(model), true
 	}
 	return v.model == mk.key
+}
+
+// successorFor returns, for a claim that no longer holds the entry (its
+// config was released by a reload while one of its requests still runs),
+// the breaker for model key of the started claim that replaced it: of the
+// same handler, else of the same pool and policy; nil when none.
+func (e *Entry) successorFor(c *claim, model string) *breaker.Breaker {
+	var best *verdict
+	rank := func(v verdict) int {
+		switch {
+		case v.c.handler == c.handler:
+			return 2
+		case v.c.pool == c.pool && v.c.fp == c.fp:
+			return 1
+		}
+		return 0
+	}
+	for _, v := range e.verdictList() {
+		if v.model != model || !v.c.active.Load() || rank(v) == 0 {
+			continue
+		}
+		if best == nil || rank(v) > rank(*best) || rank(v) == rank(*best) && v.c.newerThan(best.c) {
+			best = &v
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	return best.b
 }
