@@ -69,6 +69,10 @@ type Entry struct {
 	claims    []*claim
 	probing   bool // a probe loop runs
 	destroyed bool
+	// inherit holds, for a claim that keys by model where the handler it
+	// replaces did not, that handler's open per-upstream breaker: each of
+	// its model breakers starts with that verdict (activate).
+	inherit map[*claim]*breaker.Breaker
 	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
 	bstore breaker.Store
 }
@@ -233,6 +237,7 @@ func (e *Entry) addClaim(c *claim) {
 func (e *Entry) dropClaim(c *claim) {
 	e.mu.Lock()
 	e.claims = slices.DeleteFunc(e.claims, func(x *claim) bool { return x == c })
+	delete(e.inherit, c)
 	e.configureScraperLocked()
 	gone := e.removeLocked(func(v verdict) bool { return v.c == c })
 	e.mu.Unlock()
@@ -255,15 +260,35 @@ func (e *Entry) activate(c *claim) {
 	if c.settings != nil && !e.destroyed {
 		pred := e.predecessorLocked(c)
 		for _, v := range e.verdictList() {
-			if pred != nil && v.c == pred && v.b.State() != breaker.Closed {
-				from = append(from, v)
+			if pred == nil || v.c != pred || v.b.State() == breaker.Closed {
+				continue
 			}
+			switch {
+			case pred.scopeModel == c.scopeModel:
+				from = append(from, v)
+			case c.scopeModel:
+				// The handler now keys by model: its per-upstream
+				// verdict covers every model, each model's breaker
+				// starts with it when the model is first asked for.
+				if e.inherit == nil {
+					e.inherit = map[*claim]*breaker.Breaker{}
+				}
+				e.inherit[c] = v.b
+			} // else one model's verdict says nothing of the others
 		}
 	}
+	inherited := e.inherit[c]
 	e.mu.Unlock()
 	for _, v := range from {
 		if nb := e.breakerFor(c, v.model); nb != nil {
 			carryOpen(v.b, nb, "open before the reload")
+		}
+	}
+	if inherited != nil {
+		for _, v := range e.verdictList() {
+			if v.c == c {
+				carryOpen(inherited, v.b, "open for the upstream before the reload")
+			}
 		}
 	}
 	e.maybeProbe()

@@ -179,7 +179,14 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	e.verdicts.Store(&next)
 	e.reg.obs.BreakerCreated(e.addr, model)
 	dr := e.drain.Load()
+	inherited := e.inherit[c]
 	e.mu.Unlock()
+	if snap := inheritedSnap(inherited); snap.State == breaker.Open && (snap.Forced || snap.OpenUntil.After(e.reg.now())) {
+		// Still within the cooldown of the handler's per-upstream
+		// verdict from before the reload (once it is over, the model
+		// breakers judge for themselves).
+		carryOpen(inherited, b, "open for the upstream before the reload")
+	}
 	if d, ok := dr.left(e.reg.now()); ok {
 		// The upstream is drained: a breaker of a handler or model that
 		// had none when the drain began refuses as the others do.
@@ -484,4 +491,12 @@ func (e *Entry) successorFor(c *claim, model string) *breaker.Breaker {
 		return nil
 	}
 	return best.b
+}
+
+// inheritedSnap is b's snapshot, the zero one for nil.
+func inheritedSnap(b *breaker.Breaker) breaker.Snapshot {
+	if b == nil {
+		return breaker.Snapshot{}
+	}
+	return b.Snapshot()
 }
