@@ -50,6 +50,9 @@ type poolState struct {
 
 	mu   sync.Mutex
 	seen map[string]struct{}
+
+	// fail is the pool-wide rule's record, under "poolfail|<key>".
+	fail poolFailure
 }
 
 func newPoolState() (*poolState, error) { return &poolState{}, nil }

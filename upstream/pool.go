@@ -128,7 +128,7 @@ type Pool struct {
 	det detector
 	// fail is the pool-wide rule: the pool's last outcomes and whether it
 	// failed as a whole (poolfail.go).
-	fail poolFailure
+	fail *poolFailure
 }
 
 // member is one upstream of a pool with its shared entry.
@@ -211,7 +211,15 @@ func (p *Pool) build() error {
 			}
 		}
 	}
-	var err error
+	// The pool-wide rule's record outlives a reload: a pool that failed
+	// as a whole stays failed for the new config's pool of the same
+	// upstreams, which would otherwise send its whole traffic to them
+	// until 40 new failures filled its window.
+	fs, err := p.reg.state.Acquire(&p.claims, "poolfail|"+p.cfg.Key, newPoolState, nil)
+	if err != nil {
+		return err
+	}
+	p.fail = &fs.fail
 	if p.retries, err = p.newRetryGate(); err != nil {
 		return err
 	}
