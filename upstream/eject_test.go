@@ -449,3 +449,24 @@ func TestDetectorStopsWithItsPool(t *testing.T) {
 		t.Fatalf("%d timers still armed after Release", funcs)
 	}
 }
+
+// A scope model pool's status counts an upstream held on statistical
+// evidence for a model as ejected, as a per-upstream pool's does.
+func TestScopeModelPoolStatusCountsItsEjectedUpstreams(t *testing.T) {
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	addrs := []string{"10.19.11.1:8000", "10.19.11.2:8000", "10.19.11.3:8000"}
+	p := startPool(t, reg, Config{Key: "scoped", Static: targets(addrs...), ScopeModel: true, Breaker: &breaker.Settings{}})
+	serveOn(t, p, addrs, addrs[1], 40, never)
+	serveOn(t, p, addrs, addrs[2], 40, never)
+	serveOn(t, p, addrs, addrs[0], 40, every(2))
+	nextRun(clk)
+	e, _ := reg.Entry(addrs[0])
+	if b := p.Breakers(e)[p.breakerKey("")]; b == nil || b.Evidence() != breaker.Statistical {
+		t.Fatalf("the outlier's model breaker: %v, want held on statistical evidence", b)
+	}
+	if st := p.Status(); st.Ejected != 1 || !slices.Equal(st.EjectedUpstreams, addrs[:1]) {
+		t.Fatalf("status %+v, want %s ejected", st, addrs[0])
+	}
+}

@@ -203,15 +203,25 @@ func (p *Pool) judgeAll(act bool) *outlierView {
 			}
 		}
 	}
-	// The view's ejected set is the breakers of no model's, as the
-	// pool's status has always shown them.
+	// The view's ejected set: the upstreams held on statistical evidence,
+	// by their per-upstream breaker or, under scope model, by any of their
+	// model breakers.
 	for _, m := range members {
-		b := m.e.lookupFor(p.claim, "")
+		held, probation := false, false
+		for _, key := range keys {
+			b := m.e.lookupFor(p.claim, key)
+			switch {
+			case b == nil:
+			case b.Evidence() == breaker.Statistical:
+				held = true
+			case b.OnProbation():
+				probation = true
+			}
+		}
 		switch {
-		case b == nil:
-		case b.Evidence() == breaker.Statistical:
+		case held:
 			v.ejected = append(v.ejected, m.t.Addr)
-		case b.OnProbation():
+		case probation:
 			v.probation++
 		}
 	}
