@@ -430,8 +430,13 @@ func (e *Entry) transition(model string, b *breaker.Breaker, tr breaker.Transiti
 	e.mu.Lock()
 	// Reported under the lock, so that a destroy or a drop cannot slip in
 	// between the check and the report and have its gauge re-created.
-	live := !e.destroyed && slices.ContainsFunc(e.verdictList(), func(v verdict) bool { return v.b == b })
-	if live {
+	i := slices.IndexFunc(e.verdictList(), func(v verdict) bool { return v.b == b })
+	live := !e.destroyed && i >= 0
+	// While a reload's new config is provisioned, its breakers hear the
+	// same outcomes as those of the handlers they replace, and each
+	// transition would count twice: only a started config's breakers,
+	// and new handlers', report.
+	if live && (e.verdictList()[i].c.active.Load() || e.predecessorLocked(e.verdictList()[i].c) == nil) {
 		e.reg.obs.BreakerTransition(e.addr, model, tr)
 	}
 	e.mu.Unlock()

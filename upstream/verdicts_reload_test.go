@@ -371,3 +371,24 @@ func TestFleetCountsAFailureOnceWhenItTripsTheFirstBreakerOfItsKey(t *testing.T)
 		}
 	}
 }
+
+// While a reload's new config is provisioned and not started, its breaker
+// for a handler hears the same outcomes as the running one's and trips
+// with it: the upstream opened once, and one closed→open transition is
+// reported, the running config's.
+func TestAProvisionedConfigsBreakerReportsNoTransitionOfItsOwn(t *testing.T) {
+	const addr = "10.29.0.9:8000"
+	obs := newFakeObserver()
+	reg := NewRegistry(obs)
+	cfg := Config{Key: addr, Handler: "site", Named: true, Static: targets(addr),
+		Breaker: &breaker.Settings{ConsecutiveFailures: 1, OpenFor: time.Hour, MinOpen: time.Hour}}
+	running := startPool(t, reg, cfg)
+	loading := buildPool(t, reg, cfg)
+	fail(mustPick(t, running, ""))
+	if st := loading.BreakerState(addr, ""); st != "open" {
+		t.Fatalf("the provisioned config's breaker: %q, want open (it heard the failure)", st)
+	}
+	if n := obs.countPrefix("transition " + gaugeKey(addr, "") + " closed→open"); n != 1 {
+		t.Fatalf("%d closed→open transitions reported, want 1 (the running config's)", n)
+	}
+}
