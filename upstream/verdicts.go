@@ -82,11 +82,13 @@ func (e *Entry) removeLocked(drop func(verdict) bool) []verdict {
 // newest older config holding the entry: the pools of c's config and of
 // that one are matched one to one, in passes, each old claim taken once:
 // the same name given by the operator (whatever its settings: two named
-// sites that swap settings keep their own states); the same handler name
-// and policy; the same pool (upstreams) and policy (an unnamed handler
-// whose Caddyfile line moved, "Caddyfile:<line>" being a line, not an
-// identity); the same handler name (an unnamed handler whose settings
-// changed in place). nil when none is left for c.
+// sites that swap settings keep their own states); the same handler name,
+// pool and policy; the same pool (upstreams) and policy (an unnamed
+// handler whose Caddyfile line moved, "Caddyfile:<line>" being a line, not
+// an identity: a pool's detector holds are its own, so a line that another
+// pool's site moved onto must not win); the same handler name and policy;
+// the same handler name (an unnamed handler whose settings changed in
+// place). nil when none is left for c.
 func (e *Entry) predecessorLocked(c *claim) *claim {
 	var oldGen uint64
 	for _, o := range e.claims {
@@ -116,8 +118,9 @@ func (e *Entry) predecessorLocked(c *claim) *claim {
 	taken := map[*claim]bool{}
 	for _, same := range []func(n, o *claim) bool{
 		func(n, o *claim) bool { return n.named && o.named && n.handler == o.handler },
-		func(n, o *claim) bool { return n.handler == o.handler && n.fp == o.fp },
+		func(n, o *claim) bool { return n.handler == o.handler && n.pool == o.pool && n.fp == o.fp },
 		func(n, o *claim) bool { return n.pool == o.pool && n.fp == o.fp },
+		func(n, o *claim) bool { return n.handler == o.handler && n.fp == o.fp },
 		func(n, o *claim) bool { return !n.named && n.handler == o.handler },
 	} {
 		for _, n := range news {
