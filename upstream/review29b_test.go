@@ -1,7 +1,10 @@
 package upstream
 
 import (
+	"time"
+
 	"fmt"
+	"github.com/llmproxy/caddy-llm-proxy/proxy"
 	"testing"
 
 	"github.com/llmproxy/caddy-llm-proxy/breaker"
@@ -47,5 +50,69 @@ func TestReloadThatMovesUnnamedSitesWithEqualSettingsKeepsEachPoolsEjection(t *t
 	}
 	if st := next[1].BreakerState(addrs[0], ""); st != "closed" {
 		t.Errorf("site Y (now Caddyfile:35) after the reload: %q, want closed (its own verdict)", st)
+	}
+}
+
+// A hundred reloads of two sites over one upstream, alternating the
+// scope of one of them while the upstream is held open, leave the entry
+// with the running config's claims and breakers only: the old configs'
+// verdicts, the breakers a scope change inherits, and the claims go when
+// their config is released.
+func TestHundredReloadsLeaveOnlyTheRunningConfigsBreakers(t *testing.T) {
+	const addr = "10.29.8.10:8000"
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	s := func() *breaker.Settings { return &breaker.Settings{ConsecutiveFailures: 2} }
+	cfgs := func(i int) []Config {
+		return []Config{
+			{Key: addr, Handler: "a", Named: true, Static: targets(addr), Breaker: s(), ScopeModel: i%2 == 1},
+			{Key: addr, Handler: "b", Named: true, Static: targets(addr), Breaker: s()},
+		}
+	}
+	pools := reloadAll(t, reg, nil, cfgs(0)...)
+	fail(mustPick(t, pools[1], ""))
+	fail(mustPick(t, pools[1], ""))
+	for i := 1; i <= 100; i++ {
+		pools = reloadAll(t, reg, pools, cfgs(i)...)
+		pickModel(pools[0], "m")
+	}
+	e, ok := reg.Entry(addr)
+	if !ok {
+		t.Fatal("no entry")
+	}
+	e.mu.Lock()
+	claims, inherit := len(e.claims), len(e.inherit)
+	e.mu.Unlock()
+	if claims != 2 || inherit > 1 || len(e.verdictList()) > 3 {
+		t.Errorf("after 100 reloads: %d claims, %d inherited breakers, %d verdicts; want 2, at most 1, at most 3", claims, inherit, len(e.verdictList()))
+	}
+}
+
+// A site keys its breakers by model; the upstream refuses every
+// connection, and the breaker of the only model the site serves opens on
+// that hard evidence for an hour. A reload that turns scope model off
+// (the other direction of TestReloadThatChangesScopeKeepsTheOpenVerdict)
+// must keep the site from sending to the dead server: the open model
+// verdict covered everything the site sent there.
+func TestReloadThatTurnsScopeModelOffKeepsAHardOpenVerdict(t *testing.T) {
+	const addr = "10.29.8.20:8000"
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	s := func() *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: 3, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	pools := reloadAll(t, reg, nil, Config{Key: addr, Handler: "chat", Named: true, Static: targets(addr), Breaker: s(), ScopeModel: true})
+	for range 3 {
+		finish(mustPick(t, pools[0], "m"), proxy.AttemptConnectError)
+	}
+	if st := pools[0].BreakerState(addr, "m"); st != "open" {
+		t.Fatalf("model breaker after 3 refused connections: %q, want open", st)
+	}
+	next := reloadAll(t, reg, pools, Config{Key: addr, Handler: "chat", Named: true, Static: targets(addr), Breaker: s()})
+	if up, err := pickModel(next[0], "m"); err == nil {
+		up.Done(nil)
+		t.Errorf("after the reload turned scope model off: picked %s (breaker %q), want the dead upstream held out", up.Addr, next[0].BreakerState(addr, ""))
 	}
 }
