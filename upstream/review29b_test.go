@@ -116,3 +116,42 @@ func TestReloadThatTurnsScopeModelOffKeepsAHardOpenVerdict(t *testing.T) {
 		t.Errorf("after the reload turned scope model off: picked %s (breaker %q), want the dead upstream held out", up.Addr, next[0].BreakerState(addr, ""))
 	}
 }
+
+// Two sites in front of the same two replicas (equal upstream lists, so
+// equal pool keys) with different breaker settings: site A's requests (a
+// model that crashes the engine, say) fail on both replicas, site B's
+// succeed. A's pool failing as a whole is A's: B, whose last attempts all
+// succeeded, must still send its requests, not answer 503 "the pool failed
+// as a whole" from A's record.
+func TestAPoolThatFailsAsAWholeFailsOnlyItsOwnSite(t *testing.T) {
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	addrs := []string{"10.29.8.31:8000", "10.29.8.32:8000"}
+	const key = "10.29.8.31:8000,10.29.8.32:8000"
+	pools := reloadAll(t, reg, nil,
+		Config{Key: key, Handler: "a", Named: true, Static: targets(addrs...), Breaker: &breaker.Settings{ConsecutiveFailures: 100}},
+		Config{Key: key, Handler: "b", Named: true, Static: targets(addrs...), Breaker: &breaker.Settings{ConsecutiveFailures: 50}})
+	a, b := pools[0], pools[1]
+	for range 4 {
+		finish(mustPick(t, b, "small"), proxy.AttemptSuccess)
+	}
+	for i := 0; i < 2*PoolFailWindow && !a.fail.failed.Load(); i++ {
+		up, err := pickModel(a, "big")
+		if err != nil {
+			t.Fatalf("site A's attempt %d: %v", i, err)
+		}
+		fail(up)
+	}
+	if !a.fail.failed.Load() {
+		t.Fatal("site A's pool did not fail as a whole after its attempts all failed on both replicas")
+	}
+	if up, err := pickModel(b, "small"); err != nil {
+		t.Errorf("site B, whose attempts all succeeded: %v; want its request sent", err)
+	} else {
+		up.Done(nil)
+	}
+	if st := b.Status(); st.Failed {
+		t.Errorf("site B's pool status: failed (%s), want not failed", st.FailedReason)
+	}
+}
