@@ -155,3 +155,47 @@ func TestAPoolThatFailsAsAWholeFailsOnlyItsOwnSite(t *testing.T) {
 		t.Errorf("site B's pool status: failed (%s), want not failed", st.FailedReason)
 	}
 }
+
+// Two unnamed sites over u1 and u2: A at line 5 (consecutive_failures
+// 10), B at line 20 (2). u1 refuses connections: B's breaker on it is
+// open, A's still closed. A reload inserts 15 lines above both, so A is
+// now Caddyfile:20, B's old name. A request of B still running on the
+// released config retries (u2 tried): its handler is B, whose breaker
+// (the new config's B) holds u1 out, so the retry must not go to u1.
+// successorFor ranks "the same handler name" first, and takes the new A's
+// closed breaker.
+func TestRetryOfAReleasedConfigUsesItsOwnSitesSuccessorAfterLinesMoved(t *testing.T) {
+	const u1, u2 = "10.29.8.41:8000", "10.29.8.42:8000"
+	s := func(n int) *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: n, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	cfgA := func(line int) Config {
+		return Config{Key: "site", Handler: fmt.Sprintf("Caddyfile:%d", line), Static: targets(u1, u2), Breaker: s(10), Selector: firstSelector{}}
+	}
+	cfgB := func(line int) Config {
+		return Config{Key: "site", Handler: fmt.Sprintf("Caddyfile:%d", line), Static: targets(u1, u2), Breaker: s(2), Selector: firstSelector{}}
+	}
+	reg := NewRegistry(nil)
+	pools := reloadAll(t, reg, nil, cfgA(5), cfgB(20))
+	oldB := pools[1]
+	for range 2 {
+		finish(mustPick(t, oldB, ""), proxy.AttemptConnectError)
+	}
+	if st := oldB.BreakerState(u1, ""); st != "open" {
+		t.Fatalf("site B's breaker on %s after 2 refused connections: %q, want open", u1, st)
+	}
+	if st := pools[0].BreakerState(u1, ""); st != "closed" {
+		t.Fatalf("site A's breaker on %s: %q, want closed", u1, st)
+	}
+	next := reloadAll(t, reg, pools, cfgA(20), cfgB(35))
+	if st := next[1].BreakerState(u1, ""); st != "open" {
+		t.Fatalf("site B (now Caddyfile:35) on %s after the reload: %q, want open", u1, st)
+	}
+	up, err := pickModel(oldB, "", u2)
+	if err == nil {
+		defer finish(up, proxy.AttemptSuccess)
+		if up.Addr == u1 {
+			t.Errorf("site B's retry on the released config went to %s, which site B holds open (it used site A's breaker: A took B's old line)", u1)
+		}
+	}
+}
