@@ -469,9 +469,23 @@ func (e *Entry) judges(v verdict, model string, mk *modelKey) bool {
 
 // successorFor returns, for a claim that no longer holds the entry (its
 // config was released by a reload while one of its requests still runs),
-// the breaker for model key of the started claim that replaced it: of the
-// same handler, else of the same pool and policy; nil when none.
+// the breaker for model key of the started claim that replaced it: the
+// one activate matched to it (predecessorLocked), else of the same
+// handler name, else of the same pool and policy; nil when none.
 func (e *Entry) successorFor(c *claim, model string) *breaker.Breaker {
+	// The claim that replaced c at activation, first: a handler's name
+	// is a Caddyfile line that another site may have taken.
+	e.mu.Lock()
+	s := e.succ[c]
+	for i := 0; s != nil && !s.active.Load() && i < 8; i++ {
+		s = e.succ[s]
+	}
+	e.mu.Unlock()
+	if s != nil && s.active.Load() {
+		if b := e.lookupFor(s, model); b != nil {
+			return b
+		}
+	}
 	var best *verdict
 	rank := func(v verdict) int {
 		switch {
