@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -36,24 +37,7 @@ func TestManyReloadsThatMoveAndSwapUnnamedSitesKeepVerdictsAndSeries(t *testing.
 	send := func(path string) int {
 		t.Helper()
 		ctx := testContext(t, 10*time.Second)
-		for try := 0; ; try++ {
-			req, err := newRequest(ctx, gw.URL+path+"/v1/chat/completions", chatBody("hi", false))
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp, err := c.Do(req)
-			if err != nil && handOffLost(err) && try < 3 {
-				// Lost in the reload's listener hand-off, before any
-				// handler saw it: a client sends it again.
-				time.Sleep(20 * time.Millisecond)
-				continue
-			}
-			if err != nil {
-				t.Fatalf("POST %s: %v", path, err)
-			}
-			resp.Body.Close()
-			return resp.StatusCode
-		}
+		return postAcrossReload(ctx, t, c, gw.URL+path+"/v1/chat/completions", chatBody("hi", false))
 	}
 	send("/a")
 	send("/a")
@@ -137,4 +121,28 @@ func (g *gateway) breakerList() []breakerView {
 		g.t.Fatalf("GET /llm_proxy/breakers: %v: %s", err, body)
 	}
 	return views
+}
+
+// postAcrossReload POSTs body to url and returns the status, sending it
+// again (up to 3 times) when it was lost in a reload's listener hand-off
+// (EOF or a reset before any response: no handler saw it), as a client
+// would; post fails the test on it.
+func postAcrossReload(ctx context.Context, t testing.TB, c *http.Client, url, body string) int {
+	t.Helper()
+	for try := 0; ; try++ {
+		req, err := newRequest(ctx, url, body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := c.Do(req)
+		if err != nil && handOffLost(err) && try < 3 {
+			time.Sleep(time.Duration(try+1) * 20 * time.Millisecond)
+			continue
+		}
+		if err != nil {
+			t.Fatalf("POST %s: %v", url, err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
 }
