@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"github.com/llmproxy/caddy-llm-proxy/breaker/breakertest"
 	"time"
 
 	"fmt"
@@ -197,5 +198,39 @@ func TestRetryOfAReleasedConfigUsesItsOwnSitesSuccessorAfterLinesMoved(t *testin
 		if up.Addr == u1 {
 			t.Errorf("site B's retry on the released config went to %s, which site B holds open (it used site A's breaker: A took B's old line)", u1)
 		}
+	}
+}
+
+// An attempt of a request that was running when a reload released its
+// config ends in a refused connection: the fleet hears it once, whether
+// the old config's breaker (its permit's) or the new config's breakers of
+// the same key report it.
+func TestFleetCountsAnAttemptOfAReleasedConfigOnce(t *testing.T) {
+	const u = "10.29.8.51:8000"
+	for _, withPermit := range []bool{true, false} {
+		t.Run(fmt.Sprintf("permit %v", withPermit), func(t *testing.T) {
+			sm := breakertest.NewSharedMemory(nil, 3)
+			reg := NewRegistry(nil)
+			reg.UseClock(newLoopClock())
+			reg.SetBreakerStore(sm.Instance("gw0"))
+			cfg := func() []Config {
+				c := []Config{{Key: u, Handler: "A", Named: true, Static: targets(u), Breaker: &breaker.Settings{ConsecutiveFailures: 5}}}
+				if !withPermit {
+					// The request's site has breakers off: its attempt
+					// is heard by the other site's breakers only.
+					c[0].Breaker = nil
+				}
+				return append(c, Config{Key: u + " b", Handler: "B", Named: true, Static: targets(u), Breaker: &breaker.Settings{ConsecutiveFailures: 5}})
+			}
+			pools := reloadAll(t, reg, nil, cfg()...)
+			up := mustPick(t, pools[0], "")
+			next := reloadAll(t, reg, pools, cfg()...)
+			e, _ := reg.Entry(u)
+			key := next[1].Breakers(e)[""].StoreKey()
+			finish(up, proxy.AttemptConnectError)
+			if n := sm.Counts(key).Consecutive; n != 1 {
+				t.Errorf("the fleet's count of %s after one refused connection of a released config: %d, want 1", key, n)
+			}
+		})
 	}
 }
