@@ -234,3 +234,38 @@ func TestFleetCountsAnAttemptOfAReleasedConfigOnce(t *testing.T) {
 		})
 	}
 }
+
+// An operator drains an upstream (open until close), a reload turns scope
+// model on for the site in front of it, and the operator closes the
+// drain. Every model's breaker must then be closed, including that of a
+// model first requested after the close: the drain is over. Entry.inherit
+// keeps the old config's per-upstream breaker, forced open, and starts
+// each new model breaker with it, so a model first asked for after the
+// close is refused until an operator closes that breaker too.
+func TestCloseAfterAReloadToScopeModelEndsTheDrainForModelsFirstSeenLater(t *testing.T) {
+	const addr = "10.29.8.61:8000"
+	clk := clocktest.New(simT0)
+	reg := NewRegistry(nil)
+	reg.UseClock(clk)
+	s := func() *breaker.Settings { return &breaker.Settings{} }
+	pools := reloadAll(t, reg, nil, Config{Key: addr, Handler: "chat", Named: true, Static: targets(addr), Breaker: s()})
+	e, _ := reg.Entry(addr)
+	if _, ok := e.Drain(0, "maintenance"); !ok {
+		t.Fatal("drain refused")
+	}
+	next := reloadAll(t, reg, pools, Config{Key: addr, Handler: "chat", Named: true, Static: targets(addr), Breaker: s(), ScopeModel: true})
+	if _, err := pickModel(next[0], "m1"); err == nil {
+		t.Fatal("model m1 picked the drained upstream")
+	}
+	if _, ok := e.Undrain(false, "maintenance over"); !ok {
+		t.Fatal("close refused")
+	}
+	for _, m := range []string{"m1", "m2"} {
+		up, err := pickModel(next[0], m)
+		if err != nil {
+			t.Errorf("model %s after the operator closed the drain: %v (breaker %s), want its request sent", m, err, next[0].BreakerState(addr, m))
+			continue
+		}
+		finish(up, proxy.AttemptSuccess)
+	}
+}
