@@ -357,6 +357,10 @@ func (e *Entry) Drained(now time.Time) (until time.Time, ok bool) {
 func (e *Entry) Undrain(reset bool, reason string) (changed []*breaker.Breaker, ok bool) {
 	e.mu.Lock()
 	e.drain.Store(nil)
+	// The per-upstream verdicts a scope model handler's new model
+	// breakers would start with (activate) held before this: the
+	// operator's word replaces them.
+	e.inherit = nil
 	on := !e.destroyed && slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil })
 	e.mu.Unlock()
 	if !on {
