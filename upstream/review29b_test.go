@@ -269,3 +269,35 @@ func TestCloseAfterAReloadToScopeModelEndsTheDrainForModelsFirstSeenLater(t *tes
 		finish(up, proxy.AttemptSuccess)
 	}
 }
+
+// Two unnamed sites over one upstream (the Caddyfile's default: no name)
+// swap their breaker settings in place, neither line moving: A at line 5
+// (consecutive_failures 2, open), B at line 20 (10, closed) become A with
+// 10 and B with 2. Each site keeps its own state, as named sites do
+// (TestReloadThatSwapsTwoSitesPoliciesKeepsEachSitesState): no line
+// moved, so the lines still say which site is which. Matching by
+// upstreams and settings first gives A's open verdict to B.
+func TestReloadThatSwapsUnnamedSitesSettingsInPlaceKeepsEachSitesState(t *testing.T) {
+	const addr = "10.29.8.71:8000"
+	s := func(n int) *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: n, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	reg := NewRegistry(nil)
+	pools := reloadAll(t, reg, nil,
+		Config{Key: addr, Handler: "Caddyfile:5", Static: targets(addr), Breaker: s(2)},
+		Config{Key: addr, Handler: "Caddyfile:20", Static: targets(addr), Breaker: s(10)})
+	fail(mustPick(t, pools[0], ""))
+	fail(mustPick(t, pools[0], ""))
+	if st := pools[0].BreakerState(addr, ""); st != "open" {
+		t.Fatalf("site A after 2 failures: %q, want open", st)
+	}
+	next := reloadAll(t, reg, pools,
+		Config{Key: addr, Handler: "Caddyfile:5", Static: targets(addr), Breaker: s(10)},
+		Config{Key: addr, Handler: "Caddyfile:20", Static: targets(addr), Breaker: s(2)})
+	if st := next[0].BreakerState(addr, ""); st != "open" {
+		t.Errorf("site A (Caddyfile:5) after swapping settings in place: %q, want open", st)
+	}
+	if st := next[1].BreakerState(addr, ""); st != "closed" {
+		t.Errorf("site B (Caddyfile:20) after swapping settings in place: %q, want closed", st)
+	}
+}
