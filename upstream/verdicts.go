@@ -82,7 +82,9 @@ func (e *Entry) removeLocked(drop func(verdict) bool) []verdict {
 // newest older config holding the entry: the pools of c's config and of
 // that one are matched one to one, in passes, each old claim taken once:
 // the same name given by the operator (whatever its settings: two named
-// sites that swap settings keep their own states); the same handler name,
+// sites that swap settings keep their own states); where no unnamed
+// handler's line moved, the same line and pool (whatever its settings,
+// likewise); the same handler name,
 // pool and policy; the same pool (upstreams) and policy (an unnamed
 // handler whose Caddyfile line moved, "Caddyfile:<line>" being a line, not
 // an identity: a pool's detector holds are its own, so a line that another
@@ -114,10 +116,27 @@ func (e *Entry) predecessorLocked(c *claim) *claim {
 	}
 	slices.SortFunc(news, order)
 	slices.SortFunc(olds, order)
+	// No unnamed handler's line moved (the same default names before and
+	// after): each line is still the site it was, whatever its settings
+	// now (two sites that swapped settings in place).
+	lines := func(cs []*claim) []string {
+		var out []string
+		for _, c := range cs {
+			if !c.named {
+				out = append(out, c.handler)
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	stayed := slices.Equal(lines(news), lines(olds))
 	match := map[*claim]*claim{}
 	taken := map[*claim]bool{}
 	for _, same := range []func(n, o *claim) bool{
 		func(n, o *claim) bool { return n.named && o.named && n.handler == o.handler },
+		func(n, o *claim) bool {
+			return stayed && !n.named && !o.named && n.handler == o.handler && n.pool == o.pool
+		},
 		func(n, o *claim) bool { return n.handler == o.handler && n.pool == o.pool && n.fp == o.fp },
 		func(n, o *claim) bool { return n.pool == o.pool && n.fp == o.fp },
 		func(n, o *claim) bool { return n.handler == o.handler && n.fp == o.fp },
