@@ -540,9 +540,7 @@ func TestTwoSitesBreakerPoliciesSurviveReload(t *testing.T) {
 	send := func(path string) int {
 		t.Helper()
 		ctx := testContext(t, 10*time.Second)
-		resp := post(ctx, t, c, gw.URL+path+"/v1/chat/completions", chatBody("hi", false))
-		resp.Body.Close()
-		return resp.StatusCode
+		return postAcrossReload(ctx, t, c, gw.URL+path+"/v1/chat/completions", chatBody("hi", false))
 	}
 	send("/a")
 	send("/a")

@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -73,6 +74,11 @@ type Entry struct {
 	// replaces did not, that handler's open per-upstream breaker: each of
 	// its model breakers starts with that verdict (activate).
 	inherit map[*claim]*breaker.Breaker
+	// succ maps a claim of an older config to the claim that replaced it
+	// at activation (predecessorLocked), so that a request still running
+	// on the released config uses its own handler's successor
+	// (successorFor); an entry goes with the claim it names as successor.
+	succ map[*claim]*claim
 	// bstore is the store the breakers were built with (Registry.SetBreakerStore).
 	bstore breaker.Store
 }
@@ -238,6 +244,7 @@ func (e *Entry) dropClaim(c *claim) {
 	e.mu.Lock()
 	e.claims = slices.DeleteFunc(e.claims, func(x *claim) bool { return x == c })
 	delete(e.inherit, c)
+	maps.DeleteFunc(e.succ, func(_, to *claim) bool { return to == c })
 	e.configureScraperLocked()
 	gone := e.removeLocked(func(v verdict) bool { return v.c == c })
 	e.mu.Unlock()
@@ -259,6 +266,12 @@ func (e *Entry) activate(c *claim) {
 	var from []verdict
 	if c.settings != nil && !e.destroyed {
 		pred := e.predecessorLocked(c)
+		if pred != nil {
+			if e.succ == nil {
+				e.succ = map[*claim]*claim{}
+			}
+			e.succ[pred] = c
+		}
 		for _, v := range e.verdictList() {
 			if pred == nil || v.c != pred || v.b.State() == breaker.Closed {
 				continue
@@ -344,6 +357,10 @@ func (e *Entry) Drained(now time.Time) (until time.Time, ok bool) {
 func (e *Entry) Undrain(reset bool, reason string) (changed []*breaker.Breaker, ok bool) {
 	e.mu.Lock()
 	e.drain.Store(nil)
+	// The per-upstream verdicts a scope model handler's new model
+	// breakers would start with (activate) held before this: the
+	// operator's word replaces them.
+	e.inherit = nil
 	on := !e.destroyed && slices.ContainsFunc(e.claims, func(c *claim) bool { return c.settings != nil })
 	e.mu.Unlock()
 	if !on {

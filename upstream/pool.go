@@ -213,9 +213,11 @@ func (p *Pool) build() error {
 	}
 	// The pool-wide rule's record outlives a reload: a pool that failed
 	// as a whole stays failed for the new config's pool of the same
-	// upstreams, which would otherwise send its whole traffic to them
-	// until 40 new failures filled its window.
-	fs, err := p.reg.state.Acquire(&p.claims, "poolfail|"+p.cfg.Key, newPoolState, nil)
+	// handler, upstreams and policy, which would otherwise send its whole
+	// traffic to them until 40 new failures filled its window. It is the
+	// handler's: another site in front of the same upstreams (other
+	// requests, other settings) keeps its own.
+	fs, err := p.reg.state.Acquire(&p.claims, "poolfail|"+p.cfg.Key+"|"+p.claim.handler+"~"+p.claim.fp, newPoolState, nil)
 	if err != nil {
 		return err
 	}

@@ -82,11 +82,15 @@ func (e *Entry) removeLocked(drop func(verdict) bool) []verdict {
 // newest older config holding the entry: the pools of c's config and of
 // that one are matched one to one, in passes, each old claim taken once:
 // the same name given by the operator (whatever its settings: two named
-// sites that swap settings keep their own states); the same handler name
-// and policy; the same pool (upstreams) and policy (an unnamed handler
-// whose Caddyfile line moved, "Caddyfile:<line>" being a line, not an
-// identity); the same handler name (an unnamed handler whose settings
-// changed in place). nil when none is left for c.
+// sites that swap settings keep their own states); where no unnamed
+// handler's line moved, the same line and pool (whatever its settings,
+// likewise); the same handler name,
+// pool and policy; the same pool (upstreams) and policy (an unnamed
+// handler whose Caddyfile line moved, "Caddyfile:<line>" being a line, not
+// an identity: a pool's detector holds are its own, so a line that another
+// pool's site moved onto must not win); the same handler name and policy;
+// the same handler name (an unnamed handler whose settings changed in
+// place). nil when none is left for c.
 func (e *Entry) predecessorLocked(c *claim) *claim {
 	var oldGen uint64
 	for _, o := range e.claims {
@@ -112,12 +116,30 @@ func (e *Entry) predecessorLocked(c *claim) *claim {
 	}
 	slices.SortFunc(news, order)
 	slices.SortFunc(olds, order)
+	// No unnamed handler's line moved (the same default names before and
+	// after): each line is still the site it was, whatever its settings
+	// now (two sites that swapped settings in place).
+	lines := func(cs []*claim) []string {
+		var out []string
+		for _, c := range cs {
+			if !c.named {
+				out = append(out, c.handler)
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	stayed := slices.Equal(lines(news), lines(olds))
 	match := map[*claim]*claim{}
 	taken := map[*claim]bool{}
 	for _, same := range []func(n, o *claim) bool{
 		func(n, o *claim) bool { return n.named && o.named && n.handler == o.handler },
-		func(n, o *claim) bool { return n.handler == o.handler && n.fp == o.fp },
+		func(n, o *claim) bool {
+			return stayed && !n.named && !o.named && n.handler == o.handler && n.pool == o.pool
+		},
+		func(n, o *claim) bool { return n.handler == o.handler && n.pool == o.pool && n.fp == o.fp },
 		func(n, o *claim) bool { return n.pool == o.pool && n.fp == o.fp },
+		func(n, o *claim) bool { return n.handler == o.handler && n.fp == o.fp },
 		func(n, o *claim) bool { return !n.named && n.handler == o.handler },
 	} {
 		for _, n := range news {
@@ -471,9 +493,23 @@ func (e *Entry) judges(v verdict, model string, mk *modelKey) bool {
 
 // successorFor returns, for a claim that no longer holds the entry (its
 // config was released by a reload while one of its requests still runs),
-// the breaker for model key of the started claim that replaced it: of the
-// same handler, else of the same pool and policy; nil when none.
+// the breaker for model key of the started claim that replaced it: the
+// one activate matched to it (predecessorLocked), else of the same
+// handler name, else of the same pool and policy; nil when none.
 func (e *Entry) successorFor(c *claim, model string) *breaker.Breaker {
+	// The claim that replaced c at activation, first: a handler's name
+	// is a Caddyfile line that another site may have taken.
+	e.mu.Lock()
+	s := e.succ[c]
+	for i := 0; s != nil && !s.active.Load() && i < 8; i++ {
+		s = e.succ[s]
+	}
+	e.mu.Unlock()
+	if s != nil && s.active.Load() {
+		if b := e.lookupFor(s, model); b != nil {
+			return b
+		}
+	}
 	var best *verdict
 	rank := func(v verdict) int {
 		switch {
