@@ -79,8 +79,8 @@ type gatePump struct{ upstreamObserver }
 
 // BreakerTransition wakes the gates when a breaker closes, asynchronously:
 // it runs under the upstream entry's lock.
-func (p gatePump) BreakerTransition(addr, key string, tr breaker.Transition) {
-	p.upstreamObserver.BreakerTransition(addr, key, tr)
+func (p gatePump) BreakerTransition(addr, key, handler string, tr breaker.Transition) {
+	p.upstreamObserver.BreakerTransition(addr, key, handler, tr)
 	if tr.To == breaker.Closed {
 		go shared.gates.Wake(addr)
 	}

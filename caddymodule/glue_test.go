@@ -63,7 +63,8 @@ func startedApp(t *testing.T, ctx caddy.Context, events *caddyevents.App, pools 
 }
 
 // TestTransitionEmitsCaddyEventAndCountsIt: a breaker transition becomes a
-// Caddy event through the newest started app, and a counted metric.
+// Caddy event through the newest started app, naming the handler whose
+// breaker it is, and a counted metric.
 func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
 	initMetrics()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
@@ -78,7 +79,7 @@ func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
 	}
 	const addr = "10.1.7.1:8000"
 	s := breaker.Settings{ConsecutiveFailures: 1}
-	pool, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name(), Static: []upstream.Target{{Addr: addr}}, Breaker: &s})
+	pool, err := shared.upstreams.NewPool(upstream.Config{Key: t.Name(), Handler: "site-a", Named: true, Static: []upstream.Target{{Addr: addr}}, Breaker: &s})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +97,7 @@ func TestTransitionEmitsCaddyEventAndCountsIt(t *testing.T) {
 	if len(rec.events) != 1 || rec.events[0].Name() != "llm_proxy_breaker_open" {
 		t.Fatalf("events %v", rec.events)
 	}
-	if d := rec.events[0].Data; d["upstream"] != addr || d["from"] != "closed" || d["to"] != "open" {
+	if d := rec.events[0].Data; d["upstream"] != addr || d["handler"] != "site-a" || d["from"] != "closed" || d["to"] != "open" {
 		t.Fatalf("event data %v", d)
 	}
 	if got := testutil.ToFloat64(metrics.breakerTransitions.WithLabelValues(addr, "closed", "open")) - before; got != 1 {

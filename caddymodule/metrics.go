@@ -311,7 +311,7 @@ func (upstreamObserver) HedgeDelay(model string, stream bool, d time.Duration) {
 	metrics.hedgeDelay.WithLabelValues(model, mode).Set(d.Seconds())
 }
 
-func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transition) {
+func (upstreamObserver) BreakerTransition(addr, key, handler string, tr breaker.Transition) {
 	initMetrics()
 	metrics.breakerTransitions.WithLabelValues(addr, tr.From.String(), tr.To.String()).Inc()
 	cfg := shared.live.Newest()
@@ -326,6 +326,7 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 		fields := []zap.Field{
 			zap.String("breaker", tr.Key),
 			zap.String("upstream", addr),
+			zap.String("handler", handler),
 			zap.String("from", tr.From.String()),
 			zap.String("to", tr.To.String()),
 			zap.String("reason", tr.Reason),
@@ -341,6 +342,7 @@ func (upstreamObserver) BreakerTransition(addr, key string, tr breaker.Transitio
 		cfg.Emit("llm_proxy_breaker_"+tr.To.String(), map[string]any{
 			"breaker":  tr.Key,
 			"upstream": addr,
+			"handler":  handler,
 			"model":    key,
 			"from":     tr.From.String(),
 			"to":       tr.To.String(),

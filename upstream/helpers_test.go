@@ -72,7 +72,7 @@ func (o *fakeObserver) BreakerCreated(upstream, key string) {
 	o.events = append(o.events, "created "+gaugeKey(upstream, key))
 }
 
-func (o *fakeObserver) BreakerTransition(upstream, key string, tr breaker.Transition) {
+func (o *fakeObserver) BreakerTransition(upstream, key, _ string, tr breaker.Transition) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.gauges[gaugeKey(upstream, key)] = tr.To

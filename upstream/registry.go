@@ -62,8 +62,9 @@ type Observer interface {
 	// BreakerCreated is called when an upstream's breaker is created; key
 	// is "" for the per-upstream breaker, the model under scope model.
 	BreakerCreated(upstream, key string)
-	// BreakerTransition reports a state change of a live breaker.
-	BreakerTransition(upstream, key string, tr breaker.Transition)
+	// BreakerTransition reports a state change of a live breaker of
+	// handler (Config.Handler, else the pool's key).
+	BreakerTransition(upstream, key, handler string, tr breaker.Transition)
 	// BreakerGone is called when a breaker is forgotten (its upstream
 	// released, or breakers turned off): its gauges should go.
 	BreakerGone(upstream, key string)
@@ -83,7 +84,7 @@ type Observer interface {
 type NopObserver struct{}
 
 func (NopObserver) BreakerCreated(string, string)                        {}
-func (NopObserver) BreakerTransition(string, string, breaker.Transition) {}
+func (NopObserver) BreakerTransition(string, string, string, breaker.Transition) {}
 func (NopObserver) BreakerGone(string, string)                           {}
 func (NopObserver) ShortCircuited(string)                                {}
 func (NopObserver) HedgeDelay(string, bool, time.Duration)               {}

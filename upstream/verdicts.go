@@ -459,7 +459,7 @@ func (e *Entry) transition(model string, b *breaker.Breaker, tr breaker.Transiti
 	// transition would count twice: only a started config's breakers,
 	// and new handlers', report.
 	if live && (e.verdictList()[i].c.active.Load() || e.predecessorLocked(e.verdictList()[i].c) == nil) {
-		e.reg.obs.BreakerTransition(e.addr, model, tr)
+		e.reg.obs.BreakerTransition(e.addr, model, e.verdictList()[i].c.handler, tr)
 	}
 	e.mu.Unlock()
 	if !live {
