@@ -264,6 +264,7 @@ func (e *Entry) activate(c *claim) {
 	e.mu.Lock()
 	e.configureScraperLocked()
 	var from []verdict
+	var downFrom *verdict
 	if c.settings != nil && !e.destroyed {
 		pred := e.predecessorLocked(c)
 		if pred != nil {
@@ -279,19 +280,36 @@ func (e *Entry) activate(c *claim) {
 			switch {
 			case pred.scopeModel == c.scopeModel:
 				from = append(from, v)
-			case c.scopeModel:
+			case !c.scopeModel:
+				// The handler no longer keys by model: a model's
+				// verdict says nothing of the others, but one held
+				// open by refused connections or timeouts still
+				// running says the server is down; the latest of
+				// them carries over.
+				if v.b.Evidence() == breaker.Hard && !v.b.Snapshot().Forced && e.ev.downRun.Load() > 0 &&
+					(downFrom == nil || v.b.Snapshot().OpenUntil.After(downFrom.b.Snapshot().OpenUntil)) {
+					vv := v
+					downFrom = &vv
+				}
+			case c.scopeModel && !v.b.Snapshot().Forced:
 				// The handler now keys by model: its per-upstream
 				// verdict covers every model, each model's breaker
 				// starts with it when the model is first asked for.
+				// (A drain of the upstream is the entry's and reaches
+				// them anyway; an operator's open of the old breaker
+				// alone stays with it.)
 				if e.inherit == nil {
 					e.inherit = map[*claim]*breaker.Breaker{}
 				}
 				e.inherit[c] = v.b
-			} // else one model's verdict says nothing of the others
+			}
 		}
 	}
 	inherited := e.inherit[c]
 	e.mu.Unlock()
+	if downFrom != nil {
+		from = append(from, verdict{c: downFrom.c, model: "", b: downFrom.b})
+	}
 	for _, v := range from {
 		if nb := e.breakerFor(c, v.model); nb != nil {
 			carryOpen(v.b, nb, "open before the reload")

@@ -167,7 +167,9 @@ func carryOpen(old, nb *breaker.Breaker, reason string) { nb.CarryOver(old, reas
 // on a config that released it), or the entry is gone. A new breaker
 // starts as the entry's drain says; a new handler's (one no older config
 // had) as another handler's with the same settings open on hard evidence
-// (equal settings, equal verdict).
+// (equal settings, equal verdict), but not forced open: an operator's
+// open of some breakers is theirs, and a drain of the upstream comes
+// from the entry's drain.
 func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 	if c == nil || c.settings == nil {
 		return nil
@@ -188,7 +190,7 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 			e.mu.Unlock()
 			return v.b
 		}
-		if newHandler && v.model == model && v.c.fp == c.fp && twin == nil && v.b.Evidence() == breaker.Hard {
+		if newHandler && v.model == model && v.c.fp == c.fp && twin == nil && v.b.Evidence() == breaker.Hard && !v.b.Snapshot().Forced {
 			twin = v.b
 		}
 	}

@@ -392,3 +392,27 @@ func TestAProvisionedConfigsBreakerReportsNoTransitionOfItsOwn(t *testing.T) {
 		t.Fatalf("%d closed→open transitions reported, want 1 (the running config's)", n)
 	}
 }
+
+// An operator's open of one site's breaker (by its fleet_key) stays that
+// site's: a reload that adds another site with the settings the first one
+// had does not start the new site's breaker forced open, and the first
+// site, matched by its name, keeps it.
+func TestAnOperatorsOpenOfOneSiteIsNotANewSitesVerdict(t *testing.T) {
+	const addr = "10.29.0.11:8000"
+	s := func(n int) *breaker.Settings {
+		return &breaker.Settings{ConsecutiveFailures: n, OpenFor: time.Hour, MinOpen: time.Hour}
+	}
+	reg := NewRegistry(nil)
+	pools := reloadAll(t, reg, nil, Config{Key: addr, Handler: "site-a", Named: true, Static: targets(addr), Breaker: s(10)})
+	e, _ := reg.Entry(addr)
+	pools[0].Breakers(e)[""].ForceOpen(5*time.Minute, "maintenance of site-a's route")
+	next := reloadAll(t, reg, pools,
+		Config{Key: addr, Handler: "site-a", Named: true, Static: targets(addr), Breaker: s(2)},
+		Config{Key: addr, Handler: "Caddyfile:18", Static: targets(addr), Breaker: s(10)})
+	if snap := next[0].Breakers(e)[""].Snapshot(); snap.State != breaker.Open || !snap.Forced {
+		t.Errorf("site-a after the reload: %+v, want still forced open", snap)
+	}
+	if st := next[1].BreakerState(addr, ""); st != "closed" {
+		t.Errorf("the added site after the reload: %q, want closed (the operator opened site-a's breaker only)", st)
+	}
+}
