@@ -22,7 +22,8 @@ type evidence struct {
 	downRun   atomic.Int64
 	downSince atomic.Int64
 	// lastLife is when an attempt last got an answer or a first token
-	// (unix ns, 0 never).
+	// (unix ns, 0 never); during a run of Down outcomes, only an attempt
+	// issued since the run began counts.
 	lastLife atomic.Int64
 	// retryUntil is until when the upstream last asked to be left alone
 	// (Retry-After; unix ns, 0 never).
@@ -40,8 +41,8 @@ func (ev *evidence) record(o breaker.Outcome, issued, now time.Time) {
 			ev.downSince.Store(now.UnixNano())
 		}
 	case breaker.Success, breaker.Failure:
-		ev.lastLife.Store(now.UnixNano())
 		if since := ev.downSince.Load(); since == 0 || issued.UnixNano() >= since {
+			ev.lastLife.Store(now.UnixNano())
 			ev.downRun.Store(0)
 			ev.downSince.Store(0)
 		}
@@ -60,7 +61,8 @@ type UpstreamEvidence struct {
 	DownRun   int64     `json:"down_run"`
 	DownSince time.Time `json:"down_since,omitzero"`
 	// LastSignOfLife is when an attempt last got an answer or a first
-	// token.
+	// token (during a run of refused connections, one issued since it
+	// began).
 	LastSignOfLife time.Time `json:"last_sign_of_life,omitzero"`
 	// RetryAfterUntil is until when the upstream last asked, with
 	// Retry-After, to be left alone.
