@@ -191,3 +191,38 @@ func TestHalfOpenProbesOfOneUpstreamAreBoundedAcrossHandlers(t *testing.T) {
 	}
 	up.Done(&proxy.AttemptReport{Upstream: addr, Outcome: proxy.AttemptSuccess})
 }
+
+// Handlers with equal settings in front of one upstream move together, and
+// their common transition is reported once, not once per site; handlers
+// with other settings report their own.
+func TestEqualVerdictsReportOneTransition(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		second int // the second site's consecutive_failures
+		want   int
+	}{{"equal settings", 1, 1}, {"other settings", 2, 2}} {
+		t.Run(tc.name, func(t *testing.T) {
+			obs := newFakeObserver()
+			reg := NewRegistry(obs)
+			const addr = "10.7.1.12:8000"
+			s := func(n int) *breaker.Settings {
+				return &breaker.Settings{ConsecutiveFailures: n, OpenFor: time.Minute, MinOpen: time.Minute}
+			}
+			gen := reg.NextGeneration()
+			a := startPool(t, reg, Config{Generation: gen, Key: "a", Handler: "a", Named: true, Static: targets(addr), Breaker: s(1)})
+			b := startPool(t, reg, Config{Generation: gen, Key: "b", Handler: "b", Named: true, Static: targets(addr), Breaker: s(tc.second)})
+			finish(mustPick(t, a, ""), proxy.AttemptConnectError)
+			if tc.second > 1 {
+				finish(mustPick(t, b, ""), proxy.AttemptConnectError)
+			}
+			for name, p := range map[string]*Pool{"a": a, "b": b} {
+				if st := p.BreakerState(addr, ""); st != "open" {
+					t.Fatalf("site %s: %q, want open", name, st)
+				}
+			}
+			if n := obs.countPrefix("transition " + gaugeKey(addr, "") + " closed→open"); n != tc.want {
+				t.Fatalf("%d closed→open transitions reported, want %d", n, tc.want)
+			}
+		})
+	}
+}

@@ -460,7 +460,7 @@ func (e *Entry) transition(model string, b *breaker.Breaker, tr breaker.Transiti
 	// same outcomes as those of the handlers they replace, and each
 	// transition would count twice: only a started config's breakers,
 	// and new handlers', report.
-	if live && (e.verdictList()[i].c.active.Load() || e.predecessorLocked(e.verdictList()[i].c) == nil) {
+	if live && (e.verdictList()[i].c.active.Load() || e.predecessorLocked(e.verdictList()[i].c) == nil) && !e.twinReportedLocked(i, tr) {
 		e.reg.obs.BreakerTransition(e.addr, model, e.verdictList()[i].c.handler, tr)
 	}
 	e.mu.Unlock()
@@ -542,4 +542,20 @@ func inheritedSnap(b *breaker.Breaker) breaker.Snapshot {
 		return breaker.Snapshot{}
 	}
 	return b.Snapshot()
+}
+
+// twinReportedLocked reports whether another started handler's breaker of
+// the same policy (fleet key) and model as verdict i is already in the
+// state transition tr goes to: handlers with equal settings hear the same
+// outcomes and move together, and their common transition is reported
+// once, by the first to make it, not once per site.
+func (e *Entry) twinReportedLocked(i int, tr breaker.Transition) bool {
+	vs := e.verdictList()
+	v := vs[i]
+	for j, w := range vs {
+		if j != i && w.model == v.model && w.c.active.Load() && w.b.StoreKey() == v.b.StoreKey() && w.b.State() == tr.To {
+			return true
+		}
+	}
+	return false
 }
