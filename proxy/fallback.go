@@ -375,7 +375,11 @@ func (x *exchange) noteUnavailable(err error) {
 	if x.rung.fb != nil {
 		name = "fallback " + x.rung.fb.Name
 	}
-	x.notes = append(x.notes, name+": "+err.Error())
+	if len(x.p.cfg.Fallbacks) > 0 {
+		// Without fallbacks the client's message is this pool's own:
+		// a note would say it twice, and name a "primary" of nothing.
+		x.notes = append(x.notes, name+": "+err.Error())
+	}
 	if ue, ok := errors.AsType[*UnavailableError](err); ok && ue.CircuitOpen && ue.RetryAfter > 0 &&
 		(x.client.openRetry == 0 || ue.RetryAfter < x.client.openRetry) {
 		x.client.openRetry = ue.RetryAfter

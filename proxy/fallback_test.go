@@ -1138,3 +1138,20 @@ func TestFailedOverflowFallbackQueuesForThePrimary(t *testing.T) {
 		t.Fatalf("silver: status %d calls primary %d fallback %d", res.Status, primary.calls.Load(), small.calls.Load())
 	}
 }
+
+// Without fallbacks, a 503 whose breakers are all open says why once, and
+// names no primary pool: there is no ladder to report on.
+func TestAllOpenWithoutFallbacksSaysWhyOnce(t *testing.T) {
+	p, _, _ := newTestProxy(t, Config{})
+	p.cfg.Balancer = balancerFunc(func(PickRequest) (Upstream, error) {
+		return Upstream{}, &UnavailableError{CircuitOpen: true, RetryAfter: 30 * time.Second, Reason: "the circuit breakers of all 3 upstream(s) are open"}
+	})
+	p.primary.Balancer = p.cfg.Balancer
+	w := httptest.NewRecorder()
+	p.ServeHTTP(w, post(`{"model":"m","messages":[{"role":"user","content":"hello"}]}`))
+	e := errorBodyOf(t, w)
+	if w.Code != http.StatusServiceUnavailable || e.Code != "circuit_open" ||
+		strings.Count(e.Message, "are open") != 1 || strings.Contains(e.Message, "primary") {
+		t.Fatalf("status %d, error %+v; want 503 circuit_open saying once why, naming no primary pool", w.Code, e)
+	}
+}
