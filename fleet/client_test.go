@@ -151,11 +151,12 @@ func TestConnectsWithPasswordAndDB(t *testing.T) {
 		name string
 		cfg  Config
 	}{
-		// op_timeout 500 ms: the test is of the credentials, and the first
-		// dial with AUTH and SELECT took over 40 ms on a loaded machine
+		// op_timeout 500 ms (refresh 2 s, which a ticked test never
+		// waits for): the test is of the credentials, and the first dial
+		// with AUTH and SELECT took over 40 ms on a loaded machine
 		// ("redis unreachable at start" in a fresh-clone run).
-		{"in the URL", Config{URL: "redis://:s3cret@" + s.Addr() + "/3", OpTimeout: 500 * time.Millisecond}},
-		{"as settings", Config{URL: "redis://" + s.Addr(), Password: "s3cret", DB: 3, OpTimeout: 500 * time.Millisecond}},
+		{"in the URL", Config{URL: "redis://:s3cret@" + s.Addr() + "/3", OpTimeout: 500 * time.Millisecond, Refresh: 2 * time.Second}},
+		{"as settings", Config{URL: "redis://" + s.Addr(), Password: "s3cret", DB: 3, OpTimeout: 500 * time.Millisecond, Refresh: 2 * time.Second}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := openTest(t, tc.cfg)
