@@ -83,12 +83,12 @@ type Observer interface {
 // NopObserver discards every event.
 type NopObserver struct{}
 
-func (NopObserver) BreakerCreated(string, string)                        {}
+func (NopObserver) BreakerCreated(string, string)                                {}
 func (NopObserver) BreakerTransition(string, string, string, breaker.Transition) {}
-func (NopObserver) BreakerGone(string, string)                           {}
-func (NopObserver) ShortCircuited(string)                                {}
-func (NopObserver) HedgeDelay(string, bool, time.Duration)               {}
-func (NopObserver) Scraped(string, time.Duration, error)                 {}
+func (NopObserver) BreakerGone(string, string)                                   {}
+func (NopObserver) ShortCircuited(string)                                        {}
+func (NopObserver) HedgeDelay(string, bool, time.Duration)                       {}
+func (NopObserver) Scraped(string, time.Duration, error)                         {}
 func (NopObserver) SignalUpdated(string, saturation.Signal, saturation.Value, saturation.SignalState, saturation.SignalState) {
 }
 func (NopObserver) ScraperGone(string) {}
