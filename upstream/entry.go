@@ -312,13 +312,13 @@ func (e *Entry) activate(c *claim) {
 	}
 	for _, v := range from {
 		if nb := e.breakerFor(c, v.model); nb != nil {
-			carryOpen(v.b, nb, "open before the reload")
+			nb.CarryOver(v.b, "open before the reload")
 		}
 	}
 	if inherited != nil {
 		for _, v := range e.verdictList() {
 			if v.c == c {
-				carryOpen(inherited, v.b, "open for the upstream before the reload")
+				v.b.CarryOver(inherited, "open for the upstream before the reload")
 			}
 		}
 	}

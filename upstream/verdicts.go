@@ -157,10 +157,6 @@ func (e *Entry) predecessorLocked(c *claim) *claim {
 	return match[c]
 }
 
-// carryOpen hands old's open verdict to nb, a closed breaker that
-// replaces it (breaker.CarryOver).
-func carryOpen(old, nb *breaker.Breaker, reason string) { nb.CarryOver(old, reason) }
-
 // breakerFor returns c's breaker for a model key ("" per upstream),
 // creating it with c's settings and the registry's breaker store; nil when
 // c has breakers off or does not hold the entry (a request still running
@@ -209,14 +205,14 @@ func (e *Entry) breakerFor(c *claim, model string) *breaker.Breaker {
 		// Still within the cooldown of the handler's per-upstream
 		// verdict from before the reload (once it is over, the model
 		// breakers judge for themselves).
-		carryOpen(inherited, b, "open for the upstream before the reload")
+		b.CarryOver(inherited, "open for the upstream before the reload")
 	}
 	if d, ok := dr.left(e.reg.now()); ok {
 		// The upstream is drained: a breaker of a handler or model that
 		// had none when the drain began refuses as the others do.
 		b.ForceOpen(d, dr.reason)
 	} else if twin != nil {
-		carryOpen(twin, b, "open for the handlers with the same settings")
+		b.CarryOver(twin, "open for the handlers with the same settings")
 	}
 	// A reload's breaker for a handler that had one starts as that one
 	// was (a drain, the fleet's open key, or, at activation, its carried
